@@ -1,0 +1,145 @@
+"""Axis-spec resolution and member-axis bookkeeping shared by everything above.
+
+An *axis spec* is Equinox's vocabulary: a pytree prefix of `None` (not mapped / shared),
+an `int` (the member axis of that leaf), or a callable such as `eqx.if_array(0)` that is
+called on each leaf and returns one of those.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax.tree_util as jtu
+import numpy as np
+
+from ._errors import BatchError, KeyPath, bullet_list, describe, leaf_name
+
+
+AxisSpec = None | int | Callable[[Any], int | None]
+
+
+def is_array(x: Any) -> bool:
+    """Whether `x` is an array leaf (a JAX array, tracer, or NumPy array/scalar)."""
+    return eqx.is_array(x)
+
+
+def _resolve_subtree(spec: Any, subtree: Any, argname: str, path: KeyPath) -> Any:
+    if spec is None or isinstance(spec, int) and not isinstance(spec, bool):
+        return jtu.tree_map(lambda _: spec, subtree)
+    if callable(spec):
+
+        def call(leaf_path: KeyPath, leaf: Any) -> int | None:
+            axis = spec(leaf)
+            if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
+                raise BatchError(
+                    f"axis spec for `{leaf_name(argname, path + leaf_path)}` returned "
+                    f"{axis!r}; a callable spec must return an int or None."
+                )
+            return axis
+
+        return jtu.tree_map_with_path(call, subtree)
+    raise BatchError(
+        f"axis spec for `{leaf_name(argname, path)}` is {spec!r}; axis specs consist "
+        "of None, ints and callables such as `eqx.if_array(0)` only."
+    )
+
+
+def resolve_axes(tree: Any, axes: Any, argname: str) -> Any:
+    """Broadcasts the prefix spec `axes` to a pytree shaped like `tree`.
+
+    Every leaf of the result is the leaf's member axis as written (an int, possibly
+    negative) or `None`.
+
+    Raises `BatchError` if `axes` is not a prefix of `tree`, or holds something that is not
+    an axis spec.
+    """
+    try:
+        prefix = jtu.tree_structure(axes, is_leaf=_is_none)
+        subtrees = prefix.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise BatchError(
+            f"the axis spec for `{argname}` is not a pytree prefix of `{argname}`: "
+            f"{e}\nGive one spec (None, an int or a callable) per subtree."
+        ) from None
+    specs = jtu.tree_flatten_with_path(axes, is_leaf=_is_none)[0]
+    resolved = [
+        _resolve_subtree(spec, subtree, argname, path)
+        for (path, spec), subtree in zip(specs, subtrees)
+    ]
+    return jtu.tree_unflatten(prefix, resolved)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def mapped_leaves(
+    tree: Any, axes: Any, argname: str
+) -> list[tuple[KeyPath, Any, int | None]]:
+    """`(path, leaf, axis)` for every leaf of `tree`, with `axes` resolved.
+
+    Mapped axes are normalised to be non-negative. Raises `BatchError` for a mapped leaf
+    that is not an array, is 0-d, or whose axis is out of range.
+    """
+    resolved = resolve_axes(tree, axes, argname)
+    leaves = jtu.tree_flatten_with_path(tree)[0]
+    axis_leaves = jtu.tree_structure(tree).flatten_up_to(resolved)
+    out = []
+    for (path, leaf), axis in zip(leaves, axis_leaves):
+        if axis is not None:
+            axis = normalise_axis(leaf, axis, leaf_name(argname, path))
+        out.append((path, leaf, axis))
+    return out
+
+
+def normalise_axis(leaf: Any, axis: int, name: str) -> int:
+    """`axis` made non-negative for `leaf`, which must be an array with that axis."""
+    if not is_array(leaf):
+        raise BatchError(
+            f"`{name}` is {describe(leaf)}, not an array, but is asked to have member "
+            f"axis {axis}. Make it an array, or give it the axis spec None."
+        )
+    ndim = np.ndim(leaf)
+    if ndim == 0:
+        raise BatchError(
+            f"`{name}` is a 0-d array ({describe(leaf)}) but is asked to have member "
+            f"axis {axis}: it has no axis to map over. Give it the axis spec None to "
+            "share it, or add a member axis."
+        )
+    if not -ndim <= axis < ndim:
+        raise BatchError(
+            f"`{name}` has shape {tuple(np.shape(leaf))} ({ndim} axes) but is asked to "
+            f"have member axis {axis}, which is out of range."
+        )
+    return axis % ndim
+
+
+def common_size(
+    sizes: list[tuple[str, int]], what: str = "member axis", fix: str = ""
+) -> int:
+    """The one size shared by all `(leaf name, size)` pairs.
+
+    Raises `BatchError` listing every leaf whose size differs from the most common one,
+    or if there is no leaf at all.
+    """
+    if not sizes:
+        raise BatchError(
+            f"no array leaf has a {what}, so its size is undefined. "
+            "Pass a tree with at least one mapped array leaf."
+        )
+    counts: dict[int, int] = {}
+    for _, size in sizes:
+        counts[size] = counts.get(size, 0) + 1
+    if len(counts) == 1:
+        return sizes[0][1]
+    # The majority is most likely right; report the others against it.
+    majority = max(counts, key=lambda s: (counts[s], -list(counts).index(s)))
+    lines = [f"`{name}`: {size}" for name, size in sizes]
+    message = (
+        f"array leaves disagree on the size of their {what} "
+        f"(sizes seen: {sorted(counts)}; most leaves have {majority}):\n"
+        + bullet_list(lines)
+    )
+    if fix:
+        message += "\n" + fix
+    raise BatchError(message)

@@ -1,0 +1,48 @@
+"""Comparisons shared by the tests."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+
+def _raw(x: Any) -> np.ndarray:
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def assert_trees_identical(a: Any, b: Any) -> None:
+    """Same treedef, leaf types, dtypes, shapes, weak types and bits (NaN payloads, -0.0)."""
+    leaves_a, treedef_a = jtu.tree_flatten_with_path(a)
+    leaves_b, treedef_b = jtu.tree_flatten_with_path(b)
+    assert treedef_a == treedef_b, f"{treedef_a} != {treedef_b}"
+    for (path, x), (_, y) in zip(leaves_a, leaves_b):
+        where = jtu.keystr(path)
+        assert type(x) is type(y), f"{where}: {type(x)} != {type(y)}"
+        if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+            assert x.dtype == y.dtype, f"{where}: {x.dtype} != {y.dtype}"
+            assert x.shape == y.shape, f"{where}: {x.shape} != {y.shape}"
+            if isinstance(x, jax.Array):
+                assert x.weak_type == y.weak_type, f"{where}: weak_type differs"
+            raw_x, raw_y = _raw(x), _raw(y)
+            assert raw_x.tobytes() == raw_y.tobytes(), f"{where}: bits differ"
+        else:
+            assert x == y, f"{where}: {x!r} != {y!r}"
+
+
+def tree_allclose(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+    """Same structure and all array leaves allclose; other leaves equal."""
+    if jtu.tree_structure(a) != jtu.tree_structure(b):
+        return False
+    for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b)):
+        if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+            if np.shape(x) != np.shape(y) or not np.allclose(
+                _raw(x), _raw(y), rtol=rtol, atol=atol, equal_nan=True
+            ):
+                return False
+        elif x != y:
+            return False
+    return True
