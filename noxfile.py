@@ -17,7 +17,21 @@ PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 def tests(session: nox.Session) -> None:
     """Run the test suite (4 forced host CPU devices, warnings as errors)."""
     session.install("-e", ".[test]")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", "-m", "not examples", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def examples(session: nox.Session) -> None:
+    """Run every script in examples/ and check what each one printed and wrote."""
+    session.install("-e", ".[test]")
+    session.run("pytest", "-m", "examples", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Build the documentation site with --strict (a broken reference fails)."""
+    session.install("-e", ".[docs]")
+    session.run("mkdocs", "build", "--strict", *session.posargs)
 
 
 @nox.session(python=PYTHON)
