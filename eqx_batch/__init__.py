@@ -3,11 +3,46 @@
 `import eqx_batch as eb` is the whole interface.
 """
 
+from ._chains import Chains as Chains, NonFinite as NonFinite, run_chains as run_chains
+from ._ensemble import ensemble as ensemble
 from ._errors import BatchError as BatchError
+from ._layers import scan_layers as scan_layers
+from ._per_member import per_member as per_member
+from ._pmap import filter_pmap as filter_pmap, shard as shard
+from ._serialise import load as load, save as save
+from ._stack import (
+    batch_size as batch_size,
+    concat as concat,
+    index as index,
+    stack as stack,
+    take as take,
+    unstack as unstack,
+)
+from ._typing import Stacked as Stacked, typecheck as typecheck
+from ._vmap import filter_vmap as filter_vmap
 
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BatchError",
+    "Chains",
+    "NonFinite",
+    "Stacked",
+    "batch_size",
+    "concat",
+    "ensemble",
+    "filter_pmap",
+    "filter_vmap",
+    "index",
+    "load",
+    "per_member",
+    "run_chains",
+    "save",
+    "scan_layers",
+    "shard",
+    "stack",
+    "take",
+    "typecheck",
+    "unstack",
 ]

@@ -15,18 +15,24 @@ def _raw(x: Any) -> np.ndarray:
 
 
 def assert_trees_identical(a: Any, b: Any) -> None:
-    """Same treedef, leaf types, dtypes, shapes, weak types and bits (NaN payloads, -0.0)."""
+    """Same treedef, leaf types, dtypes, shapes, weak types and bits.
+
+    Bits, so NaN payloads and -0.0 count.
+    """
     leaves_a, treedef_a = jtu.tree_flatten_with_path(a)
     leaves_b, treedef_b = jtu.tree_flatten_with_path(b)
     assert treedef_a == treedef_b, f"{treedef_a} != {treedef_b}"
-    for (path, x), (_, y) in zip(leaves_a, leaves_b):
+    for (path, x), (_, y) in zip(leaves_a, leaves_b, strict=True):
         where = jtu.keystr(path)
         assert type(x) is type(y), f"{where}: {type(x)} != {type(y)}"
         if isinstance(x, (jax.Array, np.ndarray, np.generic)):
             assert x.dtype == y.dtype, f"{where}: {x.dtype} != {y.dtype}"
             assert x.shape == y.shape, f"{where}: {x.shape} != {y.shape}"
             if isinstance(x, jax.Array):
-                assert x.weak_type == y.weak_type, f"{where}: weak_type differs"
+                # Typed PRNG key arrays have no `weak_type`; they are never weak.
+                weak_x = getattr(x, "weak_type", False)
+                weak_y = getattr(y, "weak_type", False)
+                assert weak_x == weak_y, f"{where}: weak_type differs"
             raw_x, raw_y = _raw(x), _raw(y)
             assert raw_x.tobytes() == raw_y.tobytes(), f"{where}: bits differ"
         else:
@@ -37,7 +43,7 @@ def tree_allclose(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-6) -> boo
     """Same structure and all array leaves allclose; other leaves equal."""
     if jtu.tree_structure(a) != jtu.tree_structure(b):
         return False
-    for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b)):
+    for x, y in zip(jtu.tree_leaves(a), jtu.tree_leaves(b), strict=True):
         if isinstance(x, (jax.Array, np.ndarray, np.generic)):
             if np.shape(x) != np.shape(y) or not np.allclose(
                 _raw(x), _raw(y), rtol=rtol, atol=atol, equal_nan=True

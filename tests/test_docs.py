@@ -38,7 +38,11 @@ def _run(code: str, where: str) -> None:
         "np": np,
         "optax": optax,
     }
-    exec(compile(code, where, "exec"), namespace)
+    # Examples run as users run them: with JAX's default promotion rules, not the strict
+    # ones the rest of the suite uses to catch our own mistakes (optax's Adam mixes an
+    # int32 step count into float arithmetic, for one).
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+        exec(compile(code, where, "exec"), namespace)
 
 
 PAGES = sorted((ROOT / "docs").rglob("*.md"))

@@ -1,0 +1,729 @@
+"""Many Markov chains at once: `run_chains` and its result, `Chains`.
+
+The compiled loop is a `lax.scan` over steps whose body `vmap`s one step over all
+chains. Keeping the step counter outside the `vmap` leaves it unbatched, so the trace
+write, the progress bar and the segment offsets are plain scalar logic, and nothing
+about one chain depends on how many others run beside it.
+"""
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools as ft
+import hashlib
+import json
+import os
+import pathlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+
+from ._errors import BatchError, bullet_list, describe, leaf_name
+from ._pmap import member_mesh, shard
+from ._progress import ProgressBar
+from ._serialise import load, save
+from ._stack import take
+from ._tree import common_size, is_array, mapped_leaves
+
+
+class NonFinite(eqx.Module):
+    """Which chains' states went NaN or infinite, and when.
+
+    A chain whose state stops being finite keeps running (and usually stays non-finite);
+    the other chains are unaffected. This report says which ones to discard or inspect.
+
+    **Fields:**
+
+    - `chains`: the indices of those chains, ascending (NumPy `int64`, possibly empty).
+    - `steps`: for each of them, the first step, counted from 1, after which its state
+        held a NaN or an infinity.
+
+    !!! Example
+
+        ```python
+        step = lambda x, key: x * 10.0  # overflows float32 after a few dozen steps
+        init = jnp.array([0.0, 1.0])
+        result = eb.run_chains(step, init, jr.key(0), 50)
+        result.nonfinite.chains  # array([1])
+        result.nonfinite.steps  # array([39])
+        ```
+    """
+
+    chains: np.ndarray
+    steps: np.ndarray
+
+
+class Chains(eqx.Module):
+    """The result of [`eb.run_chains`][]: final states, trace, keys and a NaN report.
+
+    **Fields:**
+
+    - `final`: the chains' states after the last step, stacked like `init`.
+    - `trace`: the recorded states (or the step's outputs with `with_output=True`),
+        each leaf shaped `[chains, draws, ...]`; `None` with `trace=False`.
+    - `keys`: each chain's PRNG key after the run, in the form it was given (typed or
+        legacy). Passing `final` and `keys` to `run_chains` continues the chains
+        exactly where they stopped.
+    - `nonfinite`: an [`eb.NonFinite`][] report of the chains whose state went NaN or
+        infinite.
+
+    !!! Example
+
+        ```python
+        result = eb.run_chains(lambda x, key: x + 1.0, jnp.zeros(3), jr.key(0), 4)
+        result.final  # [4., 4., 4.]
+        result.trace.shape  # (3, 4)
+        ```
+    """
+
+    final: Any
+    trace: Any
+    keys: jax.Array
+    nonfinite: NonFinite
+
+
+# ------------------------------------------------------------------------------------
+# Arguments.
+
+
+def _check_counts(num_steps: int, thin: int, burn_in: int) -> None:
+    for name, value, least in (("num_steps", num_steps, 0), ("thin", thin, 1)):
+        if not isinstance(value, (int, np.integer)) or value < least:
+            raise BatchError(f"`{name}` is {value!r}; it must be an int >= {least}.")
+    if not isinstance(burn_in, (int, np.integer)) or not 0 <= burn_in <= num_steps:
+        raise BatchError(
+            f"`burn_in` is {burn_in!r}; it must be an int from 0 to `num_steps` "
+            f"({num_steps})."
+        )
+
+
+def _chain_count(states: Any) -> int:
+    sizes = [
+        (leaf_name("init", path), np.shape(leaf)[0])
+        for path, leaf, axis in mapped_leaves(states, 0, "init")
+    ]
+    return common_size(
+        sizes,
+        what="chain axis (axis 0)",
+        fix="Every array leaf of `init` needs one entry per chain along axis 0.",
+    )
+
+
+def _is_typed_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _chain_keys(key: Any, num_chains: int) -> tuple[jax.Array, bool]:
+    """One typed key per chain, and whether `key` was given as legacy `uint32` data."""
+    if _is_typed_key(key):
+        legacy = False
+    elif is_array(key) and key.dtype == np.uint32 and np.ndim(key) in (1, 2):
+        legacy = True
+        key = jr.wrap_key_data(jnp.asarray(key))
+    else:
+        raise BatchError(
+            f"`key` is {describe(key)}; pass one PRNG key (`jr.key(0)`, or legacy "
+            f"`jr.PRNGKey(0)`) or an array of {num_chains} keys, one per chain."
+        )
+    if key.ndim == 0:
+        return jr.split(key, num_chains), legacy
+    if key.shape != (num_chains,):
+        raise BatchError(
+            f"`key` holds {key.shape[0] if key.ndim == 1 else key.shape} keys but "
+            f"`init` has {num_chains} chains. Pass one key per chain, or a single key "
+            f"to be split with `jax.random.split(key, {num_chains})`."
+        )
+    return key, legacy
+
+
+def _step_name(step: Callable) -> str:
+    while isinstance(step, ft.partial):
+        step = step.func
+    return getattr(step, "__qualname__", None) or type(step).__qualname__
+
+
+def _per_chain(states: Any) -> Any:
+    """Shape-dtype structs of one chain's state."""
+    return jtu.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if is_array(x) else x,
+        states,
+    )
+
+
+def _check_step(
+    step: Callable, states: Any, key: jax.Array, legacy: bool, with_output: bool
+) -> Any:
+    """Traces `step` on one chain; returns the output structure (or None).
+
+    Raises if the new state's structure, shapes or dtypes differ from the state's:
+    `lax.scan` would refuse too, but naming neither the step nor the leaf.
+    """
+    one_key = jax.ShapeDtypeStruct(
+        (2,) if legacy else (), jnp.uint32 if legacy else key.dtype
+    )
+    result = eqx.filter_eval_shape(step, _per_chain(states), one_key)
+    if with_output:
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise BatchError(
+                "`step` must return `(new_state, output)` when `with_output=True`, but "
+                f"returned {jtu.tree_structure(result)}."
+            )
+        new, output = result
+    else:
+        new, output = result, None
+    before = jtu.tree_flatten_with_path(_per_chain(states))
+    after = jtu.tree_flatten_with_path(new)
+    if before[1] != after[1]:
+        raise BatchError(_structure_change(before, after))
+    changed = [
+        f"`{leaf_name('init', path)}` is {_spec(old)} per chain, but `step` returned "
+        f"{_spec(new_leaf)}"
+        for (path, old), (_, new_leaf) in zip(before[0], after[0], strict=True)
+        if _spec(old) != _spec(new_leaf)
+    ]
+    if changed:
+        raise BatchError(
+            "`step` changed the shape or dtype of the state:\n"
+            + bullet_list(changed)
+            + "\nIt must return every leaf with the shape and dtype it was given "
+            "(cast with `.astype`)."
+        )
+    return output
+
+
+def _structure_change(before: tuple, after: tuple) -> str:
+    old = {jtu.keystr(path) for path, _ in before[0]}
+    new = {jtu.keystr(path) for path, _ in after[0]}
+    lines = [f"`init{p}` is missing from the new state" for p in sorted(old - new)]
+    lines += [f"`new_state{p}` is not in `init`" for p in sorted(new - old)]
+    if not lines:
+        lines = [f"init (per chain): {before[1]}", f"step returned:    {after[1]}"]
+    return (
+        "`step` changed the structure of the state:\n"
+        + bullet_list(lines)
+        + "\nIt must return a state with the same containers, keys and static fields."
+    )
+
+
+def _spec(x: Any) -> str:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return f"{x.dtype}[{','.join(map(str, x.shape))}]"
+    return describe(x)
+
+
+# ------------------------------------------------------------------------------------
+# The compiled segment: `length` steps of every chain, starting at step `start`.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything about a segment that is fixed at trace time."""
+
+    length: int
+    num_draws: int
+    thin: int
+    burn_in: int
+    with_output: bool
+    record: bool
+    legacy: bool
+
+
+def _all_finite(state: Any) -> jax.Array:
+    checks = [
+        jnp.all(jnp.isfinite(x))
+        for x in jtu.tree_leaves(state)
+        if is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return ft.reduce(jnp.logical_and, checks, jnp.array(True))
+
+
+def _draws_before(step: int, burn_in: int, thin: int) -> int:
+    """How many draws are recorded in the first `step` steps."""
+    return max(0, -(-(step - burn_in) // thin))
+
+
+@eqx.filter_jit(donate="all-except-first")
+def _segment(inputs: tuple, buffer: Any) -> tuple:
+    plan, step, states, keys, first_bad, start, progress = inputs
+    static = eqx.filter(states, is_array, inverse=True)
+
+    def one_chain(dynamic: Any, key: jax.Array) -> tuple:
+        key, subkey = jr.split(key)
+        result = step(
+            eqx.combine(dynamic, static),
+            jr.key_data(subkey) if plan.legacy else subkey,
+        )
+        new, output = result if plan.with_output else (result, None)
+        new = eqx.filter(new, is_array)
+        return new, key, _all_finite(new), output
+
+    def body(carry: tuple, _: None) -> tuple:
+        dynamic, keys, first_bad, buffer, t = carry
+        dynamic, keys, finite, output = jax.vmap(one_chain)(dynamic, keys)
+        first_bad = jnp.where((first_bad == 0) & ~finite, t + 1, first_bad)
+        if plan.record:
+            # A read-modify-write of one slot (clamped into range) rather than a
+            # `lax.cond`, which XLA may turn into a copy of the whole buffer per step.
+            keep = (t >= plan.burn_in) & ((t - plan.burn_in) % plan.thin == 0)
+            slot = jnp.clip((t - plan.burn_in) // plan.thin, 0, plan.num_draws - 1)
+
+            def write(draws: jax.Array, x: jax.Array) -> jax.Array:
+                old = lax.dynamic_index_in_dim(draws, slot, 1, keepdims=False)
+                new = jnp.where(keep, x, old)
+                return lax.dynamic_update_index_in_dim(draws, new, slot, 1)
+
+            recorded = output if plan.with_output else dynamic
+            buffer = jtu.tree_map(write, buffer, recorded)
+        if progress is not None:
+            progress(t + 1)
+        return (dynamic, keys, first_bad, buffer, t + 1), None
+
+    carry = (eqx.filter(states, is_array), keys, first_bad, buffer, start)
+    (dynamic, keys, first_bad, buffer, _), _ = lax.scan(
+        body, carry, None, length=plan.length
+    )
+    return eqx.combine(dynamic, static), keys, first_bad, buffer
+
+
+@eqx.filter_jit(donate="all-except-first")
+def _put_draws(inputs: tuple, buffer: Any) -> Any:
+    draws, first = inputs
+    return jtu.tree_map(
+        lambda b, d: lax.dynamic_update_slice_in_dim(b, d, first, 1), buffer, draws
+    )
+
+
+@ft.partial(jax.jit, static_argnums=(2,))
+def _draw_slice(buffer: Any, start: jax.Array, size: int) -> Any:
+    return jtu.tree_map(lambda b: lax.dynamic_slice_in_dim(b, start, size, 1), buffer)
+
+
+# ------------------------------------------------------------------------------------
+# Placement: chains split over every device, padded to a multiple of the device count.
+
+
+class _Placed:
+    """Chains split over every device, padded to a multiple of the device count.
+
+    The extra chains repeat chain 0: valid states whose results are dropped. Chains
+    never interact, so they cannot change a real chain's bits.
+    """
+
+    def __init__(self, num_chains: int):
+        self.num_chains = num_chains
+        num_devices = member_mesh().size
+        self.total = -(-num_chains // num_devices) * num_devices
+
+    def put(self, tree: Any) -> Any:
+        if self.total != self.num_chains:
+            extra = np.zeros(self.total - self.num_chains, int)
+            tree = take(tree, np.r_[np.arange(self.num_chains), extra])
+        return shard(tree)
+
+    def take(self, tree: Any) -> Any:
+        if self.total == self.num_chains:
+            return tree
+        return take(tree, np.arange(self.num_chains))
+
+    def zeros(self, like: Any) -> Any:
+        """Zeros shaped like `like` (one chain per row), created already split."""
+        mesh = member_mesh()
+        sharding = jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(mesh.axis_names[0])
+        )
+        leaves, treedef = jtu.tree_flatten(like)
+        specs = tuple(((self.total, *x.shape[1:]), x.dtype) for x in leaves)
+        return jtu.tree_unflatten(treedef, _sharded_zeros(specs, sharding))
+
+
+@ft.partial(jax.jit, static_argnums=(0, 1))
+def _sharded_zeros(specs: tuple, sharding: jax.sharding.Sharding) -> list[jax.Array]:
+    # Made on the devices that hold them, rather than on one device and then moved.
+    return [
+        lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+        for shape, dtype in specs
+    ]
+
+
+# ------------------------------------------------------------------------------------
+# Checkpoints: a manifest (states, keys, NaN report, step count) rewritten atomically
+# after each segment, and one file per segment's draws, written once. The trace is
+# never rewritten, so a checkpoint costs the new draws plus the states.
+
+
+_FORMAT = 1
+
+
+def _fingerprint(tree: Any) -> str:
+    """A SHA-256 digest of `tree`'s paths and values."""
+    digest = hashlib.sha256()
+    for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
+        digest.update(jtu.keystr(path).encode())
+        if is_array(leaf):
+            data = np.ascontiguousarray(_raw(leaf))
+            digest.update(f"{data.dtype}{data.shape}".encode())
+            digest.update(data.tobytes())
+        else:
+            digest.update(_stable_name(leaf).encode())
+    return digest.hexdigest()[:16]
+
+
+def _stable_name(x: Any) -> str:
+    """`repr` without the memory addresses that differ between processes."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(x))
+
+
+def _raw(x: Any) -> np.ndarray:
+    return np.asarray(jr.key_data(x) if _is_typed_key(x) else x)
+
+
+def _describe_run(
+    step: Callable,
+    init: Any,
+    keys: jax.Array,
+    num_steps: int,
+    thin: int,
+    burn_in: int,
+    with_output: bool,
+    trace: bool,
+) -> dict[str, Any]:
+    return {
+        "format": _FORMAT,
+        "structure": _stable_name(jtu.tree_structure(init)),
+        "leaves": [
+            f"{jtu.keystr(path)}: "
+            + (describe(leaf) if is_array(leaf) else _stable_name(leaf))
+            for path, leaf in jtu.tree_flatten_with_path(init)[0]
+        ],
+        "init values": _fingerprint(init),
+        "keys": _fingerprint(keys),
+        "num_steps": num_steps,
+        "thin": thin,
+        "burn_in": burn_in,
+        "with_output": with_output,
+        "trace": trace,
+        "step": _step_name(step),
+    }
+
+
+@dataclasses.dataclass
+class _Checkpoint:
+    """Where a run's checkpoint lives, and what run it belongs to.
+
+    `path` holds the manifest: the run's description and its progress (steps done, the
+    file of the states and the files of the draws so far). Each file is written
+    atomically by `eb.save`, and the manifest last, so whatever the manifest names
+    exists and is whole; the states file it replaces is deleted only afterwards.
+    """
+
+    path: pathlib.Path
+    run: dict[str, Any]
+
+    def sibling(self, suffix: str) -> pathlib.Path:
+        return self.path.with_name(f"{self.path.name}.{suffix}")
+
+    def write(
+        self,
+        steps_done: int,
+        states: Any,
+        chunks: list[tuple[str, int, int]],
+        draws: Any,
+    ) -> None:
+        """Writes the new draws (if any) and the states, then the manifest."""
+        if draws is not None:
+            save(self.path.with_name(chunks[-1][0]), draws)
+        state_file = self.sibling(f"state-{steps_done}")
+        save(state_file, states)
+        previous = self._progress() if self.path.exists() else None
+        progress = {
+            "steps_done": steps_done,
+            "state": state_file.name,
+            "chunks": chunks,
+        }
+        save(self.path, {"run": json.dumps(self.run), "progress": json.dumps(progress)})
+        if previous is not None and previous["state"] != state_file.name:
+            self.path.with_name(previous["state"]).unlink(missing_ok=True)
+
+    def _manifest(self) -> tuple[dict, dict]:
+        manifest = load(self.path, {"run": "", "progress": ""})
+        return json.loads(manifest["run"]), json.loads(manifest["progress"])
+
+    def _progress(self) -> dict:
+        return self._manifest()[1]
+
+    def read(self, states: Any, trace_like: Any) -> tuple[int, Any, list, Any] | None:
+        """Steps done, states, draw files and a draw loader; None without a checkpoint.
+
+        Raises if the checkpoint belongs to a different run.
+        """
+        if not self.path.exists():
+            return None
+        run, progress = self._manifest()
+        differences = [
+            f"{name}: the checkpoint has {run.get(name)!r}, this call has {value!r}"
+            for name, value in self.run.items()
+            if run.get(name) != value
+        ]
+        if differences:
+            raise BatchError(
+                f"`checkpoint` ({self.path}) was written by a different run:\n"
+                + bullet_list(differences)
+                + "\nPass another path, or delete the checkpoint's files to start this "
+                "run afresh."
+            )
+        saved = load(self.path.with_name(progress["state"]), states)
+        chunks = [tuple(chunk) for chunk in progress["chunks"]]
+
+        def draws(name: str, first: int, stop: int) -> Any:
+            like = jtu.tree_map(
+                lambda x: jax.ShapeDtypeStruct(
+                    (x.shape[0], stop - first, *x.shape[2:]), x.dtype
+                ),
+                trace_like,
+            )
+            return load(self.path.with_name(name), like)
+
+        return progress["steps_done"], saved, chunks, draws
+
+
+# ------------------------------------------------------------------------------------
+
+
+def run_chains(
+    step: Callable,
+    init: Any,
+    key: Any,
+    num_steps: int,
+    *,
+    thin: int = 1,
+    burn_in: int = 0,
+    with_output: bool = False,
+    trace: bool = True,
+    progress: bool = False,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int | None = None,
+) -> Chains:
+    """Runs many independent Markov chains in parallel, from a step written for one.
+
+    `step` advances one chain's state, a pytree such as a model's weights; `init`
+    stacks many such states along axis 0. All chains run in one compiled loop, spread
+    over every device, and chain `i` gets the same result (bit for bit, when its step
+    is elementwise) as running it alone with its own key: each step's key is split from
+    the chain's own carried key, so the number of chains, devices, thinning or
+    checkpoint interval never changes a chain's random stream.
+
+    A chain whose state goes NaN or infinite keeps running without disturbing the
+    others and is reported in `nonfinite`.
+
+    **Arguments:**
+
+    - `step`: `step(state, key) -> new_state` for ONE chain, or
+        `step(state, key) -> (new_state, output)` with `with_output=True`. The new
+        state must have the structure, shapes and dtypes of `state`. Pass data by
+        closure or `functools.partial`.
+    - `init`: the chains' initial states, stacked along axis 0 of every array leaf (a
+        dict of arrays, an Equinox module, ...). Non-array leaves are shared.
+    - `key`: one PRNG key, split with `jax.random.split(key, chains)`, or an array of
+        one key per chain. Typed (`jr.key`) and legacy (`jr.PRNGKey`) keys both work;
+        `step` receives keys of the same kind.
+    - `num_steps`: how many steps each chain takes.
+    - `thin`, `burn_in`: the trace keeps the state after steps `burn_in + 1`,
+        `burn_in + 1 + thin`, ... : the uninterrupted trace `[:, burn_in::thin]`.
+    - `with_output`: record `step`'s second output in the trace instead of the state.
+    - `trace`: whether to record a trace at all (memory: chains x draws x state).
+    - `progress`: show one progress bar for all chains, updated from inside the
+        compiled loop.
+    - `checkpoint`: a file path. The run state is written there atomically (new draws
+        go to files named after it in the same folder), and a call with the same
+        arguments resumes from it; if the run finished, its result is read back
+        without recomputing.
+    - `checkpoint_every`: write the checkpoint after every this many steps (while the
+        next steps run). `None` writes it once, at the end.
+
+    **Returns:**
+
+    A [`eb.Chains`][] with `final`, `trace` (`[chains, draws, ...]` per leaf), `keys`
+    (to continue the run exactly) and `nonfinite`.
+
+    **Raises:**
+
+    - `eb.BatchError` if `step` changes the state's structure, a leaf's shape or
+        dtype (naming the leaf), or does not return a pair with `with_output=True`;
+        if `key` does not hold one key or one key per chain; if the array leaves of
+        `init` disagree on the number of chains; if `num_steps`, `thin`, `burn_in` or
+        `checkpoint_every` are out of range; or if `checkpoint` holds the checkpoint
+        of a different run (saying what differs).
+
+    !!! Example
+
+        ```python
+        def step(state, key):  # random-walk Metropolis on a standard normal
+            proposal = state + 0.5 * jr.normal(key, state.shape)
+            log_ratio = 0.5 * (jnp.sum(state**2) - jnp.sum(proposal**2))
+            accept = jnp.log(jr.uniform(jr.fold_in(key, 1))) < log_ratio
+            return jnp.where(accept, proposal, state)
+
+        init = jnp.zeros((8, 3))  # 8 chains of a 3-d state
+        result = eb.run_chains(step, init, jr.key(0), 200, burn_in=100, thin=2)
+        result.trace.shape  # (8, 50, 3)
+        ```
+    """
+    _check_counts(num_steps, thin, burn_in)
+    _check_checkpoint_every(checkpoint, checkpoint_every)
+    num_chains = _chain_count(eqx.filter(init, is_array))
+    keys, legacy = _chain_keys(key, num_chains)
+    output = _check_step(step, init, keys, legacy, with_output)
+    num_draws = _draws_before(num_steps, burn_in, thin)
+    trace_like = None
+    if trace:
+        recorded = output if with_output else _per_chain(eqx.filter(init, is_array))
+        trace_like = jtu.tree_map(
+            lambda x: jax.ShapeDtypeStruct((num_chains, num_draws, *x.shape), x.dtype),
+            recorded,
+        )
+
+    store = None
+    saved = None
+    if checkpoint is not None:
+        run = _describe_run(
+            step, init, keys, num_steps, thin, burn_in, with_output, trace
+        )
+        store = _Checkpoint(pathlib.Path(checkpoint), run)
+        saved = store.read(_host_like(init, keys), trace_like)
+    steps_done, chunks = 0, []
+    states, first_bad = init, np.zeros(num_chains, np.int32)
+    read_draws = None
+    if saved is not None:
+        steps_done, loaded, chunks, read_draws = saved
+        states = eqx.combine(loaded["states"], eqx.filter(init, is_array, inverse=True))
+        keys = jr.wrap_key_data(loaded["keys"], impl=jr.key_impl(keys))
+        first_bad = loaded["first_bad"]
+
+    placed = _Placed(num_chains)
+    states, keys, first_bad = (
+        placed.put(states),
+        placed.put(keys),
+        placed.put(first_bad),
+    )
+    buffer = None if trace_like is None else placed.zeros(trace_like)
+    if read_draws is not None and buffer is not None:
+        for name, first, stop in chunks:
+            buffer = _put_draws((read_draws(name, first, stop), first), buffer)
+
+    plan = _Plan(
+        length=0,
+        num_draws=num_draws,
+        thin=thin,
+        burn_in=burn_in,
+        with_output=with_output,
+        record=trace and num_draws > 0,
+        legacy=legacy,
+    )
+    interval = checkpoint_every or max(num_steps - steps_done, 1)
+    pending: concurrent.futures.Future | None = None
+    with contextlib.ExitStack() as stack:
+        handle = None
+        if progress:
+            handle = stack.enter_context(ProgressBar(num_steps, "run_chains")).handle
+        writer = None
+        if store is not None:
+            writer = stack.enter_context(concurrent.futures.ThreadPoolExecutor(1))
+        while steps_done < num_steps:
+            length = min(interval, num_steps - steps_done)
+            start = jnp.asarray(steps_done, jnp.int32)
+            segment_plan = dataclasses.replace(plan, length=length)
+            states, keys, first_bad, buffer = _segment(
+                (segment_plan, step, states, keys, first_bad, start, handle), buffer
+            )
+            first = _draws_before(steps_done, burn_in, thin)
+            steps_done += length
+            if store is None or writer is None:
+                continue
+            stop = _draws_before(steps_done, burn_in, thin)
+            new_draws = None
+            if plan.record and stop > first:
+                # Sliced now, before the next segment takes over (donates) the buffer.
+                new_draws = _draw_slice(
+                    buffer, jnp.asarray(first, jnp.int32), stop - first
+                )
+                chunks = [
+                    *chunks,
+                    (store.sibling(f"draws-{first}-{stop}").name, first, stop),
+                ]
+            if pending is not None:
+                # At most one write in flight: a slow disk slows the run down rather
+                # than piling up copies of the draws.
+                pending.result()
+            pending = writer.submit(
+                _write_checkpoint,
+                store,
+                steps_done,
+                (eqx.filter(states, is_array), keys, first_bad, new_draws),
+                num_chains,
+                chunks,
+            )
+        if pending is not None:
+            pending.result()
+
+    nonfinite_steps = np.asarray(first_bad)[:num_chains]
+    bad_chains = np.flatnonzero(nonfinite_steps)
+    keys = placed.take(keys)
+    return Chains(
+        final=placed.take(states),
+        trace=None if buffer is None else placed.take(buffer),
+        keys=jr.key_data(keys) if legacy else keys,
+        nonfinite=NonFinite(
+            chains=bad_chains.astype(np.int64),
+            steps=nonfinite_steps[bad_chains].astype(np.int64),
+        ),
+    )
+
+
+def _check_checkpoint_every(checkpoint: Any, checkpoint_every: Any) -> None:
+    if checkpoint_every is None:
+        return
+    if checkpoint is None:
+        raise BatchError(
+            "`checkpoint_every` is set but `checkpoint` is None: pass a file path as "
+            "`checkpoint` to write checkpoints to."
+        )
+    if not isinstance(checkpoint_every, (int, np.integer)) or checkpoint_every < 1:
+        raise BatchError(
+            f"`checkpoint_every` is {checkpoint_every!r}; it must be an int >= 1."
+        )
+
+
+def _host_like(init: Any, keys: jax.Array) -> dict[str, Any]:
+    """The structure of a checkpoint's states file."""
+
+    def like(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    return {
+        "states": jtu.tree_map(like, eqx.filter(init, is_array)),
+        "keys": like(jr.key_data(keys)),
+        "first_bad": jax.ShapeDtypeStruct((len(keys),), np.int32),
+    }
+
+
+def _write_checkpoint(
+    store: _Checkpoint,
+    steps_done: int,
+    arrays: tuple,
+    num_chains: int,
+    chunks: list[tuple[str, int, int]],
+) -> None:
+    # Runs on the writer thread: each host copy waits for its segment to finish.
+    states, keys, first_bad, draws = jtu.tree_map(
+        lambda x: _raw(x)[:num_chains], arrays
+    )
+    run_state = {"states": states, "keys": keys, "first_bad": first_bad}
+    store.write(steps_done, run_state, chunks, draws)

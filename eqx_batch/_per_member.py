@@ -1,0 +1,207 @@
+"""Making any optax transformation treat each member of a stacked model on its own."""
+
+from typing import Any
+
+import equinox as eqx
+import jax.tree_util as jtu
+import optax
+
+from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
+from ._tree import common_size, mapped_leaves
+
+
+_MEMBER_AXIS = eqx.if_array(0)
+
+
+def per_member(
+    tx: optax.GradientTransformation | optax.MultiSteps,
+    *,
+    axes: Any = _MEMBER_AXIS,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optax transformation so that each ensemble member is its own model.
+
+    Applied to stacked parameters, a plain optax transformation sees one big model:
+    `optax.clip_by_global_norm` clips by the norm of the whole ensemble, so one
+    diverging member shrinks every other member's step. `per_member(tx)` vmaps
+    `tx.init` and `tx.update` over the member axis instead, so every statistic `tx`
+    keeps (global norms, step counts of schedules, the mini-step counter of
+    `optax.MultiSteps`) is computed per member, and training the stack equals training
+    each member alone.
+
+    The state holds one copy of `tx`'s state per member (every array leaf gains a
+    leading member axis), so it must be created with `per_member(tx).init`. Non-array
+    leaves of `params` and `updates` (activation functions; the `None`s that
+    `eqx.filter_grad` leaves for them) are dropped, so a whole `eqx.Module` can be
+    passed as `params`.
+
+    **Arguments:**
+
+    - `tx`: any optax `GradientTransformation` (with or without extra-args support), or
+        an `optax.MultiSteps`.
+    - `axes`: the member axis of each array leaf of the parameters and updates, as an
+        axis spec (a pytree prefix of `params` of ints or callables such as
+        `eqx.if_array(0)`, the default: axis 0 of every array). Every array leaf must
+        have one.
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs`. Its `update(updates, state,
+    params=None, **extra_args)` maps array extra arguments over their leading axis, so
+    per-member values go in with one entry per member (e.g. `value=losses` of shape
+    `(n,)` for `optax.contrib.reduce_on_plateau`).
+
+    **Raises:**
+
+    `BatchError` if `tx` is not an optax transformation. From `init` and `update`, at
+    trace time (so a jitted step pays nothing for them): `BatchError` if array leaves
+    of `params`, `updates`, `state` or the extra arguments disagree on the number of
+    members (each such leaf is named), if an array leaf has no member axis, or if
+    `state` was not made by `per_member(tx).init`.
+
+    !!! Example
+
+        A full ensemble training loop: one loss per member, summed, so that the gradient
+        of the sum holds each member's own gradient.
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        n = 4
+        models = eb.ensemble(
+            eqx.nn.MLP, n, in_size=1, out_size=1, width_size=16, depth=2,
+            key=jax.random.key(0),
+        )
+        x = jnp.linspace(-1, 1, 32)[:, None]
+        y = jnp.sin(3 * x)
+
+        def member_loss(model):
+            return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+        @eqx.filter_value_and_grad(has_aux=True)
+        def total_loss(models):
+            losses = eqx.filter_vmap(member_loss)(models)
+            return jnp.sum(losses), losses
+
+        optim = eb.per_member(
+            optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e-2, momentum=0.9))
+        )
+        opt_state = optim.init(eqx.filter(models, eqx.is_array))
+
+        @eqx.filter_jit
+        def step(models, opt_state):
+            (_, losses), grads = total_loss(models)
+            updates, opt_state = optim.update(grads, opt_state, models)
+            return eqx.apply_updates(models, updates), opt_state, losses
+
+        for _ in range(100):
+            models, opt_state, losses = step(models, opt_state)
+        losses.shape  # (4,): one loss per member
+        ```
+    """
+    inner = _with_extra_args(tx)
+
+    def init(params: Any) -> Any:
+        arrays = eqx.filter(params, eqx.is_array)
+        params_axes, sizes = _member_axes(arrays, axes, "params")
+        common_size(sizes, what="member axis", fix=_FIX)
+        return eqx.filter_vmap(
+            inner.init, in_axes=(params_axes,), out_axes=eqx.if_array(0)
+        )(arrays)
+
+    def update(
+        updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, Any]:
+        update_arrays = eqx.filter(updates, eqx.is_array)
+        update_axes, sizes = _member_axes(update_arrays, axes, "updates")
+        sizes += _state_sizes(state)
+        params_arrays = eqx.filter(params, eqx.is_array)
+        params_axes = None
+        if params is not None:
+            params_axes, params_sizes = _member_axes(params_arrays, axes, "params")
+            sizes += params_sizes
+        for name, value in extra_args.items():
+            sizes += [
+                (leaf_name(name, path), leaf.shape[axis])
+                for path, leaf, axis in mapped_leaves(value, eqx.if_array(0), name)
+                if axis is not None
+            ]
+        common_size(sizes, what="member axis", fix=_FIX)
+
+        def member_update(
+            member_updates: Any,
+            member_state: Any,
+            member_params: Any,
+            member_extra: dict[str, Any],
+        ) -> tuple[Any, Any]:
+            return inner.update(
+                member_updates, member_state, member_params, **member_extra
+            )
+
+        return eqx.filter_vmap(
+            member_update,
+            in_axes=(update_axes, eqx.if_array(0), params_axes, eqx.if_array(0)),
+            out_axes=(update_axes, eqx.if_array(0)),
+        )(update_arrays, state, params_arrays, extra_args)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+_FIX = (
+    "Every array leaf of the parameters, updates and optimiser state needs a member "
+    "axis with one entry per member."
+)
+
+
+def _with_extra_args(
+    tx: optax.GradientTransformation | optax.MultiSteps,
+) -> Any:
+    if isinstance(tx, optax.GradientTransformation):
+        return optax.with_extra_args_support(tx)
+    if callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None)):
+        # `optax.MultiSteps` and similar wrappers: `update` already takes extra args.
+        return tx
+    raise BatchError(
+        f"`tx` is {describe(tx)}, not an optax transformation. Pass an "
+        "`optax.GradientTransformation` such as `optax.adam(1e-3)`."
+    )
+
+
+def _member_axes(tree: Any, axes: Any, argname: str) -> tuple[Any, list[Any]]:
+    """The resolved member axis of every array leaf of `tree`, and their sizes."""
+    leaves = mapped_leaves(tree, axes, argname)
+    unmapped = [leaf_name(argname, path) for path, _, axis in leaves if axis is None]
+    if unmapped:
+        raise BatchError(
+            "per_member needs a member axis on every array leaf, but `axes` gives "
+            "these none:\n"
+            + bullet_list([f"`{name}`" for name in unmapped])
+            + "\nA parameter shared by all members cannot take per-member updates; "
+            "give it a member axis."
+        )
+    resolved = jtu.tree_unflatten(
+        jtu.tree_structure(tree), [axis for _, _, axis in leaves]
+    )
+    sizes = [
+        (leaf_name(argname, path), leaf.shape[axis]) for path, leaf, axis in leaves
+    ]
+    return resolved, sizes
+
+
+def _state_sizes(state: Any) -> list[tuple[str, int]]:
+    arrays: list[tuple[KeyPath, Any]] = [
+        (path, leaf)
+        for path, leaf in jtu.tree_flatten_with_path(state)[0]
+        if eqx.is_array(leaf)
+    ]
+    scalars = [leaf_name("state", path) for path, leaf in arrays if leaf.ndim == 0]
+    if scalars:
+        raise BatchError(
+            "`state` has 0-d array leaves, so it holds no member axis:\n"
+            + bullet_list([f"`{name}`" for name in scalars])
+            + "\nCreate the state with `per_member(tx).init(params)`, not "
+            "`tx.init(params)`."
+        )
+    return [(leaf_name("state", path), leaf.shape[0]) for path, leaf in arrays]

@@ -1,0 +1,616 @@
+"""`filter_pmap` and `shard`: members spread over devices with `jax.jit` and shardings.
+
+`jax.pmap` is in maintenance mode (JAX 0.10 removed its C++ implementation), so nothing
+here uses it. `filter_pmap` compiles one program over *all* members with `jax.jit` on a
+1-D mesh of devices, in one of two ways:
+
+- In general, `filter_vmap` over all members, each mapped input and output constrained
+    to be split along its member axis, and XLA's SPMD partitioner giving each device its
+    slice of members. When the member count does not divide evenly, the partitioner pads
+    the last slices internally, but the program it partitions is still the one over
+    exactly the real members: padding never reaches results, collectives over
+    `axis_name` (reductions over the mapped axis, which the partitioner turns into
+    cross-device ones), or random streams. This is exact by construction, where masking
+    padded members by hand would have to be right for every collective.
+- With exactly one member per device (and a string `axis_name`, as mesh axes need),
+    `jax.shard_map` calls the function unbatched on each device's member, as `pmap`
+    does, with `axis_name` naming the mesh axis. There is no padding to hide, and it
+    avoids the size-1 batch axis that slows XLA's CPU kernels under `vmap`.
+
+Across processes, the mesh holds every process's devices and the outputs are
+replicated, so each process holds the whole result.
+"""
+
+import dataclasses
+import functools as ft
+import warnings
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Literal, overload
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from ._errors import BatchError, leaf_name
+from ._tree import common_size, is_array, mapped_leaves, resolve_axes
+from ._vmap import (
+    _DEFAULT_AXIS,
+    _join_output,
+    _split_output,
+    bind_arguments,
+    check_mapped_sizes,
+    filter_vmap,
+)
+
+
+MEMBER_AXIS_NAME = "members"
+
+# `jax.Device` is an alias pyright cannot use as a type (jaxlib ships no stub for it).
+Device = Any
+
+
+def member_mesh(devices: Sequence[Device] | None = None) -> Mesh:
+    """A 1-D mesh over `devices` (all devices of all processes by default).
+
+    Its axis type is `Auto`: XLA decides how values between the constrained inputs and
+    outputs are split, which is what lets a collective under `vmap` (a reduction over
+    the member axis) become a cross-device reduction.
+    """
+    devices = jax.devices() if devices is None else list(devices)
+    return _cached_mesh(tuple(devices))
+
+
+@ft.cache
+def _cached_mesh(devices: tuple[Device, ...], name: str = MEMBER_AXIS_NAME) -> Mesh:
+    return Mesh(np.array(devices), (name,), axis_types=(AxisType.Auto,))
+
+
+def _auto(mesh: Mesh) -> Mesh:
+    # Under `Explicit` mesh axes, JAX rejects collectives under `vmap` over a sharded
+    # axis; under `Auto` ones the same program partitions. Same devices, same names.
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(
+        mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim
+    )
+
+
+def _member_spec(mesh: Mesh, axis: int | None) -> PartitionSpec:
+    """Split along `axis` over all of `mesh`; replicated if `axis` is `None`."""
+    if axis is None:
+        return PartitionSpec()
+    names = mesh.axis_names
+    split = names[0] if len(names) == 1 else names
+    return PartitionSpec(*([None] * axis), split)
+
+
+# ---------------------------------------------------------------------------- shard
+
+
+def shard(tree: Any, mesh: Mesh | None = None, *, axes: Any = _DEFAULT_AXIS) -> Any:
+    """Places a stacked tree's members across devices, ready for `jax.jit`.
+
+    With the member axis of every mapped leaf split over a mesh (and every other array
+    leaf replicated on it), plain `jax.jit` over [`eb.filter_vmap`][] runs each
+    device's members on that device: SPMD, with no pmap and no per-call transfer. The
+    results stay split the same way, so the next step runs where the data already is.
+
+    **Arguments:**
+
+    - `tree`: a stacked pytree (e.g. an ensemble built by `eqx.filter_vmap`).
+    - `mesh`: the devices to spread members over. Defaults to a 1-D mesh of all devices
+        of all processes. The member axis is split over all of the mesh's axes; its
+        axis types are taken as `Auto` so that collectives under `vmap` partition.
+    - `axes`: the member axis of each leaf, as an axis-spec prefix of `tree` (`None`,
+        an int, or a callable such as `eqx.if_array(0)`). Leaves with axis `None` are
+        replicated on every device; non-array leaves are left as they are.
+
+    **Returns:**
+
+    `tree` with its array leaves placed on the mesh's devices.
+
+    **Raises:**
+
+    - `eb.BatchError` if the member count does not divide evenly over the mesh (the
+        message names a leaf and says how many members to pad to), if mapped leaves
+        disagree on the member count (naming each by its path in `tree`), if there is
+        no mapped array leaf, if a mapped leaf is not an array or lacks its member axis,
+        or if `axes` is not an axis-spec prefix of `tree`.
+
+    !!! Example
+
+        ```python
+        keys = jr.split(jr.key(0), 8)
+        ensemble = eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 2, key=k))(keys)
+        ensemble = eb.shard(ensemble)  # 8 members over the 4 devices: 2 each
+        out = jax.jit(eb.filter_vmap(lambda m, x: m(x), in_axes=(0, None)))(
+            ensemble, jnp.ones(3)
+        )
+        assert out.shape == (8, 2)
+        ```
+    """
+    mesh = member_mesh() if mesh is None else _auto(mesh)
+    leaves = mapped_leaves(tree, axes, "tree")
+    sizes = [
+        (leaf_name("tree", path), np.shape(leaf)[axis])
+        for path, leaf, axis in leaves
+        if axis is not None
+    ]
+    count = common_size(sizes)
+    if count % mesh.size:
+        padded = -(-count // mesh.size) * mesh.size
+        raise BatchError(
+            f"`{sizes[0][0]}` has {count} members, which the {mesh.size} devices of "
+            f"the mesh cannot share evenly. Pad every mapped leaf to {padded} members "
+            "along its member axis (and ignore the extra members' results), use a "
+            f"mesh whose size divides {count}, or call `eb.filter_pmap`, which pads "
+            "internally."
+        )
+    placed = [leaf for _, leaf, _ in leaves]
+    targets = [
+        NamedSharding(mesh, _member_spec(mesh, axis))
+        for _, leaf, axis in leaves
+        if is_array(leaf)
+    ]
+    arrays = jax.device_put([leaf for leaf in placed if is_array(leaf)], targets)
+    moved = iter(arrays)
+    placed = [next(moved) if is_array(leaf) else leaf for leaf in placed]
+    return jtu.tree_unflatten(jtu.tree_structure(tree), placed)
+
+
+# ---------------------------------------------------------------------- filter_pmap
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    """A pytree held as a hashable static value: its treedef and its leaves.
+
+    `None` counts as a leaf, so axis specs keep their `None`s.
+    """
+
+    treedef: Any
+    leaves: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, tree: Any) -> "_Frozen":
+        leaves, treedef = jtu.tree_flatten(tree, is_leaf=_is_none)
+        return cls(treedef, tuple(leaves))
+
+    @property
+    def tree(self) -> Any:
+        return jtu.tree_unflatten(self.treedef, self.leaves)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+class _Static(eqx.Module):
+    # Non-array outputs leave `jax.jit` as part of the output's treedef.
+    value: Any = eqx.field(static=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything about a `filter_pmap` call that is fixed at trace time."""
+
+    in_axes: _Frozen
+    out_axes: _Frozen
+    axis_name: Hashable
+    axis_size: int | None
+    mesh: Mesh
+
+
+_ARRAY = object()  # marks where an array leaf was taken out of the static tree
+
+
+def _split(tree: Any) -> tuple[list[Any], _Frozen]:
+    leaves, treedef = jtu.tree_flatten(tree)
+    dynamic = [leaf for leaf in leaves if is_array(leaf)]
+    static = tuple(_ARRAY if is_array(leaf) else leaf for leaf in leaves)
+    return dynamic, _Frozen(treedef, static)
+
+
+def _join(dynamic: Sequence[Any], static: _Frozen) -> Any:
+    arrays = iter(dynamic)
+    leaves = [next(arrays) if leaf is _ARRAY else leaf for leaf in static.leaves]
+    return jtu.tree_unflatten(static.treedef, leaves)
+
+
+def _constrain(tree: Any, axes: Any, argname: str, mesh: Mesh) -> Any:
+    def place(leaf: Any, axis: int | None) -> Any:
+        if axis is None or not is_array(leaf):
+            return leaf
+        return jax.lax.with_sharding_constraint(
+            leaf, NamedSharding(mesh, _member_spec(mesh, axis))
+        )
+
+    leaves = mapped_leaves(tree, axes, argname)
+    placed = [place(leaf, axis) for _, leaf, axis in leaves]
+    return jtu.tree_unflatten(jtu.tree_structure(tree), placed)
+
+
+def _one_per_device(
+    fun: Callable[..., Any],
+    arguments: dict[str, Any],
+    axes: dict[str, Any],
+    keywords: tuple[str, ...],
+    out_axes: Any,
+    mesh: Mesh,
+) -> Any:
+    """`fun` per member with `jax.shard_map`, for exactly one member per device.
+
+    Each device calls `fun` on its member as is, like `jax.pmap`: `vmap` over the one
+    local member would leave a size-1 batch axis that makes XLA's CPU kernels markedly
+    slower. The mesh axis carries the user's `axis_name`, so collectives are the
+    mesh's own, over exactly the members.
+    """
+    values = list(arguments.values())
+    leaves, treedef = jtu.tree_flatten(values)
+    member_axes = [
+        axis
+        for name, value in arguments.items()
+        for _, _, axis in mapped_leaves(value, axes[name], name)
+    ]
+    arrays = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
+    specs = tuple(_member_spec(mesh, member_axes[i]) for i in arrays)
+    positional = len(values) - len(keywords)
+    layout: list[Any] = []
+
+    def per_device(*local: Any) -> tuple[list[Any], list[Any]]:
+        own = list(leaves)
+        for i, array in zip(arrays, local, strict=True):
+            axis = member_axes[i]
+            own[i] = array if axis is None else jnp.squeeze(array, axis)
+        own_values = jtu.tree_unflatten(treedef, own)
+        out = fun(
+            *own_values[:positional],
+            **dict(zip(keywords, own_values[positional:], strict=True)),
+        )
+        mapped, unmapped, static = _split_output(out, out_axes)
+        layout.append(static)
+        return [leaf[None] for leaf in mapped], unmapped
+
+    mapped, unmapped = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=(_member_spec(mesh, 0), PartitionSpec()),
+    )(*[leaves[i] for i in arrays])
+    return _join_output(mapped, unmapped, layout[0])
+
+
+def _vmapped(
+    fun: Callable[..., Any],
+    arguments: dict[str, Any],
+    axes: dict[str, Any],
+    keywords: tuple[str, ...],
+    plan: _Plan,
+) -> Any:
+    """`eb.filter_vmap(fun)` over all members, each device computing its own."""
+    # Pinning each mapped input to "split along its member axis" is what makes the
+    # partitioner give each device its own members rather than replicate the work.
+    placed = [
+        _constrain(value, axes[name], name, plan.mesh)
+        for name, value in arguments.items()
+    ]
+    positional = len(placed) - len(keywords)
+    return filter_vmap(
+        fun,
+        in_axes=plan.in_axes.tree,
+        out_axes=plan.out_axes.tree,
+        axis_name=plan.axis_name,
+        axis_size=plan.axis_size,
+    )(
+        *placed[:positional],
+        **dict(zip(keywords, placed[positional:], strict=True)),
+    )
+
+
+def _run(plan: _Plan, static: _Frozen, dynamic: list[Any]) -> Any:
+    fun, args, kwargs = _join(dynamic, static)
+    arguments, axes = bind_arguments(fun, plan.in_axes.tree, args, kwargs)
+    size = check_mapped_sizes(arguments, axes, plan.axis_size, positional=len(args))
+    mesh = plan.mesh
+    if size == mesh.size and isinstance(plan.axis_name, str | None):
+        mesh = _cached_mesh(
+            tuple(mesh.devices.flat), plan.axis_name or MEMBER_AXIS_NAME
+        )
+        out = _one_per_device(
+            fun, arguments, axes, tuple(kwargs), plan.out_axes.tree, mesh
+        )
+    else:
+        out = _vmapped(fun, arguments, axes, tuple(kwargs), plan)
+    # A jax.Array cannot be split unevenly, and every process must receive every
+    # result: in both cases outputs are gathered onto every device instead.
+    replicate = jax.process_count() > 1 or (size or 0) % mesh.size != 0
+    out_leaves, out_treedef = jtu.tree_flatten(out)
+    out_axes = out_treedef.flatten_up_to(resolve_axes(out, plan.out_axes.tree, "out"))
+
+    def place(leaf: Any, axis: int | None) -> Any:
+        if not is_array(leaf):
+            return leaf
+        if axis is not None and not replicate:
+            axis = axis % np.ndim(leaf)
+        else:
+            axis = None
+        spec = _member_spec(mesh, axis)
+        return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
+
+    out = jtu.tree_unflatten(out_treedef, map(place, out_leaves, out_axes))
+    out_dynamic, out_static = eqx.partition(out, is_array)
+    return out_dynamic, _Static(out_static)
+
+
+_JITTED = jax.jit(_run, static_argnums=(0, 1))
+_JITTED_DONATING = jax.jit(_run, static_argnums=(0, 1), donate_argnums=(2,))
+
+
+def _finish(out: tuple[Any, _Static]) -> Any:
+    dynamic, static = out
+    result = eqx.combine(dynamic, static.value)
+    if jax.process_count() == 1:
+        return result
+
+    # Every device holds the whole (replicated) result; handing each process its local
+    # copy makes the result usable there without any further collective.
+    def local(leaf: Any) -> Any:
+        if isinstance(leaf, jax.core.Tracer):
+            return leaf
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            return leaf.addressable_data(0)
+        return leaf
+
+    return jtu.tree_map(local, result)
+
+
+class _PmapWrapper(eqx.Module):
+    _fun: Callable[..., Any]
+    _in_axes: _Frozen = eqx.field(static=True)
+    _out_axes: _Frozen = eqx.field(static=True)
+    _axis_name: Hashable = eqx.field(static=True)
+    _axis_size: int | None = eqx.field(static=True)
+    _donate: str = eqx.field(static=True)
+    _devices: tuple[Device, ...] | None = eqx.field(static=True)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self._fun
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        plan, static, dynamic = _prepare(self, args, kwargs)
+        jitted = _JITTED if self._donate == "none" else _JITTED_DONATING
+        return _dispatch(self, jitted, plan, static, dynamic)
+
+    def lower(self, /, *args: Any, **kwargs: Any) -> "Lowered":
+        """Traces and lowers for these arguments: ahead-of-time compilation.
+
+        `.compile()` on the result gives a callable taking the same arguments.
+        """
+        plan, static, dynamic = _prepare(self, args, kwargs)
+        jitted = _JITTED if self._donate == "none" else _JITTED_DONATING
+        return Lowered(jitted.lower(plan, static, dynamic), static, self)
+
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        del owner
+        if instance is None:
+            return self
+        return eqx.Partial(self, instance)
+
+
+# Module-level rather than methods: Equinox wraps each method access in a new bound
+# method object, which costs microseconds on every call.
+def _prepare(
+    wrapper: _PmapWrapper, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[_Plan, _Frozen, list[Any]]:
+    # The mesh is looked up per call, not at decoration time: a function may be
+    # decorated before `jax.distributed.initialize` makes other processes' devices
+    # visible.
+    plan = _Plan(
+        in_axes=wrapper._in_axes,
+        out_axes=wrapper._out_axes,
+        axis_name=wrapper._axis_name,
+        axis_size=wrapper._axis_size,
+        mesh=member_mesh(wrapper._devices),
+    )
+    dynamic, static = _split((wrapper._fun, args, kwargs))
+    return plan, static, dynamic
+
+
+def _dispatch(wrapper: _PmapWrapper, run: Callable[..., Any], *inputs: Any) -> Any:
+    if wrapper._donate != "all":
+        return _finish(run(*inputs))
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="Some donated buffers were not usable"
+        )
+        return _finish(run(*inputs))
+
+
+class Lowered(eqx.Module):
+    """A `filter_pmap`-wrapped function lowered for one set of arguments."""
+
+    lowered: jax.stages.Lowered = eqx.field(static=True)
+    static: _Frozen = eqx.field(static=True)
+    wrapper: _PmapWrapper
+
+    def as_text(self) -> str:
+        """The lowered program (StableHLO) as text."""
+        return self.lowered.as_text()
+
+    def compile(
+        self, /, compiler_options: dict[str, str | bool] | None = None
+    ) -> "Compiled":
+        """Compiles the lowered program; the result is called like the function."""
+        return Compiled(
+            self.lowered.compile(compiler_options=compiler_options),
+            self.static,
+            self.wrapper,
+        )
+
+
+class Compiled(eqx.Module):
+    """A `filter_pmap`-wrapped function compiled ahead of time."""
+
+    compiled: jax.stages.Compiled = eqx.field(static=True)
+    static: _Frozen = eqx.field(static=True)
+    wrapper: _PmapWrapper
+
+    def as_text(self) -> str:
+        """The compiled, partitioned program (HLO) as text."""
+        text = self.compiled.as_text()
+        assert text is not None
+        return text
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        _, static, dynamic = _prepare(self.wrapper, args, kwargs)
+        if static != self.static:
+            raise BatchError(
+                "this compiled function was lowered for arguments with other non-array "
+                "values or another tree structure than those it is now called with. "
+                "Call `.lower(...)` again with these arguments, or call the "
+                "`eb.filter_pmap`-wrapped function, which compiles as needed."
+            )
+        return _dispatch(self.wrapper, self.compiled, dynamic)
+
+
+@overload
+def filter_pmap(
+    *,
+    in_axes: Any = _DEFAULT_AXIS,
+    out_axes: Any = _DEFAULT_AXIS,
+    axis_name: Hashable = None,
+    axis_size: int | None = None,
+    donate: Literal["all", "warn", "none"] = "none",
+    devices: Sequence[Device] | None = None,
+) -> Callable[[Callable[..., Any]], "_PmapWrapper"]: ...
+
+
+@overload
+def filter_pmap(
+    fun: Callable[..., Any],
+    *,
+    in_axes: Any = _DEFAULT_AXIS,
+    out_axes: Any = _DEFAULT_AXIS,
+    axis_name: Hashable = None,
+    axis_size: int | None = None,
+    donate: Literal["all", "warn", "none"] = "none",
+    devices: Sequence[Device] | None = None,
+) -> "_PmapWrapper": ...
+
+
+def filter_pmap(
+    fun: Callable[..., Any] | None = None,
+    *,
+    in_axes: Any = _DEFAULT_AXIS,
+    out_axes: Any = _DEFAULT_AXIS,
+    axis_name: Hashable = None,
+    axis_size: int | None = None,
+    donate: Literal["all", "warn", "none"] = "none",
+    devices: Sequence[Device] | None = None,
+) -> Any:
+    """Runs a function over many members, spread evenly over devices and processes.
+
+    `eqx.filter_pmap` needs one member per device and goes through `jax.pmap`, which is
+    in maintenance mode. This takes `eqx.filter_pmap`'s arguments and gives the same
+    results for what it accepts, but compiles [`eb.filter_vmap`][] over all members
+    with `jax.jit`, each mapped input split along its member axis over a 1-D mesh of
+    `devices` (with exactly one member per device, it calls `fun` per device under
+    `jax.shard_map` instead, as `pmap` does). So any member count works: N members
+    over D devices put about N / D on each, padded internally when D does not divide
+    N, and the results are exactly the program over the N real members: padding never
+    reaches results, collectives over `axis_name` (`jax.lax.psum(x, axis_name)` sums
+    over the N members) or random streams (each member receives exactly its own
+    inputs). Results have leading axis N and equal `eb.filter_vmap`'s, up to the order
+    in which a collective adds across devices.
+
+    In a program started as several processes with `jax.distributed.initialize`, call
+    it on every process with the same global inputs: the program is partitioned over
+    every process's devices, and each process receives the whole result as arrays on
+    its own devices, usable without further collectives.
+
+    In one process, results are split over the devices along their member axis when D
+    divides N (so the next call, or a donation, finds them in place), and replicated on
+    every device otherwise. Non-array arguments are static (a new value compiles
+    anew), as with `eqx.filter_pmap`. All checks run while tracing, once per
+    compilation; a call that hits the cache pays only for `jax.jit`'s dispatch.
+
+    **Arguments:**
+
+    - `fun`: the function to run per member. May take keyword arguments.
+    - `in_axes`: the member axis of each argument, as for [`eb.filter_vmap`][]: an axis
+        spec (`None`, an int, or a callable such as `eqx.if_array(0)`) applied to every
+        argument, a tuple of specs per positional argument, or a dict keyed by
+        parameter name.
+    - `out_axes`: where the member axis goes in each output, an axis-spec prefix of the
+        output. Arrays with spec `None` must be the same for every member.
+    - `axis_name`: a name for the member axis, for collectives such as
+        `jax.lax.psum(x, axis_name)` inside `fun`.
+    - `axis_size`: the member count; needed only if no argument is mapped.
+    - `donate`: `"all"` donates every array argument's buffer (and silences warnings
+        about the ones that could not be reused), `"warn"` does the same but keeps the
+        warnings, `"none"` (the default) donates nothing. Only buffers already placed
+        as the program wants them (e.g. a previous result, or `eb.shard`'s) can be
+        reused; others are copied onto the devices first.
+    - `devices`: the devices to spread members over, in order. Defaults to all devices
+        of all processes.
+
+    **Returns:**
+
+    The wrapped function. Its `.lower(*args, **kwargs)` lowers it ahead of time for
+    those arguments; `.compile()` on that gives a callable taking the same arguments.
+
+    **Raises:**
+
+    - `eb.BatchError` (when called) if mapped leaves disagree on the member count or
+        with `axis_size` (naming each leaf by argument name and path, and suggesting
+        the `in_axes` that fixes the usual mistake), if `in_axes` does not fit the
+        arguments, if a mapped leaf is not an array or lacks the member axis, or if
+        `out_axes` maps a non-array output.
+    - `eb.BatchError` (when wrapping) if `donate` is not one of `"all"`, `"warn"` and
+        `"none"`; (when calling a compiled function) if its non-array arguments differ
+        from those it was lowered with.
+    - `TypeError` if a call does not fit `fun`'s signature, as calling `fun` would.
+
+    !!! Example
+
+        ```python
+        @eb.filter_pmap(axis_name="members")
+        def centre(x):
+            return x - jax.lax.pmean(x, "members")
+
+        x = jnp.arange(6.0)  # 6 members over 4 devices
+        assert jnp.allclose(centre(x), x - 2.5)
+        compiled = centre.lower(x).compile()
+        assert jnp.allclose(compiled(x), x - 2.5)
+        ```
+    """
+    if donate not in ("all", "warn", "none"):
+        raise BatchError(
+            f"donate={donate!r} is not one of 'all', 'warn' and 'none'. Use 'all' to "
+            "donate every array argument's buffer, 'none' to donate nothing."
+        )
+    if fun is None:
+        return ft.partial(
+            filter_pmap,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            axis_name=axis_name,
+            axis_size=axis_size,
+            donate=donate,
+            devices=devices,
+        )
+    wrapper = _PmapWrapper(
+        _fun=fun,
+        _in_axes=_Frozen.of(in_axes),
+        _out_axes=_Frozen.of(out_axes),
+        _axis_name=axis_name,
+        _axis_size=axis_size,
+        _donate=donate,
+        _devices=None if devices is None else tuple(devices),
+    )
+    return eqx.module_update_wrapper(wrapper)

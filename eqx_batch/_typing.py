@@ -1,0 +1,648 @@
+"""`Stacked[Model, "n"]` annotations and the `typecheck` decorator that checks them.
+
+`Stacked[Model, dims]` is a class whose metaclass implements `__instancecheck__` (and
+the `__instancecheck_str__` message hook read by beartype and jaxtyping), as jaxtyping's
+`Float[Array, "n"]` is. Its leading dims bind in jaxtyping's per-call memo, so they are
+checked against every other annotation of the call.
+"""
+
+import dataclasses
+import functools as ft
+import inspect
+import types
+import typing
+from typing import Any, NamedTuple, TYPE_CHECKING, TypeVar
+
+import equinox as eqx
+import jax.tree_util as jtu
+import jaxtyping
+from beartype import beartype
+from beartype.roar import BeartypeCallHintViolation
+from jaxtyping import AbstractArray, TypeCheckError
+
+from ._errors import BatchError, KeyPath, leaf_name
+from ._tree import is_array
+
+
+# ------------------------------------------------------------------------------------
+# The one private access to jaxtyping.
+
+
+class _Memo(NamedTuple):
+    single: dict[str, int]
+    variadic: dict[str, tuple[bool, tuple[int, ...]]]
+    arguments: dict[str, Any]
+
+
+def _current_memo() -> _Memo:
+    """jaxtyping's dim bindings and call arguments for the innermost `jaxtyped` scope.
+
+    The dicts are jaxtyping's own, so writing to them binds dims for the rest of the
+    call. Outside any `jaxtyped` scope they are fresh and empty, and writes are lost.
+
+    jaxtyping has no public API to read these (`print_bindings` only prints), so this is
+    the one place that touches its private `_storage` module. `get_shape_memo` has this
+    form throughout jaxtyping 0.3.x, which `pyproject.toml` pins (`<0.4`).
+    """
+    from jaxtyping._storage import get_shape_memo
+
+    single, variadic, _, arguments = get_shape_memo()
+    return _Memo(single, variadic, arguments)
+
+
+# ------------------------------------------------------------------------------------
+# What a tree structure says about its leaves: paths and field annotations.
+
+
+class _Instance(NamedTuple):
+    """A module (or NamedTuple) in the tree that has fields with array annotations."""
+
+    path: KeyPath
+    cls: type
+    # The leaf index of each annotated field holding a leaf directly, and its types
+    # (any of which may match).
+    fields: tuple[tuple[int, tuple[type[AbstractArray], ...]], ...]
+
+
+class _Plan(NamedTuple):
+    """Everything the check needs from a tree's structure, computed once per treedef."""
+
+    paths: tuple[KeyPath, ...]  # per leaf, in `tree_flatten` order
+    field_types: tuple[tuple[type[AbstractArray], ...], ...]  # per leaf; () if none
+    instances: tuple[_Instance, ...]
+
+
+# Plans by treedef. A check that runs (each trace, or each eager call) then costs one C
+# flatten plus a few operations per array leaf, rather than a Python walk of the tree.
+_PLANS: dict[Any, _Plan] = {}
+_MAX_PLANS = 1024
+
+
+def _flatten(obj: Any) -> tuple[list[Any], _Plan]:
+    leaves, treedef = jtu.tree_flatten(obj)
+    try:
+        plan = _PLANS.get(treedef)
+    except TypeError:
+        # A static field holds something unhashable: plan without caching.
+        return leaves, _make_plan(obj)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[treedef] = _make_plan(obj)
+    return leaves, plan
+
+
+def _make_plan(obj: Any) -> _Plan:
+    paths: list[KeyPath] = []
+    field_types: list[tuple[type[AbstractArray], ...]] = []
+    instances: list[_Instance] = []
+
+    def walk(node: Any, path: KeyPath) -> None:
+        annotated = _field_array_types(type(node)) if _has_fields(type(node)) else {}
+        own = []
+
+        def is_child(x: Any) -> bool:
+            return x is not node and _has_fields(type(x))
+
+        # Stopping at child modules keeps `tree_flatten`'s leaf order while telling
+        # which module each leaf belongs to.
+        for sub_path, leaf in jtu.tree_flatten_with_path(node, is_leaf=is_child)[0]:
+            if is_child(leaf):
+                walk(leaf, path + sub_path)
+                continue
+            types_ = ()
+            if len(sub_path) == 1 and isinstance(sub_path[0], jtu.GetAttrKey):
+                types_ = annotated.get(sub_path[0].name, ())
+            if types_:
+                own.append((len(paths), types_))
+            paths.append(path + sub_path)
+            field_types.append(types_)
+        if own:
+            instances.append(_Instance(path, type(node), tuple(own)))
+
+    walk(obj, ())
+    return _Plan(tuple(paths), tuple(field_types), tuple(instances))
+
+
+@ft.cache
+def _has_fields(cls: type) -> bool:
+    return issubclass(cls, eqx.Module) or (
+        issubclass(cls, tuple) and hasattr(cls, "_fields")
+    )
+
+
+@ft.cache
+def _field_array_types(cls: type) -> dict[str, tuple[type[AbstractArray], ...]]:
+    """For each field of `cls` annotated with jaxtyping array types, those types.
+
+    A field annotated with a union counts only if every member of the union other than
+    `None` is a jaxtyping array type: a union with, say, `jax.Array` in it accepts any
+    array, so it constrains nothing.
+    """
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:
+        # Unresolvable forward references: use the annotations that are already
+        # objects rather than fail the check over annotations we cannot read.
+        hints = {}
+        for base in reversed(cls.__mro__):
+            for name, hint in vars(base).get("__annotations__", {}).items():
+                if not isinstance(hint, str):
+                    hints[name] = hint
+    if dataclasses.is_dataclass(cls):
+        names = [field.name for field in dataclasses.fields(cls)]
+    else:
+        names = list(getattr(cls, "_fields", ()))
+    out = {}
+    for name in names:
+        hint = hints.get(name)
+        if hint is None:
+            continue
+        members = typing.get_args(hint) if _is_union(hint) else (hint,)
+        members = tuple(m for m in members if m is not type(None))
+        if members and all(_is_array_type(m) for m in members):
+            out[name] = members
+    return out
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _is_array_type(hint: Any) -> bool:
+    return inspect.isclass(hint) and issubclass(hint, AbstractArray)
+
+
+# ------------------------------------------------------------------------------------
+# The check.
+
+
+def _argument_name(obj: Any, arguments: dict[str, Any]) -> str:
+    # jaxtyping records the call's arguments; the checked value is one of them unless it
+    # is a return value (or is checked outside `jaxtyped`).
+    for name, value in arguments.items():
+        if value is obj:
+            return name
+    return type(obj).__qualname__
+
+
+def _bindings_str(single: dict[str, int]) -> str:
+    # jaxtyping keeps internal "~~delete~~..." entries in the memo; they are not dims.
+    shown = [f"{name}={size}" for name, size in single.items() if name[:2] != "~~"]
+    return ", ".join(shown) if shown else "none"
+
+
+class _MemberShape(NamedTuple):
+    """The shape and dtype of one member of a stacked leaf, as jaxtyping reads them."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+@ft.cache
+def _shape_only(array_type: type[AbstractArray]) -> type[AbstractArray]:
+    """`array_type` with its array class relaxed to "anything with shape and dtype".
+
+    It checks a `_MemberShape` rather than a slice of the leaf: slicing would cost a
+    device operation per call outside `jit`.
+    """
+    return array_type.dtype[Any, array_type.dim_str]  # pyright: ignore
+
+
+class _Dim(NamedTuple):
+    name: str | None
+    size: int | None
+
+
+def _parse_dims(dims: str) -> tuple[_Dim, ...]:
+    parsed = []
+    for elem in dims.split():
+        if elem.isidentifier():
+            parsed.append(_Dim(elem, None))
+        elif elem.isdigit():
+            parsed.append(_Dim(None, int(elem)))
+        else:
+            raise BatchError(
+                f"eb.Stacked dims {dims!r} contain {elem!r}; each leading dim must be "
+                "a name (`n`) or a fixed size (`4`), separated by spaces: 'chains 4'."
+            )
+    if not parsed:
+        raise BatchError(
+            "eb.Stacked needs at least one leading dim, e.g. eb.Stacked[Model, 'n']."
+        )
+    return tuple(parsed)
+
+
+class _StackedMeta(type):
+    model: type
+    dims: str
+    parsed_dims: tuple[_Dim, ...]
+
+    def __repr__(cls) -> str:
+        return f"eqx_batch.Stacked[{cls.model.__qualname__}, {cls.dims!r}]"
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return cls.__instancecheck_str__(obj) == ""
+
+    def __instancecheck_str__(cls, obj: Any) -> str:
+        """Empty if `obj` matches; else why not, naming the leaf and the dims."""
+        memo = _current_memo()
+        argname = _argument_name(obj, memo.arguments)
+        if not isinstance(obj, cls.model):
+            return (
+                f"`{argname}` has type {type(obj).__qualname__}, not "
+                f"{cls.model.__qualname__} as {cls!r} expects."
+            )
+        leaves, plan = _flatten(obj)
+
+        # Leading dims first bound by this value, and the leaf that bound each.
+        bound: dict[str, int] = {}
+        bound_by: dict[str, KeyPath] = {}
+        for index, leaf in enumerate(leaves):
+            if not is_array(leaf):
+                continue
+            message = cls._check_leading(
+                leaf, plan.paths[index], argname, memo, bound, bound_by
+            )
+            if message:
+                if _looks_unstacked(leaves, plan, range(len(leaves))):
+                    message += " " + cls._unstacked_hint()
+                return message
+
+        # Instances that have the same class and member shapes pass or fail together
+        # (they start from the same bindings): a stack of 40 identical layers is
+        # checked once.
+        passed = set()
+        for instance in plan.instances:
+            signature = (instance.cls,) + tuple(
+                _member_signature(leaves[index], len(cls.parsed_dims))
+                for index, _ in instance.fields
+            )
+            if signature in passed:
+                continue
+            message = cls._check_instance(
+                instance, leaves, plan.paths, argname, memo, bound
+            )
+            if message:
+                if _looks_unstacked(leaves, plan, [i for i, _ in instance.fields]):
+                    message += " " + cls._unstacked_hint()
+                return message
+            passed.add(signature)
+        memo.single.update(bound)
+        return ""
+
+    def _check_leading(
+        cls,
+        leaf: Any,
+        path: KeyPath,
+        argname: str,
+        memo: _Memo,
+        bound: dict[str, int],
+        bound_by: dict[str, KeyPath],
+    ) -> str:
+        shape = tuple(leaf.shape)
+        lead = len(cls.parsed_dims)
+        if len(shape) < lead:
+            return (
+                f"`{leaf_name(argname, path)}` has shape {shape}, with fewer axes than "
+                f"the leading member dims {cls.dims!r} of {cls!r}: it looks unstacked. "
+                "Stack the members so that every array leaf gains those leading axes "
+                "(eb.stack)."
+            )
+        for axis in range(lead):
+            dim, size = cls.parsed_dims[axis], shape[axis]
+            if dim.name is None:
+                expected = dim.size
+            elif dim.name in bound:
+                expected = bound[dim.name]
+            elif dim.name in memo.single:
+                expected = memo.single[dim.name]
+            else:
+                bound[dim.name] = size
+                bound_by[dim.name] = path
+                continue
+            if size == expected:
+                continue
+            message = (
+                f"`{leaf_name(argname, path)}` has shape {shape}: axis {axis} is "
+                f"{size}, but {cls!r} expects "
+            )
+            if dim.name is None:
+                return message + f"it to be {expected}."
+            if dim.name in bound:
+                return message + (
+                    f"{dim.name}={expected}, as bound by "
+                    f"`{leaf_name(argname, bound_by[dim.name])}`. Every array leaf of "
+                    "a stacked model needs the same leading dims."
+                )
+            return message + (
+                f"{dim.name}={expected}, as bound earlier in the call (current "
+                f"bindings: {_bindings_str(memo.single)})."
+            )
+        return ""
+
+    def _check_instance(
+        cls,
+        instance: _Instance,
+        leaves: list[Any],
+        paths: tuple[KeyPath, ...],
+        argname: str,
+        memo: _Memo,
+        bound: dict[str, int],
+    ) -> str:
+        """Checks per-member shapes against field annotations in one fresh scope.
+
+        The scope starts from the call's bindings (including the leading dims just
+        bound), so a field dim that shares a name with the call must agree with it;
+        names first bound here are forgotten when this instance is done, so each
+        instance (each layer) binds its own.
+        """
+        lead = len(cls.parsed_dims)
+        with jaxtyping.jaxtyped("context"):
+            scope = _current_memo()
+            scope.single.update(memo.single)
+            scope.single.update(bound)
+            scope.variadic.update(memo.variadic)
+            for index, field_types in instance.fields:
+                leaf = leaves[index]
+                if not is_array(leaf):
+                    continue
+                member = _MemberShape(tuple(leaf.shape[lead:]), leaf.dtype)
+                reasons = []
+                for array_type in field_types:
+                    if array_type.array_type is not Any and not isinstance(
+                        leaf, array_type.array_type
+                    ):
+                        reasons.append(
+                            f"it has type {type(leaf).__qualname__}, not "
+                            f"{array_type.array_type.__qualname__}"
+                        )
+                        continue
+                    reason = _shape_only(array_type).__instancecheck_str__(member)  # pyright: ignore
+                    if not reason:
+                        break
+                    reasons.append(reason)
+                else:
+                    return cls._field_message(
+                        instance,
+                        paths[index],
+                        leaf,
+                        field_types,
+                        reasons,
+                        argname,
+                        scope,
+                    )
+        return ""
+
+    def _field_message(
+        cls,
+        instance: _Instance,
+        path: KeyPath,
+        leaf: Any,
+        field_types: tuple[type[AbstractArray], ...],
+        reasons: list[str],
+        argname: str,
+        scope: _Memo,
+    ) -> str:
+        lead = len(cls.parsed_dims)
+        field = path[-1].name  # pyright: ignore[reportAttributeAccessIssue]
+        annotation = " | ".join(t.__name__ for t in field_types)
+        owner = instance.cls.__qualname__
+        return (
+            f"`{leaf_name(argname, path)}` has shape {tuple(leaf.shape)}, so each "
+            f"member's {field} has shape {tuple(leaf.shape[lead:])}, which does not "
+            f"match {owner}.{field}: {annotation}: {'; '.join(reasons)}. Bindings in "
+            f"this {owner} instance (`{leaf_name(argname, instance.path)}`): "
+            f"{_bindings_str(scope.single)}."
+        )
+
+    def _unstacked_hint(cls) -> str:
+        return (
+            "Field shapes fit their annotations without the leading dims, so this "
+            "looks like a single, unstacked model: stack the members (eb.stack) so "
+            f"that every array leaf gains the leading dims {cls.dims!r}."
+        )
+
+
+def _member_signature(leaf: Any, lead: int) -> Any:
+    if not is_array(leaf):
+        return None
+    return type(leaf), tuple(leaf.shape[lead:]), leaf.dtype
+
+
+def _looks_unstacked(leaves: list[Any], plan: _Plan, indices: Any) -> bool:
+    # A leaf whose whole shape has exactly the rank its field annotation asks for
+    # carries no member axes.
+    return any(
+        is_array(leaves[index])
+        and array_type.index_variadic is None
+        and len(array_type.dims) == len(leaves[index].shape)
+        for index in indices
+        for array_type in plan.field_types[index]
+    )
+
+
+class _Stacked:
+    """`Stacked[Model, "n"]`: a `Model` whose array leaves have leading member axes.
+
+    A stacked model (an ensemble, a stack of layers, a batch of chains) is one `Model`
+    instance whose every array leaf has extra leading axes. This annotation says so in
+    a signature, and, with [`eb.typecheck`][] (or `jaxtyping.jaxtyped(typechecker=
+    beartype)`, or jaxtyping's import hook), checks it: the class, the leading dims of
+    every array leaf, and the per-member shape of every field annotated with a
+    jaxtyping array type (`weight: Float[Array, "out in"]`). Leading dim names bind
+    with the rest of the call, like the names in `Float[Array, "n b 4"]`.
+
+    Each module instance (each `eqx.Module` or NamedTuple in the tree) is checked in a
+    scope of its own. The scope starts from the bindings the call has made so far
+    (arguments are checked in order), so a field dim named like an already-bound dim of
+    the call must agree with it. The names an instance binds itself are forgotten when
+    it is done: two layers of one class each bind their own `out` and `in`, and field
+    dims never bind the call's. Name field dims differently from the call's dims unless
+    they are meant to be equal.
+
+    An unstacked model is rejected wherever shapes can tell: when a field annotation
+    leaves no room for the leading dims, or when another argument has bound them.
+    Array leaves (JAX arrays, tracers, NumPy arrays) are checked directly, not through
+    `jaxtyping.PyTree`; other leaves (activation functions, Python numbers) are left
+    alone. Under `jit` all of this runs once per trace.
+
+    Static type checkers read `Stacked[Model, "n"]` as `Model`, so a stacked model is
+    accepted wherever a `Model` is. (For the same reason they reject
+    `isinstance(x, eb.Stacked[...])`, which works at run time.)
+
+    Checks only run under a typechecker. With jaxtyping's import hook, a module's
+    `__init__` is checked against its field annotations too, so build stacked modules
+    with `eb.stack` or by vmapping the constructor (`eqx.filter_vmap(Linear)(...)`).
+
+    **Arguments** (as subscripts):
+
+    - `Model`: the class of the stacked model: an `eqx.Module` subclass, `dict`,
+        `tuple`, a NamedTuple, or any pytree class.
+    - `dims`: the leading member dims, separated by spaces: names and fixed sizes,
+        such as `"n"`, `"chains 4"` or `"layers"`.
+
+    **Returns:**
+
+    A class for use in annotations and `isinstance`.
+
+    **Raises:**
+
+    `eb.BatchError` if `Model` is not a class or `dims` is not a string of names and
+    sizes. A value that does not match fails `isinstance`; under a typechecker the
+    violation's message names the leaf path, its shape and the expected dims with their
+    current bindings.
+
+    !!! Example
+
+        ```python
+        from jaxtyping import Array, Float
+
+        class Linear(eqx.Module):
+            weight: Float[Array, "out in"]
+            bias: Float[Array, "out"]
+
+        @eb.typecheck
+        def predict(
+            models: eb.Stacked[Linear, "n"], x: Float[Array, "n b in"]
+        ) -> Float[Array, "n b out"]:
+            return jax.vmap(lambda m, x: x @ m.weight.T + m.bias[None])(models, x)
+
+        models = Linear(jnp.ones((5, 2, 3)), jnp.zeros((5, 2)))
+        predict(models, jnp.ones((5, 7, 3)))  # 5 members, each 3 -> 2
+        # predict(models, jnp.ones((6, 7, 3))) raises: n is 5 for models, 6 for x.
+        ```
+    """
+
+    def __class_getitem__(cls, item: tuple[type, str]) -> type:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise BatchError(
+                f"eb.Stacked takes a class and a dims string, as in "
+                f"eb.Stacked[Model, 'n']; got {item!r}."
+            )
+        model, dims = item
+        if not inspect.isclass(model):
+            raise BatchError(
+                f"eb.Stacked[{model!r}, ...]: the model must be a class (such as an "
+                "eqx.Module subclass, dict or a NamedTuple), not a subscripted or "
+                "other type form."
+            )
+        if not isinstance(dims, str):
+            raise BatchError(
+                f"eb.Stacked[{model.__qualname__}, {dims!r}]: dims must be a string "
+                "of names and sizes, such as 'n' or 'chains 4'."
+            )
+        return _make_stacked(model, " ".join(dims.split()))
+
+
+@ft.cache
+def _make_stacked(model: type, dims: str) -> type:
+    name = f"Stacked[{model.__qualname__}, {dims!r}]"
+    return _StackedMeta(
+        name,
+        (),
+        {
+            "model": model,
+            "dims": dims,
+            "parsed_dims": _parse_dims(dims),
+            "__module__": "eqx_batch",
+            "__doc__": f"An instance of {model.__qualname__} stacked along {dims!r}.",
+        },
+    )
+
+
+_Stacked.__name__ = _Stacked.__qualname__ = "Stacked"
+_Stacked.__module__ = "eqx_batch"
+
+if TYPE_CHECKING:
+    # Static checkers see `Stacked[Model, "n"]` as `Model`, as jaxtyping does for
+    # `Float[Array, "n"]`; importing `Annotated` under a new name is what pyright
+    # accepts (`Annotated` is a special form, so assigning it does not work).
+    from typing import Annotated as Stacked
+else:
+    Stacked = _Stacked
+
+
+# ------------------------------------------------------------------------------------
+# The decorator.
+
+_T = TypeVar("_T")
+
+
+def typecheck(fn: _T) -> _T:
+    """Checks a function's annotations, `Stacked` and jaxtyping shapes included.
+
+    This is `jaxtyping.jaxtyped(typechecker=beartype.beartype)`, whose per-call dim
+    scope makes `eb.Stacked[Model, "n"]` and `Float[Array, "n b"]` agree on `n`, with
+    one addition: jaxtyping's own error says which argument failed but not why, so the
+    violation's reason (for `Stacked`, the leaf path, its shape and the expected dims)
+    is appended to the message. Put it *inside* `jax.jit`/`eqx.filter_jit`
+    (`jax.jit(eb.typecheck(f))`): the checks then run once per trace and cost nothing
+    per call.
+
+    **Arguments:**
+
+    - `fn`: a function, or a dataclass (such as an `eqx.Module` subclass), whose
+        `__init__` is then checked.
+
+    **Returns:**
+
+    `fn`, checked.
+
+    **Raises:**
+
+    The decorated function raises `jaxtyping.TypeCheckError` (a `TypeError`) when an
+    argument or the return value violates its annotation.
+
+    !!! Example
+
+        ```python
+        from jaxtyping import Array, Float
+
+        @eb.typecheck
+        def mean_weight(models: eb.Stacked[dict, "n"]) -> Float[Array, "n"]:
+            return models["w"].mean(axis=1)
+
+        jax.jit(mean_weight)({"w": jnp.ones((3, 2))})  # checked once, at trace time
+        ```
+    """
+    if inspect.isclass(fn):
+        checked_cls = jaxtyping.jaxtyped(fn, typechecker=beartype)
+        checked_cls.__init__ = _with_reason(checked_cls.__init__)
+        return checked_cls
+    return _with_reason(jaxtyping.jaxtyped(fn, typechecker=beartype))  # pyright: ignore
+
+
+def _with_reason(checked: Any) -> Any:
+    if not inspect.isfunction(checked):
+        # A classmethod, staticmethod or property that jaxtyped wrapped in place.
+        return checked
+
+    @ft.wraps(checked)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        try:
+            return checked(*args, **kwargs)
+        except TypeCheckError as e:
+            reason = _violation_reason(e)
+            # Nested checked functions: the inner one has already added the reason.
+            if reason is None or reason in str(e):
+                raise
+            raise TypeCheckError(f"{e}\nReason: {reason}") from e
+
+    return wrapper
+
+
+def _violation_reason(error: BaseException) -> str | None:
+    # jaxtyping raises its summary `from` the typechecker's violation, which holds the
+    # reason (our `__instancecheck_str__` text for `Stacked`).
+    cause = error.__cause__
+    while cause is not None:
+        if isinstance(cause, BeartypeCallHintViolation):
+            # beartype writes "... parameter x=<value> violates type hint <hint>, as
+            # <reason>"; jaxtyping's summary already names the parameter and value.
+            _, found, rest = str(cause).partition(" violates type hint ")
+            _, found_reason, reason = rest.partition(", as ")
+            return reason if found and found_reason else str(cause)
+        cause = cause.__cause__
+    return None

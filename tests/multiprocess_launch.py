@@ -1,0 +1,154 @@
+"""Run a script as several local JAX processes, the way `jax.distributed` runs a job.
+
+The launching side is `launch(...)`; the launched script calls `initialize()` first.
+Every process gets its own forced CPU devices, CPU collectives go through gloo, and the
+coordinator listens on 127.0.0.1. Processes are always reaped: on success, on failure,
+on timeout, and if the test itself is interrupted.
+"""
+
+import dataclasses
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+
+# The variables through which `launch` tells each process its place in the job.
+COORDINATOR = "EQX_BATCH_COORDINATOR"
+NUM_PROCESSES = "EQX_BATCH_NUM_PROCESSES"
+PROCESS_ID = "EQX_BATCH_PROCESS_ID"
+TIMEOUT = "EQX_BATCH_TIMEOUT"
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """What one launched process left behind."""
+
+    process_id: int
+    returncode: int
+    output: str  # stdout and stderr, interleaved
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _environment(
+    process_id: int, num_processes: int, devices: int, port: int, timeout: float
+) -> dict[str, str]:
+    # Built explicitly: the parent's XLA/JAX settings (e.g. the test suite's 4 forced
+    # devices) must not leak into the children.
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("XLA_", "JAX_", "EQX_BATCH_"))
+    }
+    env.update(
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        **{
+            COORDINATOR: f"127.0.0.1:{port}",
+            NUM_PROCESSES: str(num_processes),
+            PROCESS_ID: str(process_id),
+            TIMEOUT: str(int(timeout)),
+        },
+    )
+    return env
+
+
+def launch(
+    script: str | pathlib.Path,
+    args: Sequence[str] = (),
+    *,
+    num_processes: int = 2,
+    devices_per_process: int = 2,
+    timeout: float = 180.0,
+) -> list[Finished]:
+    """Runs `python script *args` as `num_processes` processes of one JAX job.
+
+    Waits for all of them, at most `timeout` seconds in total. If one fails, the others
+    are killed rather than left waiting in a collective for a peer that is gone.
+
+    Returns each process's `Finished`, in process order. Raises `AssertionError` with
+    every process's output if any process fails or the job times out.
+    """
+    port = free_port()
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(num_processes)]
+    processes: list[subprocess.Popen] = []
+    timed_out = False
+    try:
+        try:
+            for process_id, log in enumerate(logs):
+                env = _environment(
+                    process_id, num_processes, devices_per_process, port, timeout
+                )
+                processes.append(
+                    subprocess.Popen(
+                        [sys.executable, str(script), *args],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                    )
+                )
+            deadline = time.monotonic() + timeout
+            while any(p.poll() is None for p in processes):
+                if any(p.poll() not in (None, 0) for p in processes):
+                    break
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                time.sleep(0.05)
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+            for process in processes:
+                process.wait()
+        finished = []
+        for process_id, process in enumerate(processes):
+            logs[process_id].seek(0)
+            output = logs[process_id].read()
+            finished.append(Finished(process_id, process.returncode, output))
+    finally:
+        for log in logs:
+            log.close()
+    if timed_out or any(f.returncode != 0 for f in finished):
+        report = "\n".join(
+            f"--- process {f.process_id} (exit code {f.returncode}) ---\n"
+            f"{f.output[-4000:]}"
+            for f in finished
+        )
+        reason = f"timed out after {timeout}s" if timed_out else "failed"
+        raise AssertionError(f"multi-process job {reason}:\n{report}")
+    return finished
+
+
+def initialize() -> tuple[int, int]:
+    """In a launched process: joins the job. Call before anything else touches JAX.
+
+    Returns `(process_id, num_processes)`.
+    """
+    import jax
+
+    process_id = int(os.environ[PROCESS_ID])
+    num_processes = int(os.environ[NUM_PROCESSES])
+    timeout = int(os.environ[TIMEOUT])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=os.environ[COORDINATOR],
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=timeout,
+        heartbeat_timeout_seconds=timeout,
+        shutdown_timeout_seconds=timeout,
+    )
+    return process_id, num_processes

@@ -1,0 +1,238 @@
+"""Every script in examples/ runs as a user would run it, and prints what it claims.
+
+Each example runs in a fresh subprocess (working directory a temporary folder, files
+written there with `--out`), under a bounded timeout, without this suite's XLA/JAX
+settings (the scripts choose their own devices), and with warnings as errors. Each
+ends with a line `RESULT {json}` that the tests read; files they write are opened.
+"""
+
+import ast
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import matplotlib.image
+import numpy as np
+import pytest
+
+import eqx_batch as eb
+
+
+pytestmark = pytest.mark.examples
+
+ROOT = pathlib.Path(__file__).parent.parent
+EXAMPLES = ROOT / "examples"
+# Generous: each script takes about 20 s on 2 idle CPU cores.
+TIMEOUT = 300
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SCRIPTS = [
+    "deep_scan",
+    "ensemble_regression",
+    "multi_process",
+    "parallel_markov_chains",
+    "pmap_outputs_to_list",
+    "vmap_affine",
+]
+
+
+def run_example(name: str, out: pathlib.Path) -> tuple[str, dict]:
+    """Runs `examples/<name>.py --out OUT`; returns its output and its RESULT."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("XLA_", "JAX_"))
+    }
+    env.update(PYTHONWARNINGS="error", MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+    out.mkdir(parents=True, exist_ok=True)
+    completed = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), "--out", str(out)],
+        cwd=out,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, f"{name}.py failed:\n{output[-6000:]}"
+    results = [
+        line for line in completed.stdout.splitlines() if line.startswith("RESULT ")
+    ]
+    assert len(results) == 1, f"{name}.py printed no single RESULT line:\n{output}"
+    assert completed.stdout.rstrip().endswith(results[0]), "RESULT is not the last line"
+    return completed.stdout, json.loads(results[0].removeprefix("RESULT "))
+
+
+def assert_png(path: pathlib.Path) -> tuple[int, int]:
+    """A real PNG image that is not blank; returns its (height, width)."""
+    assert path.read_bytes()[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert np.ptp(image[..., :3]) > 0.5, f"{path} is blank"
+    return image.shape[0], image.shape[1]
+
+
+def test_every_example_is_tested_and_documented():
+    assert sorted(p.stem for p in EXAMPLES.glob("*.py")) == SCRIPTS
+    for name in SCRIPTS:
+        source = (EXAMPLES / f"{name}.py").read_text()
+        docstring = ast.get_docstring(ast.parse(source)) or ""
+        assert f"python examples/{name}.py" in docstring, f"{name}: how to run it?"
+        assert "RESULT" in docstring, f"{name}: the docstring should name its output"
+
+
+def test_pmap_outputs_to_list(tmp_path):
+    output, result = run_example("pmap_outputs_to_list", tmp_path)
+    assert result["devices"] == 4
+    assert result["num_tasks"] == 4
+    assert result["index_matches_unstack"] is True
+    assert result["round_trip_exact"] is True
+    assert result["filter_pmap_tasks"] == 6
+    assert result["filter_pmap_matches_single"] is True
+    # Each task fitted its own line: the least-squares slope is near its true slope.
+    np.testing.assert_allclose(result["slopes"], result["true_slopes"], atol=0.3)
+    assert len(set(result["true_slopes"])) == 4
+
+    per_task = json.loads((tmp_path / "per_task.json").read_text())
+    assert isinstance(per_task, list) and len(per_task) == 4
+    for task, slope in zip(per_task, result["slopes"], strict=True):
+        assert sorted(task) == ["metrics", "params", "true_slope"]
+        assert task["params"]["slope"] == pytest.approx(slope)
+        assert len(task["metrics"]["worst_points"]) == 3
+    assert "task 3: slope" in output
+
+
+def test_parallel_markov_chains(tmp_path):
+    output, result = run_example("parallel_markov_chains", tmp_path)
+    chains = result["chains"]
+    assert chains == 8 and result["draws"] == 200
+    assert result["nonfinite_chains"] == []
+    assert len(result["acceptance"]) == chains
+    assert all(0.05 < rate < 0.8 for rate in result["acceptance"])
+    # Every chain finds the posterior: its predictions sit near the truth and each
+    # other's (a chain stuck elsewhere, or chains sharing a key, would show here).
+    means = np.array(result["posterior_mean_at_query"])
+    assert np.all(np.abs(means - result["truth_at_query"]) < 0.15)
+    assert np.ptp(means) < 0.1 and len(set(means.tolist())) == chains
+    assert result["rmse"] < 0.1
+    assert_png(tmp_path / "chains_trace.png")
+    assert "acceptance" in output and "posterior mean" in output
+
+
+def test_vmap_affine(tmp_path):
+    output, result = run_example("vmap_affine", tmp_path)
+    for flag in (
+        "raw_error",
+        "shared_matches_loop",
+        "per_example_matches_loop",
+        "batch_error_names_argument",
+        "batch_error_suggests_fix",
+        "typecheck_count_error",
+        "typecheck_unstacked_error",
+    ):
+        assert result[flag] is True, flag
+    assert result["accuracy"] > 0.9
+    assert all(accuracy > 0.9 for accuracy in result["member_accuracy"])
+    # The errors are shown to the reader, not only checked.
+    assert "dot_general requires contracting dimensions" in output
+    assert "did you mean in_axes=(0, None, None)?" in output
+    assert "TypeCheckError" in output
+
+
+def test_ensemble_regression(tmp_path):
+    _, result = run_example("ensemble_regression", tmp_path)
+    members = result["members"]
+    member_mse = np.array(result["member_mse"])
+    assert members == 8 and member_mse.shape == (members,)
+    assert np.all(np.isfinite(member_mse)) and np.all(member_mse < 0.5)
+    # The point of an ensemble: its mean beats a typical member.
+    assert result["ensemble_mse"] < result["median_member_mse"]
+    assert result["median_member_mse"] == pytest.approx(np.median(member_mse))
+    assert result["best_member_mse"] == pytest.approx(member_mse.min())
+    # The edited member is the worst one, and editing it left the others alone.
+    assert result["edited_member"] == int(np.argmax(member_mse))
+    assert result["edited_member_mse"][0] == pytest.approx(member_mse.max())
+    assert result["others_unchanged"] is True
+    assert result["load_stacked_ok"] is True
+    assert result["load_as_list_ok"] is True
+    assert result["load_list_as_stacked_ok"] is True
+
+    size = assert_png(tmp_path / "ensemble_regression.png")
+    # The README shows a committed copy of this plot.
+    assert assert_png(ROOT / "docs" / "assets" / "ensemble_regression.png") == size
+
+    # The checkpoints are real eqx_batch files that load here, stacked or as a list.
+    like = eqx.filter_eval_shape(
+        eb.ensemble,
+        eqx.nn.MLP,
+        members,
+        in_size="scalar",
+        out_size="scalar",
+        width_size=32,
+        depth=2,
+        activation=jnp.tanh,
+        key=jax.random.key(0),
+    )
+    stacked = eb.load(tmp_path / "ensemble.eqx", like=like)
+    as_list = eb.load(tmp_path / "members.eqx", like=eb.unstack(stacked))
+    assert eb.batch_size(stacked) == members and len(as_list) == members
+    for i, member in enumerate(as_list):
+        for a, b in zip(
+            jax.tree.leaves(eqx.filter(member, eqx.is_array)),
+            jax.tree.leaves(eqx.filter(eb.index(stacked, i), eqx.is_array)),
+            strict=True,
+        ):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_deep_scan(tmp_path):
+    output, result = run_example("deep_scan", tmp_path)
+    assert result["depth"] == 64
+    assert result["output_shape"] == [256, 64]
+    assert result["outputs_finite"] is True
+    assert result["max_output_difference"] <= 1e-5
+    assert result["max_gradient"] > 0
+    assert result["max_gradient_difference"] <= 1e-5 * max(1.0, result["max_gradient"])
+    for kind in ("scan", "unrolled"):
+        assert result["compile_seconds"][kind] > 0
+        assert result["run_seconds"][kind] > 0
+    assert "eb.scan_layers" in output and "Python loop" in output
+
+
+def test_multi_process(tmp_path):
+    output, result = run_example("multi_process", tmp_path)
+    assert result["process_exit_codes"] == [0, 0]
+    assert result["single_exit_code"] == 0
+    assert result["match"] is True
+    assert result["run_chains_agrees"] is True
+    # Both processes joined one job of 4 devices; process 0 reported the chains.
+    assert output.count("joined: 4 devices in the job, 2 of them here") == 2
+    assert "[process 0] checksum" in output
+    # The commands a user would run by hand, one per process.
+    assert "--process-id 0" in output and "--process-id 1" in output
+
+    with np.load(tmp_path / "multi_process.npz") as saved:
+        job = dict(saved)
+    with np.load(tmp_path / "single_process.npz") as saved:
+        single = {k: v for k, v in saved.items() if k != "run_chains_agrees"}
+    assert (
+        sorted(job)
+        == sorted(single)
+        == [
+            "acceptance",
+            "layer1_weights",
+            "layer2_weights",
+        ]
+    )
+    for name, value in single.items():
+        assert job[name].shape == value.shape
+        np.testing.assert_allclose(job[name], value, rtol=1e-5, atol=1e-6)
+    assert job["layer1_weights"].shape == (8, 4)
+    # The chains moved, and differ from each other.
+    assert np.all((job["acceptance"] > 0.05) & (job["acceptance"] < 0.95))
+    assert len(np.unique(job["layer2_weights"][:, 0])) == 8

@@ -1,0 +1,37 @@
+"""`eb.filter_pmap` and `eb.shard` in a job of 2 processes with 2 CPU devices each.
+
+The job's results must equal, bit for bit, the same computation in this (single)
+process over its 4 forced devices: the partitioned program is the same, only the
+devices live in different processes.
+"""
+
+import pathlib
+
+import numpy as np
+from multiprocess_launch import launch
+from multiprocess_worker import computation
+
+
+WORKER = pathlib.Path(__file__).parent / "multiprocess_worker.py"
+
+
+def test_two_processes_match_one_process_bit_for_bit(tmp_path):
+    launch(WORKER, [str(tmp_path)], num_processes=2, devices_per_process=2)
+    expected = computation()
+    assert int(expected["device_count"]) == 4
+    assert int(expected["num_partitions"]) == 4
+    # Padding members stayed out of the collectives: 1 + ... + 6 and 1 + ... + 4.
+    assert (expected["out_count"] == 21).all()
+    assert (expected["four_count"] == 10).all()
+    for process_id in range(2):
+        with np.load(tmp_path / f"process{process_id}.npz") as saved:
+            got = dict(saved)
+        assert sorted(got) == sorted(expected)
+        # Every process sees the global job's devices and gets whole results.
+        assert int(got["device_count"]) == 4
+        assert int(got["num_partitions"]) == 4
+        assert got["fully_addressable"].all()
+        for name, value in expected.items():
+            assert got[name].dtype == value.dtype, name
+            assert got[name].shape == value.shape, name
+            assert got[name].tobytes() == value.tobytes(), f"{name} differs"

@@ -1,0 +1,587 @@
+"""stack, unstack, batch_size, index, take and concat."""
+
+import functools as ft
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+from helpers import assert_trees_identical
+from hypothesis import given, settings
+
+import eqx_batch as eb
+
+
+FAST = settings(max_examples=25, deadline=None)
+
+
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+class Block(eqx.Module):
+    weight: Any
+    scale: Any
+    activation: Callable = eqx.field(static=True)
+    name: str = eqx.field(static=True, default="block")
+
+
+def _mlps(n: int, key=None, **kwargs) -> list[eqx.nn.MLP]:
+    keys = jr.split(jr.key(0) if key is None else key, n)
+    return [eqx.nn.MLP(4, 3, 5, 2, key=k, **kwargs) for k in keys]
+
+
+def _assert_members_identical(a: list, b: list) -> None:
+    assert type(a) is list and type(b) is list
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert_trees_identical(x, y)
+
+
+# ------------------------------------------------------------------------------------
+# Happy paths.
+
+
+def test_stack_mlps_and_back():
+    members = _mlps(3)
+    stacked = eb.stack(members)
+    assert stacked.layers[0].weight.shape == (3, 5, 4)
+    assert stacked.activation is members[0].activation
+    assert eb.batch_size(stacked) == 3
+    _assert_members_identical(eb.unstack(stacked), members)
+
+
+def test_unstack_filter_vmap_output():
+    keys = jr.split(jr.key(1), 4)
+    stacked = eqx.filter_vmap(lambda k: eqx.nn.MLP(2, 2, 8, 2, key=k))(keys)
+    members = eb.unstack(stacked)
+    assert len(members) == 4
+    expected = eqx.nn.MLP(2, 2, 8, 2, key=keys[2])
+    assert_trees_identical(members[2], expected)
+    assert_trees_identical(eb.stack(members), stacked)
+
+
+def test_unstack_pmap_output():
+    out = jax.pmap(lambda x: {"double": 2 * x, "square": x * x})(jnp.arange(4.0))
+    members = eb.unstack(out)
+    assert [float(m["double"]) for m in members] == [0.0, 2.0, 4.0, 6.0]
+    assert [float(m["square"]) for m in members] == [0.0, 1.0, 4.0, 9.0]
+    assert all(m["double"].shape == () for m in members)
+    # Pieces of a leaf sharded over devices go to the default device, uncommitted.
+    assert all(m["double"].devices() == {jax.devices()[0]} for m in members)
+    assert not any(m["double"].committed for m in members)
+
+
+def test_non_array_leaves_kept_once_and_given_to_every_member():
+    members = [
+        {"w": jnp.full(2, float(i)), "lr": 0.5, "tag": "x", "n": None} for i in range(3)
+    ]
+    stacked = eb.stack(members)
+    assert stacked["lr"] == 0.5 and type(stacked["lr"]) is float
+    assert stacked["tag"] == "x" and stacked["n"] is None
+    back = eb.unstack(stacked)
+    assert all(m["lr"] == 0.5 and m["tag"] == "x" for m in back)
+    _assert_members_identical(back, members)
+
+
+def test_numpy_stays_numpy_and_jax_stays_jax():
+    members = [
+        {"np": np.full(3, i, np.int8), "jax": jnp.full(3, i, jnp.int8)}
+        for i in range(2)
+    ]
+    stacked = eb.stack(members)
+    assert type(stacked["np"]) is np.ndarray
+    assert isinstance(stacked["jax"], jax.Array)
+    _assert_members_identical(eb.unstack(stacked), members)
+
+
+def test_axes_int_and_none():
+    shared = jnp.arange(3.0)
+    members = [{"w": jnp.full((2, 3), float(i)), "shared": shared} for i in range(4)]
+    stacked = eb.stack(members, axes={"w": 1, "shared": None})
+    assert stacked["w"].shape == (2, 4, 3)
+    assert stacked["shared"] is shared
+    back = eb.unstack(stacked, axes={"w": 1, "shared": None})
+    assert all(m["shared"] is shared for m in back)
+    _assert_members_identical(back, members)
+    assert eb.batch_size(stacked, axes={"w": -2, "shared": None}) == 4
+
+
+def test_index_and_take():
+    stacked = {"w": jnp.arange(12.0).reshape(4, 3), "b": np.arange(4), "s": "k"}
+    member = eb.index(stacked, 1)
+    assert_trees_identical(
+        member, {"w": jnp.arange(3.0, 6.0), "b": np.array(1), "s": "k"}
+    )
+    assert_trees_identical(eb.index(stacked, -1), eb.unstack(stacked)[-1])
+    subset = eb.take(stacked, [3, -4, 3])
+    assert_trees_identical(subset, eb.stack([eb.index(stacked, i) for i in (3, 0, 3)]))
+    assert type(subset["b"]) is np.ndarray
+    empty = eb.take(stacked, np.zeros(0, np.int32))
+    assert empty["w"].shape == (0, 3)
+
+
+def test_concat():
+    a = eb.stack(_mlps(2, jr.key(1)))
+    b = eb.stack(_mlps(3, jr.key(2)))
+    joined = eb.concat([a, b])
+    assert eb.batch_size(joined) == 5
+    _assert_members_identical(eb.unstack(joined), eb.unstack(a) + eb.unstack(b))
+    nested = {"w": jnp.zeros((2, 3)), "n": np.ones((3, 2))}
+    joined = eb.concat([nested, nested], axes={"w": 0, "n": 1})
+    assert joined["w"].shape == (4, 3) and joined["n"].shape == (3, 4)
+    assert type(joined["n"]) is np.ndarray
+
+
+def test_one_member_and_zero_size_leaves():
+    members = [{"empty": jnp.zeros((0, 2)), "scalar": jnp.float32(3.0)}]
+    stacked = eb.stack(members)
+    assert stacked["empty"].shape == (1, 0, 2) and stacked["scalar"].shape == (1,)
+    _assert_members_identical(eb.unstack(stacked), members)
+
+
+def test_typed_and_legacy_keys():
+    members = [{"key": jr.key(i), "legacy": jr.PRNGKey(i)} for i in range(3)]
+    stacked = eb.stack(members)
+    assert jnp.issubdtype(stacked["key"].dtype, jax.dtypes.prng_key)
+    assert stacked["key"].shape == (3,) and stacked["legacy"].shape == (3, 2)
+    _assert_members_identical(eb.unstack(stacked), members)
+    keys = jr.split(jr.key(5), 4)
+    assert_trees_identical(eb.stack(eb.unstack(keys)), keys)
+    assert_trees_identical(eb.index(keys, 2), keys[2])
+    assert_trees_identical(eb.take(keys, [1, 2]), keys[1:3])
+
+
+def test_float64_under_x64():
+    with jax.enable_x64(True):
+        members = [jnp.array([i, -0.0, np.nan], dtype=jnp.float64) for i in range(3)]
+        stacked = eb.stack(members)
+        assert stacked.dtype == jnp.float64
+        _assert_members_identical(eb.unstack(stacked), members)
+
+
+def test_weak_type_round_trips():
+    weak = jnp.full((2, 3), 1.5)
+    assert weak.weak_type
+    members = eb.unstack(weak)
+    assert all(m.weak_type for m in members)
+    assert eb.stack(members).weak_type
+    assert_trees_identical(eb.stack(members), weak)
+    assert eb.index(weak, 0).weak_type and eb.take(weak, [1]).weak_type
+
+
+def test_committed_device_is_kept():
+    device = jax.devices()[2]
+    stacked = jax.device_put(jnp.arange(6.0).reshape(3, 2), device)
+    members = eb.unstack(stacked)
+    assert all(m.devices() == {device} and m.committed for m in members)
+    restacked = eb.stack(members)
+    assert restacked.devices() == {device} and restacked.committed
+
+
+def test_inside_jit():
+    stacked = eb.stack(_mlps(3))
+
+    @eqx.filter_jit
+    def roundtrip(tree, i, indices):
+        return eb.stack(eb.unstack(tree)), eb.index(tree, i), eb.take(tree, indices)
+
+    again, member, subset = roundtrip(stacked, 2, jnp.array([2, 0]))
+    assert_trees_identical(again, stacked)
+    assert_trees_identical(member, eb.index(stacked, 2))
+    assert_trees_identical(subset, eb.take(stacked, [2, 0]))
+    concatenated = eqx.filter_jit(lambda a, b: eb.concat([a, b]))(stacked, stacked)
+    assert_trees_identical(concatenated, eb.concat([stacked, stacked]))
+
+
+def test_result_of_stack_is_a_fresh_copy():
+    host = np.zeros(3, np.float32)
+    stacked = eb.stack([host, host])
+    host[0] = 1.0
+    assert stacked[0, 0] == 0.0
+    members = eb.unstack(stacked)
+    stacked[0, 1] = 5.0
+    assert members[0][1] == 0.0
+
+
+# ------------------------------------------------------------------------------------
+# Compilations do not grow with the number of members.
+
+
+class _CompileCounter:
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+def _compiles(fn: Callable[[], Any]) -> int:
+    counter = _CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        jax.block_until_ready(fn())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counter)
+    return counter.count
+
+
+@pytest.mark.parametrize("placement", ["default", "committed"])
+def test_compilations_do_not_grow_with_members(placement):
+    def fresh(n: int, width: int) -> Any:
+        # A width unused elsewhere, so no earlier test has compiled for these shapes.
+        tree = {
+            "w": jnp.ones((n, width, 3)),
+            "b": jnp.ones((n, width), jnp.int32),
+            "k": jr.split(jr.key(0), n),
+            "weak": jnp.full((n, width), 2.0),
+        }
+        if placement == "committed":
+            tree = jax.device_put(tree, jax.devices()[1])
+        return jax.block_until_ready(tree)
+
+    counts = {}
+    for n, width in ((3, 17), (40, 19)):
+        tree = fresh(n, width)
+        members = eb.unstack(tree)
+        counts[n] = (
+            _compiles(lambda t=tree: eb.unstack(t)),
+            _compiles(lambda m=members: eb.stack(m)),
+            _compiles(lambda t=tree, n=n: [eb.index(t, i) for i in range(n)]),
+            _compiles(lambda t=tree: eb.concat([t, t])),
+        )
+    assert counts[3] == counts[40]
+    # Concrete CPU arrays go through host NumPy: no XLA program at all.
+    assert counts[40] == (0, 0, 0, 0)
+
+
+# ------------------------------------------------------------------------------------
+# Lossless both ways, over generated pytrees.
+
+DTYPES = [
+    np.float32,
+    np.float16,
+    jnp.bfloat16,
+    np.int8,
+    np.uint32,
+    np.bool_,
+    np.complex64,
+]
+
+
+def _raw_array(rng: np.random.Generator, shape: tuple, dtype: Any) -> np.ndarray:
+    """Arbitrary bits: NaN payloads, -0.0, infinities and subnormals all occur."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, shape).astype(np.bool_)
+    raw = rng.integers(0, 256, math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+shapes = st.lists(st.integers(0, 3), min_size=0, max_size=3).map(tuple)
+
+array_leaf = st.tuples(
+    st.just("array"),
+    st.sampled_from(["numpy", "jax", "weak", "key", "legacy_key"]),
+    st.sampled_from(DTYPES),
+    shapes,
+)
+
+static_leaf = st.tuples(
+    st.just("static"),
+    st.sampled_from([1.5, -0.0, 3, True, "name", None, jax.nn.relu, (1, "a")]),
+)
+
+
+def _container(children: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.sampled_from("abcd"), children, max_size=3),
+        st.tuples(children, children).map(lambda p: Pair(*p)),
+        st.tuples(children, children).map(lambda p: ("block", p)),
+    )
+
+
+tree_specs = st.recursive(st.one_of(array_leaf, static_leaf), _container, max_leaves=6)
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) > 0 and x[0] in ("array", "static")
+
+
+def _build(spec: Any, rng: np.random.Generator, batch: tuple = ()) -> Any:
+    """A pytree following `spec`, with fresh array values and `batch` leading axes."""
+    if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "block":
+        first, second = spec[1]
+        return Block(_build(first, rng, batch), _build(second, rng, batch), jax.nn.relu)
+    if _is_spec_leaf(spec):
+        if spec[0] == "static":
+            return spec[1]
+        leaf_spec: Any = spec  # ("array", kind, dtype, shape)
+        _, kind, dtype, shape = leaf_spec
+        if kind == "key":
+            data = _raw_array(rng, batch + shape + (2,), np.uint32)
+            return jr.wrap_key_data(jnp.asarray(data), impl="threefry2x32")
+        if kind == "legacy_key":
+            return jnp.asarray(_raw_array(rng, batch + shape + (2,), np.uint32))
+        data = _raw_array(rng, batch + shape, dtype)
+        if kind == "numpy":
+            return data
+        if kind == "weak":
+            # Only Python scalars make weak-typed arrays; the dtype is float32.
+            return jnp.full(batch + shape, float(rng.standard_normal()))
+        return jnp.asarray(data)
+    if isinstance(spec, Pair):
+        return Pair(_build(spec.first, rng, batch), _build(spec.second, rng, batch))
+    if isinstance(spec, dict):
+        return {k: _build(v, rng, batch) for k, v in spec.items()}
+    children = [_build(c, rng, batch) for c in spec]
+    return tuple(children) if isinstance(spec, tuple) else children
+
+
+def _has_mapped_leaf(tree: Any) -> bool:
+    return any(eqx.is_array(x) for x in jtu.tree_leaves(tree))
+
+
+@FAST
+@given(spec=tree_specs, n=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
+def test_unstack_of_stack_is_identity(spec, n, seed):
+    rng = np.random.default_rng(seed)
+    members = [_build(spec, rng) for _ in range(n)]
+    stacked = eb.stack(members)
+    if _has_mapped_leaf(stacked):
+        assert eb.batch_size(stacked) == n
+        _assert_members_identical(eb.unstack(stacked), members)
+        for i in (0, n - 1, -1):
+            assert_trees_identical(eb.index(stacked, i), members[i])
+    else:
+        assert_trees_identical(stacked, members[0])
+
+
+@FAST
+@given(spec=tree_specs, n=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
+def test_stack_of_unstack_is_identity(spec, n, seed):
+    stacked = _build(spec, np.random.default_rng(seed), batch=(n,))
+    if not _has_mapped_leaf(stacked):
+        with pytest.raises(eb.BatchError, match="no array leaf"):
+            eb.unstack(stacked)
+        return
+    members = eb.unstack(stacked)
+    assert len(members) == n
+    assert_trees_identical(eb.stack(members), stacked)
+    assert_trees_identical(eb.take(stacked, list(range(n))), stacked)
+    assert_trees_identical(eb.concat([stacked]), stacked)
+    halves = [eb.take(stacked, range(n // 2)), eb.take(stacked, range(n // 2, n))]
+    assert_trees_identical(eb.concat(halves), stacked)
+
+
+@FAST
+@given(spec=tree_specs, n=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_unstack_under_jit_matches_eager(spec, n, seed):
+    stacked = _build(spec, np.random.default_rng(seed), batch=(n,))
+    if not _has_mapped_leaf(stacked):
+        return
+    # Under jit every array (NumPy too) becomes a JAX array.
+    as_jax = jtu.tree_map(lambda x: jnp.asarray(x) if eqx.is_array(x) else x, stacked)
+    eager = eb.unstack(as_jax)
+    traced = eqx.filter_jit(eb.unstack)(as_jax)
+    _assert_members_identical(traced, eager)
+
+
+# ------------------------------------------------------------------------------------
+# Errors: each is a BatchError naming the leaf by argument name and path.
+
+
+def _raises(match: str, fn: Callable[[], Any], *names: str) -> str:
+    with pytest.raises(eb.BatchError, match=match) as info:
+        fn()
+    message = str(info.value)
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+    assert isinstance(info.value, ValueError)
+    return message
+
+
+def test_stack_empty():
+    _raises("empty", lambda: eb.stack([]), "`trees`")
+    _raises("empty", lambda: eb.concat([]), "`trees`")
+
+
+def test_stack_different_structure():
+    a = {"layer1": [1.0, jnp.zeros(2)], "layer2": {"weights": jnp.zeros(2)}}
+    b = {"layer1": [1.0, jnp.zeros(2)], "layer2": {"weight": jnp.zeros(2)}}
+    _raises("same structure", lambda: eb.stack([a, a, a, b]), "trees[3]['layer2']")
+    c = {"layer1": [1.0], "layer2": {"weights": jnp.zeros(2)}}
+    _raises("length 1", lambda: eb.stack([a, c]), "trees[1]['layer1']")
+    _raises("same structure", lambda: eb.concat([a, b]), "trees[1]['layer2']")
+
+
+def test_stack_different_static_field():
+    a = Block(jnp.zeros(2), 1.0, jax.nn.relu, name="a")
+    b = Block(jnp.zeros(2), 1.0, jax.nn.relu, name="b")
+    message = _raises("same structure", lambda: eb.stack([a, b]), "trees[1].name")
+    assert "'a'" in message and "'b'" in message
+    mlp = _mlps(1)[0]
+    deeper = eqx.nn.MLP(4, 3, 5, 3, key=jr.key(0))
+    _raises("static field", lambda: eb.stack([mlp, deeper]), "trees[1].depth", "3")
+
+
+def test_stack_shape_mismatch():
+    members = _mlps(2)
+    odd = eqx.tree_at(lambda m: m.layers[1].weight, members[0], jnp.zeros((5, 6)))
+    message = _raises(
+        "shape", lambda: eb.stack([*members, odd]), "trees[2].layers[1].weight"
+    )
+    assert "(5, 6)" in message and "(5, 5)" in message
+
+
+def test_stack_dtype_mismatch():
+    a, b = {"w": jnp.zeros(2)}, {"w": jnp.zeros(2, jnp.int32)}
+    _raises("dtype", lambda: eb.stack([a, b]), "trees[1]['w']", "int32", "float32")
+
+
+def test_stack_different_activation():
+    # The partition/combine idiom would silently keep member 0's activation.
+    relu = _mlps(1)[0]
+    tanh = eqx.nn.MLP(4, 3, 5, 2, activation=jax.nn.tanh, key=jr.key(0))
+    message = _raises(
+        "must be equal", lambda: eb.stack([relu, relu, tanh]), "trees[2].activation"
+    )
+    assert "relu" in message and "tanh" in message
+
+
+def test_stack_two_lambdas_differ():
+    a, b = {"f": lambda x: x}, {"f": lambda x: x}
+    _raises("different objects", lambda: eb.stack([a, b]), "trees[1]['f']")
+
+
+def test_stack_python_scalar_differs():
+    a, b = {"lr": 0.1, "w": jnp.zeros(1)}, {"lr": 0.2, "w": jnp.zeros(1)}
+    _raises("make it an array", lambda: eb.stack([a, b]), "trees[1]['lr']", "0.2")
+    c = {"lr": 1, "w": jnp.zeros(1)}
+    _raises("same type", lambda: eb.stack([{"lr": 1.0, "w": jnp.zeros(1)}, c]), "int")
+    d = {"lr": -0.0, "w": jnp.zeros(1)}
+    _raises("must be equal", lambda: eb.stack([{"lr": 0.0, "w": jnp.zeros(1)}, d]))
+
+
+def test_stack_shared_leaf_differs():
+    axes = {"w": 0, "shared": None}
+    a = {"w": jnp.zeros(2), "shared": jnp.arange(3.0)}
+    b = {"w": jnp.zeros(2), "shared": jnp.arange(3.0) + 1}
+    _raises("other values", lambda: eb.stack([a, b], axes=axes), "trees[1]['shared']")
+    c = {"w": jnp.zeros(2), "shared": jnp.arange(4.0)}
+    _raises("float32\\[4\\]", lambda: eb.stack([a, c], axes=axes), "trees[1]")
+    equal = {"w": jnp.ones(2), "shared": jnp.arange(3.0)}
+    assert eb.stack([a, equal], axes=axes)["shared"] is a["shared"]
+
+
+def test_stack_shared_traced_leaf():
+    axes = {"w": 0, "shared": None}
+
+    @jax.jit
+    def f(x, y):
+        return eb.stack([{"w": x, "shared": x}, {"w": y, "shared": y}], axes=axes)
+
+    with pytest.raises(eb.BatchError, match="traced") as info:
+        f(jnp.zeros(2), jnp.ones(2))
+    assert "trees[1]['shared']" in str(info.value)
+
+
+def test_stack_array_versus_non_array():
+    a, b = {"w": jnp.zeros(2)}, {"w": 2.0}
+    _raises("not an array", lambda: eb.stack([a, b], axes=0), "trees[1]['w']")
+    _raises("must be equal", lambda: eb.stack([b, a]), "trees[1]['w']")
+
+
+def test_stack_axis_out_of_range():
+    a = {"w": jnp.zeros(2)}
+    _raises("out of range", lambda: eb.stack([a, a], axes=2), "trees[0]['w']")
+
+
+def test_member_axis_sizes_disagree():
+    tree = {
+        "a": jnp.zeros(3),
+        "b": jnp.zeros((4, 2)),
+        "c": jnp.zeros(3),
+        "d": np.zeros(5),
+    }
+    for fn in (
+        eb.unstack,
+        eb.batch_size,
+        lambda t: eb.index(t, 0),
+        lambda t: eb.take(t, [0]),
+    ):
+        message = _raises("disagree", lambda fn=fn: fn(tree), "tree['b']", "tree['d']")
+        assert "4" in message and "5" in message and "tree['a']" in message
+    bad = {"w": jnp.zeros((2, 3)), "v": jnp.zeros((3, 3))}
+    _raises(
+        "disagree",
+        lambda: eb.concat([{"w": jnp.zeros((2, 3)), "v": jnp.zeros((2, 3))}, bad]),
+        "trees[1]['v']",
+    )
+
+
+def test_zero_d_leaf():
+    tree = {"w": jnp.zeros(3), "t": jnp.float32(1.0)}
+    for fn in (
+        eb.unstack,
+        eb.batch_size,
+        lambda t: eb.index(t, 0),
+        lambda t: eb.take(t, [0]),
+    ):
+        _raises("0-d", lambda fn=fn: fn(tree), "tree['t']", "None")
+    _raises("0-d", lambda: eb.concat([tree, tree]), "trees[0]['t']")
+
+
+def test_no_array_leaf():
+    for fn in (
+        eb.unstack,
+        eb.batch_size,
+        lambda t: eb.index(t, 0),
+        lambda t: eb.take(t, [0]),
+    ):
+        _raises("no array leaf", lambda fn=fn: fn({"a": 1.0, "b": "x"}))
+    _raises("no array leaf", lambda: eb.unstack({"w": jnp.zeros(3)}, axes=None))
+
+
+def test_index_out_of_range():
+    tree = {"w": jnp.zeros((3, 2))}
+    _raises("out of range", lambda: eb.index(tree, 3), "3 members", "-3 to 2")
+    _raises("out of range", lambda: eb.index(tree, -4), "-4")
+    _raises("integer", lambda: eb.index(tree, 1.0))  # pyright: ignore[reportArgumentType]
+    _raises("out of range", lambda: eb.take(tree, [0, 3, -5]), "[3, -5]")
+    _raises("1-d", lambda: eb.take(tree, 1))
+    _raises("1-d", lambda: eb.take(tree, [0.5]))
+    _raises("1-d", lambda: eqx.filter_jit(eb.take)(tree, jnp.array(1)))
+    assert eb.take(tree, [])["w"].shape == (0, 2)
+
+
+def test_concat_shape_mismatch_off_member_axis():
+    a, b = {"w": jnp.zeros((2, 3))}, {"w": jnp.zeros((2, 4))}
+    _raises("apart from member axis", lambda: eb.concat([a, b]), "trees[1]['w']")
+
+
+def test_bad_axis_spec():
+    _raises("axis spec", lambda: eb.stack([{"w": jnp.zeros(2)}], axes="x"))
+    _raises("prefix", lambda: eb.unstack({"w": jnp.zeros(2)}, axes={"v": 0}))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        ft.partial(eb.stack, [{"w": jnp.zeros(2)}, {"w": 1.0}], axes=0),
+        ft.partial(eb.unstack, {"w": 1.0}, axes=0),
+    ],
+)
+def test_non_array_with_member_axis(call):
+    _raises("not an array", call, "['w']")
