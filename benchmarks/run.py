@@ -1,9 +1,10 @@
 """Run every `benchmarks/bench_*.py` in a fresh process and print one table of ratios.
 
-Each script measures eqx_batch against the baseline it must beat, side by side in one run,
-and prints `RESULT {json}` lines through `_report.report`. Usage: `python benchmarks/run.py
-[name-filter ...]`. Exits non-zero if a script fails to run (not if a target is missed:
-these machines are shared and noisy, so the table is for reading, not for gating).
+Each script measures eqx_batch against the baseline it must beat, side by side in one
+run, and prints `RESULT {json}` lines through `_report.report`. Usage:
+`python benchmarks/run.py [name-filter ...]`. Exits non-zero if a script fails to run,
+not if a target is missed: these machines are shared and noisy, so the table is for
+reading, not for gating.
 """
 
 import json

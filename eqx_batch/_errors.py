@@ -11,8 +11,9 @@ class BatchError(ValueError):
     """Raised by eqx_batch for bad input.
 
     The message names the offending leaf by the user's argument name followed by its
-    `jax.tree_util.keystr` path (`model.layers[1].weight`, `state['layer2']['weights']`),
-    the values, shapes or dtypes that disagree, and, where the fix is obvious, the fix.
+    `jax.tree_util.keystr` path (`model.layers[1].weight`,
+    `state['layer2']['weights']`), the values, shapes or dtypes that disagree, and,
+    where the fix is obvious, the fix.
 
     It subclasses `ValueError`, so code that already catches `ValueError` keeps working.
 

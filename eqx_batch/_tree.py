@@ -12,7 +12,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError, KeyPath, bullet_list, describe, leaf_name
+from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
 
 
 AxisSpec = None | int | Callable[[Any], int | None]
@@ -23,14 +23,18 @@ def is_array(x: Any) -> bool:
     return eqx.is_array(x)
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _resolve_subtree(spec: Any, subtree: Any, argname: str, path: KeyPath) -> Any:
-    if spec is None or isinstance(spec, int) and not isinstance(spec, bool):
+    if spec is None or _is_int(spec):
         return jtu.tree_map(lambda _: spec, subtree)
     if callable(spec):
 
         def call(leaf_path: KeyPath, leaf: Any) -> int | None:
             axis = spec(leaf)
-            if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
+            if axis is not None and not _is_int(axis):
                 raise BatchError(
                     f"axis spec for `{leaf_name(argname, path + leaf_path)}` returned "
                     f"{axis!r}; a callable spec must return an int or None."
@@ -50,8 +54,8 @@ def resolve_axes(tree: Any, axes: Any, argname: str) -> Any:
     Every leaf of the result is the leaf's member axis as written (an int, possibly
     negative) or `None`.
 
-    Raises `BatchError` if `axes` is not a prefix of `tree`, or holds something that is not
-    an axis spec.
+    Raises `BatchError` if `axes` is not a prefix of `tree`, or holds something that is
+    not an axis spec.
     """
     try:
         prefix = jtu.tree_structure(axes, is_leaf=_is_none)
@@ -64,7 +68,7 @@ def resolve_axes(tree: Any, axes: Any, argname: str) -> Any:
     specs = jtu.tree_flatten_with_path(axes, is_leaf=_is_none)[0]
     resolved = [
         _resolve_subtree(spec, subtree, argname, path)
-        for (path, spec), subtree in zip(specs, subtrees)
+        for (path, spec), subtree in zip(specs, subtrees, strict=True)
     ]
     return jtu.tree_unflatten(prefix, resolved)
 
@@ -85,7 +89,7 @@ def mapped_leaves(
     leaves = jtu.tree_flatten_with_path(tree)[0]
     axis_leaves = jtu.tree_structure(tree).flatten_up_to(resolved)
     out = []
-    for (path, leaf), axis in zip(leaves, axis_leaves):
+    for (path, leaf), axis in zip(leaves, axis_leaves, strict=True):
         if axis is not None:
             axis = normalise_axis(leaf, axis, leaf_name(argname, path))
         out.append((path, leaf, axis))

@@ -17,7 +17,9 @@ import eqx_batch as eb
 
 
 ROOT = pathlib.Path(__file__).parent.parent
-FENCE = re.compile(r"^(?P<indent>[ ]*)```python\n(?P<body>.*?)^(?P=indent)```", re.M | re.S)
+FENCE = re.compile(
+    r"^(?P<indent>[ ]*)```python\n(?P<body>.*?)^(?P=indent)```", re.M | re.S
+)
 
 
 def _blocks(text: str) -> list[str]:
