@@ -47,7 +47,7 @@ def _run(code: str, where: str) -> None:
         exec(compile(code, where, "exec"), namespace)
 
 
-PAGES = sorted((ROOT / "docs").rglob("*.md"))
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PUBLIC = [name for name in eb.__all__ if inspect.getdoc(getattr(eb, name))]
 
 
