@@ -6,7 +6,7 @@ called on each leaf and returns one of those.
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import equinox as eqx
 import jax.tree_util as jtu
@@ -23,7 +23,7 @@ def is_array(x: Any) -> bool:
     return eqx.is_array(x)
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
