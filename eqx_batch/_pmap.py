@@ -36,11 +36,12 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._errors import BatchError, leaf_name
-from ._tree import common_size, is_array, mapped_leaves, resolve_axes
+from ._tree import _is_none, common_size, is_array, mapped_leaves, resolve_axes
 from ._vmap import (
     _DEFAULT_AXIS,
     _join_output,
     _split_output,
+    _Static,
     bind_arguments,
     check_mapped_sizes,
     filter_vmap,
@@ -183,15 +184,6 @@ class _Frozen:
     @property
     def tree(self) -> Any:
         return jtu.tree_unflatten(self.treedef, self.leaves)
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
-class _Static(eqx.Module):
-    # Non-array outputs leave `jax.jit` as part of the output's treedef.
-    value: Any = eqx.field(static=True)
 
 
 @dataclasses.dataclass(frozen=True)

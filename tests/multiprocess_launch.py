@@ -16,6 +16,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+import jax
+
 
 # The variables through which `launch` tells each process its place in the job.
 COORDINATOR = "EQX_BATCH_COORDINATOR"
@@ -137,8 +139,6 @@ def initialize() -> tuple[int, int]:
 
     Returns `(process_id, num_processes)`.
     """
-    import jax
-
     process_id = int(os.environ[PROCESS_ID])
     num_processes = int(os.environ[NUM_PROCESSES])
     timeout = int(os.environ[TIMEOUT])

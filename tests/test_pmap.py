@@ -234,6 +234,9 @@ def test_devices_argument():
     out = f(jnp.arange(4.0))
     assert out.sharding.device_set == set(devices)
     assert_trees_identical(out, jnp.arange(0.0, 8.0, 2.0))
+    one_each = f(jnp.arange(2.0))
+    assert one_each.sharding.device_set == set(devices)
+    assert_trees_identical(one_each, jnp.arange(0.0, 4.0, 2.0))
 
 
 @pytest.mark.parametrize("members", [4, 6])
