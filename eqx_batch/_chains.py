@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from ._errors import BatchError, bullet_list, describe, leaf_name
 from ._pmap import member_mesh, shard
@@ -68,7 +69,8 @@ class Chains(eqx.Module):
 
     - `final`: the chains' states after the last step, stacked like `init`.
     - `trace`: the recorded states (or the step's outputs with `with_output=True`),
-        each leaf shaped `[chains, draws, ...]`; `None` with `trace=False`.
+        each array leaf shaped `[chains, draws, ...]`; non-array leaves of the state
+        (an MLP's activation) are kept as in `init`. `None` with `trace=False`.
     - `keys`: each chain's PRNG key after the run, in the form it was given (typed or
         legacy). Passing `final` and `keys` to `run_chains` continues the chains
         exactly where they stopped.
@@ -326,22 +328,38 @@ class _Placed:
         if self.total != self.num_chains:
             extra = np.zeros(self.total - self.num_chains, int)
             tree = take(tree, np.r_[np.arange(self.num_chains), extra])
+        if jax.process_count() > 1:
+            # Only host data (the same in every process) can be placed on the devices
+            # of other processes.
+            tree = jtu.tree_map(lambda x: np.asarray(x) if is_array(x) else x, tree)
         return shard(tree)
 
     def take(self, tree: Any) -> Any:
-        if self.total == self.num_chains:
-            return tree
-        return take(tree, np.arange(self.num_chains))
+        """The real chains' rows, whole on every process."""
+        if self.total != self.num_chains:
+            tree = take(tree, np.arange(self.num_chains))
+        if jax.process_count() > 1:
+            # Each process would otherwise hold only its devices' chains; like
+            # `eb.filter_pmap`, every process gets whole results.
+            tree = self.whole(tree)
+        return tree
+
+    def whole(self, tree: Any) -> Any:
+        """`tree` replicated: every process holds all of it (a collective)."""
+        return _replicate(tree, jax.sharding.NamedSharding(member_mesh(), P()))
 
     def zeros(self, like: Any) -> Any:
         """Zeros shaped like `like` (one chain per row), created already split."""
         mesh = member_mesh()
-        sharding = jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec(mesh.axis_names[0])
-        )
+        sharding = jax.sharding.NamedSharding(mesh, P(mesh.axis_names[0]))
         leaves, treedef = jtu.tree_flatten(like)
         specs = tuple(((self.total, *x.shape[1:]), x.dtype) for x in leaves)
         return jtu.tree_unflatten(treedef, _sharded_zeros(specs, sharding))
+
+
+@ft.partial(jax.jit, static_argnums=(1,))
+def _replicate(tree: Any, sharding: jax.sharding.Sharding) -> Any:
+    return jtu.tree_map(lambda x: lax.with_sharding_constraint(x, sharding), tree)
 
 
 @ft.partial(jax.jit, static_argnums=(0, 1))
@@ -354,9 +372,9 @@ def _sharded_zeros(specs: tuple, sharding: jax.sharding.Sharding) -> list[jax.Ar
 
 
 # ------------------------------------------------------------------------------------
-# Checkpoints: a manifest (states, keys, NaN report, step count) rewritten atomically
-# after each segment, and one file per segment's draws, written once. The trace is
-# never rewritten, so a checkpoint costs the new draws plus the states.
+# Checkpoints: the run state (states, keys, NaN report, step count) rewritten
+# atomically after each segment, and one file per segment's draws, written once. The
+# trace is never rewritten, so a checkpoint costs the new draws plus the states.
 
 
 _FORMAT = 1
@@ -418,68 +436,59 @@ def _describe_run(
 class _Checkpoint:
     """Where a run's checkpoint lives, and what run it belongs to.
 
-    `path` holds the manifest: the run's description and its progress (steps done, the
-    file of the states and the files of the draws so far). Each file is written
-    atomically by `eb.save`, and the manifest last, so whatever the manifest names
-    exists and is whole; the states file it replaces is deleted only afterwards.
+    `path` holds the run's description, its progress (steps done and the files of the
+    draws so far) and its state (states, keys, NaN report). Each file is written
+    atomically by `eb.save`, the draws first, so whatever `path` names exists and is
+    whole.
     """
 
     path: pathlib.Path
     run: dict[str, Any]
 
-    def sibling(self, suffix: str) -> pathlib.Path:
-        return self.path.with_name(f"{self.path.name}.{suffix}")
+    def draws_file(self, first: int, stop: int) -> str:
+        return f"{self.path.name}.draws-{first}-{stop}"
 
     def write(
         self,
         steps_done: int,
-        states: Any,
+        state: dict[str, Any],
         chunks: list[tuple[str, int, int]],
         draws: Any,
     ) -> None:
-        """Writes the new draws (if any) and the states, then the manifest."""
+        """Writes the new draws (if any), then the run state that commits them."""
         if draws is not None:
             save(self.path.with_name(chunks[-1][0]), draws)
-        state_file = self.sibling(f"state-{steps_done}")
-        save(state_file, states)
-        previous = self._progress() if self.path.exists() else None
-        progress = {
-            "steps_done": steps_done,
-            "state": state_file.name,
-            "chunks": chunks,
-        }
-        save(self.path, {"run": json.dumps(self.run), "progress": json.dumps(progress)})
-        if previous is not None and previous["state"] != state_file.name:
-            self.path.with_name(previous["state"]).unlink(missing_ok=True)
+        progress = {"steps_done": steps_done, "chunks": chunks}
+        save(
+            self.path,
+            {"run": json.dumps(self.run), "progress": json.dumps(progress), **state},
+        )
 
-    def _manifest(self) -> tuple[dict, dict]:
-        manifest = load(self.path, {"run": "", "progress": ""})
-        return json.loads(manifest["run"]), json.loads(manifest["progress"])
-
-    def _progress(self) -> dict:
-        return self._manifest()[1]
-
-    def read(self, states: Any, trace_like: Any) -> tuple[int, Any, list, Any] | None:
-        """Steps done, states, draw files and a draw loader; None without a checkpoint.
+    def read(self, state_like: dict[str, Any], trace_like: Any) -> tuple | None:
+        """Steps done, run state, draw files and a draw loader; None if no checkpoint.
 
         Raises if the checkpoint belongs to a different run.
         """
         if not self.path.exists():
             return None
-        run, progress = self._manifest()
+        like = {"run": "", "progress": "", **state_like}
+        try:
+            saved = load(self.path, like)
+        except BatchError as e:
+            differs = (
+                "its saved state does not fit this call's `init` and `key` (another "
+                f"structure, shapes or number of chains). Loading it said: {e}"
+            )
+            raise self._refusal([differs]) from None
+        run = json.loads(saved.pop("run"))
         differences = [
             f"{name}: the checkpoint has {run.get(name)!r}, this call has {value!r}"
             for name, value in self.run.items()
             if run.get(name) != value
         ]
         if differences:
-            raise BatchError(
-                f"`checkpoint` ({self.path}) was written by a different run:\n"
-                + bullet_list(differences)
-                + "\nPass another path, or delete the checkpoint's files to start this "
-                "run afresh."
-            )
-        saved = load(self.path.with_name(progress["state"]), states)
+            raise self._refusal(differences)
+        progress = json.loads(saved.pop("progress"))
         chunks = [tuple(chunk) for chunk in progress["chunks"]]
 
         def draws(name: str, first: int, stop: int) -> Any:
@@ -492,6 +501,14 @@ class _Checkpoint:
             return load(self.path.with_name(name), like)
 
         return progress["steps_done"], saved, chunks, draws
+
+    def _refusal(self, differences: list[str]) -> BatchError:
+        return BatchError(
+            f"`checkpoint` ({self.path}) was written by a different run:\n"
+            + bullet_list(differences)
+            + "\nPass another path, or delete the checkpoint's files to start this "
+            "run afresh."
+        )
 
 
 # ------------------------------------------------------------------------------------
@@ -515,20 +532,27 @@ def run_chains(
 
     `step` advances one chain's state, a pytree such as a model's weights; `init`
     stacks many such states along axis 0. All chains run in one compiled loop, spread
-    over every device, and chain `i` gets the same result (bit for bit, when its step
-    is elementwise) as running it alone with its own key: each step's key is split from
-    the chain's own carried key, so the number of chains, devices, thinning or
-    checkpoint interval never changes a chain's random stream.
+    over every device of every process, and chain `i` gets the same result (bit for
+    bit, when its step is elementwise) as running it alone with its own key: each
+    step's key is split from the chain's own carried key, so the number of chains,
+    devices, processes, thinning or checkpoint interval never changes a chain's
+    random stream.
 
     A chain whose state goes NaN or infinite keeps running without disturbing the
     others and is reported in `nonfinite`.
+
+    The trace is one buffer of its final size, written in place as the loop runs. When
+    the number of chains does not divide evenly over the devices, the chains are
+    padded with copies of chain 0 whose results are dropped (at the cost of one copy of
+    the results when they are sliced off).
 
     **Arguments:**
 
     - `step`: `step(state, key) -> new_state` for ONE chain, or
         `step(state, key) -> (new_state, output)` with `with_output=True`. The new
-        state must have the structure, shapes and dtypes of `state`. Pass data by
-        closure or `functools.partial`.
+        state must have the structure, shapes and dtypes of `state`. Pass data with
+        `functools.partial` (its arrays become arguments of the compiled loop, so a
+        new partial does not recompile) or by closure (compiled in as constants).
     - `init`: the chains' initial states, stacked along axis 0 of every array leaf (a
         dict of arrays, an Equinox module, ...). Non-array leaves are shared.
     - `key`: one PRNG key, split with `jax.random.split(key, chains)`, or an array of
@@ -539,19 +563,24 @@ def run_chains(
         `burn_in + 1 + thin`, ... : the uninterrupted trace `[:, burn_in::thin]`.
     - `with_output`: record `step`'s second output in the trace instead of the state.
     - `trace`: whether to record a trace at all (memory: chains x draws x state).
-    - `progress`: show one progress bar for all chains, updated from inside the
-        compiled loop.
+    - `progress`: show one tqdm bar for all chains, updated from inside the compiled
+        loop about 100 times per run (each update is one host callback).
     - `checkpoint`: a file path. The run state is written there atomically (new draws
         go to files named after it in the same folder), and a call with the same
-        arguments resumes from it; if the run finished, its result is read back
-        without recomputing.
+        arguments resumes from it, bit for bit; if the run finished, its result is
+        read back without recomputing. The checkpoint records the run (the structure,
+        shapes, dtypes and a fingerprint of `init`'s values, the keys, `num_steps`,
+        `thin`, `burn_in`, `with_output`, `trace` and `step`'s qualified name) and
+        refuses to resume another one. In a job of several processes, process 0
+        writes it and every process reads it (a folder they all see).
     - `checkpoint_every`: write the checkpoint after every this many steps (while the
         next steps run). `None` writes it once, at the end.
 
     **Returns:**
 
     A [`eb.Chains`][] with `final`, `trace` (`[chains, draws, ...]` per leaf), `keys`
-    (to continue the run exactly) and `nonfinite`.
+    (to continue the run exactly) and `nonfinite`. Its arrays stay split over the
+    devices; in a job of several processes, every process gets whole results.
 
     **Raises:**
 
@@ -559,8 +588,8 @@ def run_chains(
         dtype (naming the leaf), or does not return a pair with `with_output=True`;
         if `key` does not hold one key or one key per chain; if the array leaves of
         `init` disagree on the number of chains; if `num_steps`, `thin`, `burn_in` or
-        `checkpoint_every` are out of range; or if `checkpoint` holds the checkpoint
-        of a different run (saying what differs).
+        `checkpoint_every` are out of range; if `checkpoint` holds the checkpoint of
+        a different run (saying what differs).
 
     !!! Example
 
@@ -577,9 +606,13 @@ def run_chains(
         ```
     """
     _check_counts(num_steps, thin, burn_in)
-    _check_checkpoint_every(checkpoint, checkpoint_every)
+    _check_checkpoint(checkpoint, checkpoint_every)
     num_chains = _chain_count(eqx.filter(init, is_array))
     keys, legacy = _chain_keys(key, num_chains)
+    if isinstance(step, ft.partial) and not isinstance(step, jtu.Partial):
+        # As a pytree, a partial's arrays (the data) are arguments of the compiled loop
+        # rather than constants baked into it, so a new partial does not recompile.
+        step = jtu.Partial(step.func, *step.args, **step.keywords)
     output = _check_step(step, init, keys, legacy, with_output)
     num_draws = _draws_before(num_steps, burn_in, thin)
     trace_like = None
@@ -608,15 +641,14 @@ def run_chains(
         first_bad = loaded["first_bad"]
 
     placed = _Placed(num_chains)
-    states, keys, first_bad = (
-        placed.put(states),
-        placed.put(keys),
-        placed.put(first_bad),
-    )
+    states, first_bad = placed.put(states), placed.put(first_bad)
+    # Placed as raw key data: typed keys cannot go to other processes' devices.
+    keys = jr.wrap_key_data(placed.put(jr.key_data(keys)), impl=jr.key_impl(keys))
     buffer = None if trace_like is None else placed.zeros(trace_like)
     if read_draws is not None and buffer is not None:
         for name, first, stop in chunks:
-            buffer = _put_draws((read_draws(name, first, stop), first), buffer)
+            draws = placed.put(read_draws(name, first, stop))
+            buffer = _put_draws((draws, first), buffer)
 
     plan = _Plan(
         length=0,
@@ -634,51 +666,54 @@ def run_chains(
         if progress:
             handle = stack.enter_context(ProgressBar(num_steps, "run_chains")).handle
         writer = None
-        if store is not None:
+        if store is not None and jax.process_index() == 0:
+            # In a job of several processes, process 0 writes for all of them.
             writer = stack.enter_context(concurrent.futures.ThreadPoolExecutor(1))
         while steps_done < num_steps:
             length = min(interval, num_steps - steps_done)
-            start = jnp.asarray(steps_done, jnp.int32)
+            start = np.int32(steps_done)
             segment_plan = dataclasses.replace(plan, length=length)
             states, keys, first_bad, buffer = _segment(
                 (segment_plan, step, states, keys, first_bad, start, handle), buffer
             )
             first = _draws_before(steps_done, burn_in, thin)
             steps_done += length
-            if store is None or writer is None:
+            if store is None:
                 continue
             stop = _draws_before(steps_done, burn_in, thin)
             new_draws = None
             if plan.record and stop > first:
                 # Sliced now, before the next segment takes over (donates) the buffer.
-                new_draws = _draw_slice(
-                    buffer, jnp.asarray(first, jnp.int32), stop - first
-                )
+                new_draws = _draw_slice(buffer, np.int32(first), stop - first)
                 chunks = [
                     *chunks,
-                    (store.sibling(f"draws-{first}-{stop}").name, first, stop),
+                    (store.draws_file(first, stop), first, stop),
                 ]
+            snapshot = (eqx.filter(states, is_array), keys, first_bad, new_draws)
+            if jax.process_count() > 1:
+                snapshot = placed.whole(snapshot)
+            if writer is None:
+                continue
             if pending is not None:
                 # At most one write in flight: a slow disk slows the run down rather
                 # than piling up copies of the draws.
                 pending.result()
             pending = writer.submit(
-                _write_checkpoint,
-                store,
-                steps_done,
-                (eqx.filter(states, is_array), keys, first_bad, new_draws),
-                num_chains,
-                chunks,
+                _write_checkpoint, store, steps_done, snapshot, num_chains, chunks
             )
         if pending is not None:
             pending.result()
 
-    nonfinite_steps = np.asarray(first_bad)[:num_chains]
+    recorded = None if buffer is None else placed.take(buffer)
+    if recorded is not None and not with_output:
+        # Non-array leaves (an MLP's activation) are shared, so the trace has them too.
+        recorded = eqx.combine(recorded, eqx.filter(init, is_array, inverse=True))
+    nonfinite_steps = np.asarray(placed.take(first_bad))
     bad_chains = np.flatnonzero(nonfinite_steps)
     keys = placed.take(keys)
     return Chains(
         final=placed.take(states),
-        trace=None if buffer is None else placed.take(buffer),
+        trace=recorded,
         keys=jr.key_data(keys) if legacy else keys,
         nonfinite=NonFinite(
             chains=bad_chains.astype(np.int64),
@@ -687,7 +722,7 @@ def run_chains(
     )
 
 
-def _check_checkpoint_every(checkpoint: Any, checkpoint_every: Any) -> None:
+def _check_checkpoint(checkpoint: Any, checkpoint_every: Any) -> None:
     if checkpoint_every is None:
         return
     if checkpoint is None:
@@ -702,7 +737,7 @@ def _check_checkpoint_every(checkpoint: Any, checkpoint_every: Any) -> None:
 
 
 def _host_like(init: Any, keys: jax.Array) -> dict[str, Any]:
-    """The structure of a checkpoint's states file."""
+    """The structure of the run state that a checkpoint holds."""
 
     def like(x: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(x.shape, x.dtype)

@@ -5,8 +5,10 @@ saves `final`, `trace` and `keys` with `eb.save`:
 
     python chains_worker.py OUT NUM_CHAINS NUM_STEPS [CHECKPOINT CHECKPOINT_EVERY]
 
-The test suite runs it with a checkpoint and SIGKILLs it mid-run, and runs it with
-another device count (set through `XLA_FLAGS` by the caller) to compare bits.
+The test suite runs it with a checkpoint and SIGKILLs it mid-run, runs it with another
+device count (set through `XLA_FLAGS` by the caller) to compare bits, and runs it as a
+job of several processes (`multiprocess_launch.launch`, with `--job` before the other
+arguments), where each process saves the results it got to `OUT.<process id>`.
 """
 
 import sys
@@ -51,6 +53,13 @@ def outputs(result: eb.Chains) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    if argv[0] == "--job":
+        from multiprocess_launch import initialize
+
+        process_id, _ = initialize()
+        main([f"{argv[1]}.{process_id}", *argv[2:]])
+        jax.distributed.shutdown()
+        return
     out, num_chains, num_steps, *rest = argv
     checkpoint = rest[0] if rest else None
     checkpoint_every = int(rest[1]) if rest else None

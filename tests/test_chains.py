@@ -1,8 +1,10 @@
 """`eb.run_chains` and `eb.Chains`: per-chain bits, checkpoints, a real kill, errors."""
 
+import functools as ft
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 from chains_worker import make_init, metropolis, outputs
 from helpers import assert_trees_identical, tree_allclose
+from multiprocess_launch import launch
 
 import eqx_batch as eb
 
@@ -101,6 +104,48 @@ def test_one_device_and_four_devices_give_the_same_bits(tmp_path):
     assert_trees_identical(one, four)
 
 
+def test_two_processes_give_the_same_bits(tmp_path):
+    # A job of 2 processes with 2 devices each: the chains are split over all 4
+    # devices of both processes, and every process gets whole results.
+    out = tmp_path / "job.eqx"
+    launch(WORKER, ["--job", str(out), "6", "20"], devices_per_process=2)
+    four = outputs(eb.run_chains(metropolis, make_init(6), jr.key(0), 20))
+    for process_id in range(2):
+        assert_trees_identical(eb.load(f"{out}.{process_id}", four), four)
+
+
+def test_two_processes_resume_and_checkpoint(tmp_path):
+    # A checkpoint stopped at step 10 of 20 (a finished 10-step run with `num_steps`
+    # rewritten), made by a zeroing step of the same name so that resuming it shows,
+    # is resumed by a job of 2 processes (process 0 writes the later checkpoints) and,
+    # from a copy, by this process: the same bits.
+    init = make_init(6)
+    job_dir, here_dir = tmp_path / "job", tmp_path / "here"
+    job_dir.mkdir()
+    path = job_dir / "run.ckpt"
+    eb.run_chains(_zeros_named_metropolis, init, jr.key(0), 10, checkpoint=path)
+    saved = _checkpoint(path, init)
+    saved["run"] = saved["run"].replace('"num_steps": 10', '"num_steps": 20')
+    eb.save(path, saved)
+    shutil.copytree(job_dir, here_dir)
+
+    out = tmp_path / "job.eqx"
+    launch(
+        WORKER, ["--job", str(out), "6", "20", str(path), "7"], devices_per_process=2
+    )
+    here = eb.run_chains(
+        metropolis, init, jr.key(0), 20, checkpoint=here_dir / "run.ckpt"
+    )
+    assert not jnp.any(here.trace["layer1"]["weights"][:, :10])
+    for process_id in range(2):
+        assert_trees_identical(
+            eb.load(f"{out}.{process_id}", outputs(here)), outputs(here)
+        )
+    assert _steps_done(path, init) == 20
+    again = eb.run_chains(metropolis, init, jr.key(0), 20, checkpoint=path)
+    assert_trees_identical(outputs(again), outputs(here))
+
+
 def test_matmul_step_is_allclose_to_running_alone():
     # XLA may sum a matmul in another order for another batch size: allclose, not bits.
     weights = jr.normal(jr.key(3), (4, 4)) / 4
@@ -149,6 +194,18 @@ def test_with_output_records_outputs():
     assert_trees_identical(result.final, plain.final)
 
 
+def test_data_passed_with_partial():
+    def step(state: jax.Array, key: jax.Array, *, data: jax.Array) -> jax.Array:
+        return state + data + jr.normal(key, state.shape)
+
+    init = jnp.zeros((3, 2))
+    data = jnp.array([1.0, -1.0])
+    with_partial = eb.run_chains(ft.partial(step, data=data), init, jr.key(0), 5)
+    closed = eb.run_chains(lambda s, k: step(s, k, data=data), init, jr.key(0), 5)
+    assert_trees_identical(with_partial.trace, closed.trace)
+    assert not jnp.array_equal(with_partial.final, init)
+
+
 def test_no_trace():
     result = eb.run_chains(metropolis, make_init(2), jr.key(0), 5, trace=False)
     assert result.trace is None
@@ -173,17 +230,22 @@ def test_nonfinite_chains_are_reported_and_do_not_disturb_the_others():
 
 
 def test_equinox_module_state(getkey):
-    models = eqx.filter_vmap(lambda k: eqx.nn.Linear(2, 2, key=k))(
+    # An MLP also holds non-array leaves (its activations): shared, never stacked.
+    models = eqx.filter_vmap(lambda k: eqx.nn.MLP(2, 2, 4, 1, key=k))(
         jr.split(getkey(), 3)
     )
 
-    def step(model: eqx.nn.Linear, key: jax.Array) -> eqx.nn.Linear:
-        return jtu.tree_map(lambda w: w + 0.01 * jr.normal(key, w.shape), model)
+    def step(model: eqx.nn.MLP, key: jax.Array) -> eqx.nn.MLP:
+        params, static = eqx.partition(model, eqx.is_array)
+        params = jtu.tree_map(lambda w: w + 0.01 * jr.normal(key, w.shape), params)
+        return eqx.combine(params, static)
 
     result = eb.run_chains(step, models, getkey(), 4)
-    assert isinstance(result.final, eqx.nn.Linear)
-    assert result.final.weight.shape == (3, 2, 2)
-    assert result.trace.weight.shape == (3, 4, 2, 2)
+    assert isinstance(result.final, eqx.nn.MLP)
+    assert result.final.layers[0].weight.shape == (3, 4, 2)
+    assert result.trace.layers[0].weight.shape == (3, 4, 4, 2)
+    assert result.final.activation is models.activation
+    assert result.trace.activation is models.activation
 
 
 def test_trace_is_written_in_place():
@@ -255,8 +317,16 @@ def _zeros_named_metropolis(state: dict, key: jax.Array) -> dict:
 _zeros_named_metropolis.__qualname__ = "metropolis"
 
 
-def _manifest(path: pathlib.Path) -> dict:
-    return json.loads(eb.load(path, {"run": "", "progress": ""})["progress"])
+def _checkpoint(path: pathlib.Path, init: Any) -> dict:
+    """The run state file of a checkpoint, as written (for the key `jr.key(0)`)."""
+    from eqx_batch._chains import _host_like
+
+    keys = jr.split(jr.key(0), eb.batch_size(init))
+    return eb.load(path, {"run": "", "progress": "", **_host_like(init, keys)})
+
+
+def _steps_done(path: pathlib.Path, init: Any) -> int:
+    return json.loads(_checkpoint(path, init)["progress"])["steps_done"]
 
 
 def test_kill_and_resume_gives_the_same_bits(tmp_path):
@@ -280,17 +350,17 @@ def test_kill_and_resume_gives_the_same_bits(tmp_path):
         worker.kill()
         worker.wait()
     assert worker.returncode == -signal.SIGKILL
-    steps_done = _manifest(path)["steps_done"]
+    init = make_init(num_chains)
+    steps_done = _steps_done(path, init)
     assert 0 < steps_done < num_steps, "the kill did not land mid-run"
     assert not out.exists()
 
-    init = make_init(num_chains)
     resumed = eb.run_chains(
         metropolis, init, jr.key(0), num_steps, checkpoint=path, checkpoint_every=every
     )
     plain = eb.run_chains(metropolis, init, jr.key(0), num_steps)
     assert_trees_identical(outputs(resumed), outputs(plain))
-    assert _manifest(path)["steps_done"] == num_steps
+    assert _steps_done(path, init) == num_steps
 
 
 def test_resume_continues_from_the_checkpoint(tmp_path):
@@ -301,9 +371,9 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     done = eb.run_chains(metropolis, init, jr.key(0), 10, checkpoint=path)
     # Turn the finished checkpoint of a 10-step run into one of a 20-step run stopped
     # at step 10: same files, with `num_steps` rewritten.
-    manifest = eb.load(path, {"run": "", "progress": ""})
-    run = manifest["run"].replace('"num_steps": 10', '"num_steps": 20')
-    eb.save(path, {"run": run, "progress": manifest["progress"]})
+    saved = _checkpoint(path, init)
+    saved["run"] = saved["run"].replace('"num_steps": 10', '"num_steps": 20')
+    eb.save(path, saved)
 
     resumed = eb.run_chains(
         _zeros_named_metropolis, init, jr.key(0), 20, checkpoint=path
@@ -319,6 +389,10 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
         eb.run_chains(metropolis, make_init(2), jr.key(0), 6, checkpoint=path)
     with pytest.raises(eb.BatchError, match="init values"):
         eb.run_chains(metropolis, _shifted(2), jr.key(0), 5, checkpoint=path)
+    with pytest.raises(
+        eb.BatchError, match=r"does not fit this call's `init`.*shape \(3,\)"
+    ):
+        eb.run_chains(metropolis, make_init(3), jr.key(0), 5, checkpoint=path)
     with pytest.raises(eb.BatchError, match="keys"):
         eb.run_chains(metropolis, make_init(2), jr.key(1), 5, checkpoint=path)
     with pytest.raises(eb.BatchError, match="step: the checkpoint has 'metropolis'"):
