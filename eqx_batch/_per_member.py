@@ -10,13 +10,10 @@ from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
 from ._tree import common_size, mapped_leaves
 
 
-_MEMBER_AXIS = eqx.if_array(0)
-
-
 def per_member(
     tx: optax.GradientTransformation | optax.MultiSteps,
     *,
-    axes: Any = _MEMBER_AXIS,
+    axes: Any = eqx.if_array(0),
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation so that each ensemble member is its own model.
 

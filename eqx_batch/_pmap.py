@@ -38,7 +38,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from ._errors import BatchError, leaf_name
 from ._tree import _is_none, common_size, is_array, mapped_leaves, resolve_axes
 from ._vmap import (
-    _DEFAULT_AXIS,
     _join_output,
     _split_output,
     _Static,
@@ -92,7 +91,7 @@ def _member_spec(mesh: Mesh, axis: int | None) -> PartitionSpec:
 # ---------------------------------------------------------------------------- shard
 
 
-def shard(tree: Any, mesh: Mesh | None = None, *, axes: Any = _DEFAULT_AXIS) -> Any:
+def shard(tree: Any, mesh: Mesh | None = None, *, axes: Any = eqx.if_array(0)) -> Any:
     """Places a stacked tree's members across devices, ready for `jax.jit`.
 
     With the member axis of every mapped leaf split over a mesh (and every other array
@@ -473,8 +472,8 @@ class Compiled(eqx.Module):
 @overload
 def filter_pmap(
     *,
-    in_axes: Any = _DEFAULT_AXIS,
-    out_axes: Any = _DEFAULT_AXIS,
+    in_axes: Any = eqx.if_array(0),
+    out_axes: Any = eqx.if_array(0),
     axis_name: Hashable = None,
     axis_size: int | None = None,
     donate: Literal["all", "warn", "none"] = "none",
@@ -486,8 +485,8 @@ def filter_pmap(
 def filter_pmap(
     fun: Callable[..., Any],
     *,
-    in_axes: Any = _DEFAULT_AXIS,
-    out_axes: Any = _DEFAULT_AXIS,
+    in_axes: Any = eqx.if_array(0),
+    out_axes: Any = eqx.if_array(0),
     axis_name: Hashable = None,
     axis_size: int | None = None,
     donate: Literal["all", "warn", "none"] = "none",
@@ -498,8 +497,8 @@ def filter_pmap(
 def filter_pmap(
     fun: Callable[..., Any] | None = None,
     *,
-    in_axes: Any = _DEFAULT_AXIS,
-    out_axes: Any = _DEFAULT_AXIS,
+    in_axes: Any = eqx.if_array(0),
+    out_axes: Any = eqx.if_array(0),
     axis_name: Hashable = None,
     axis_size: int | None = None,
     donate: Literal["all", "warn", "none"] = "none",

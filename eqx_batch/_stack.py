@@ -31,9 +31,6 @@ from ._tree import common_size, is_array, mapped_leaves, resolve_axes
 
 Tree = TypeVar("Tree")
 
-# One shared default, so that every function's default is the same object.
-_DEFAULT_AXES = eqx.if_array(0)
-
 _SAME_STRUCTURE_FIX = (
     "stack and concat need members with the same structure: the same containers, "
     "keys, module types and static fields."
@@ -442,7 +439,7 @@ def _check_index(i: Any, size: int, argname: str) -> int:
 # Public API.
 
 
-def stack(trees: Sequence[Tree], *, axes: Any = _DEFAULT_AXES) -> Tree:
+def stack(trees: Sequence[Tree], *, axes: Any = eqx.if_array(0)) -> Tree:
     """Stacks a sequence of pytrees into one pytree with a member axis.
 
     Ensembles, populations and Markov chains are most efficient as one pytree whose
@@ -484,7 +481,7 @@ def stack(trees: Sequence[Tree], *, axes: Any = _DEFAULT_AXES) -> Tree:
     return _join_members(list(trees), axes, "trees", "stack", new_axis=True)
 
 
-def unstack(tree: Tree, *, axes: Any = _DEFAULT_AXES) -> list[Tree]:
+def unstack(tree: Tree, *, axes: Any = eqx.if_array(0)) -> list[Tree]:
     """Splits a stacked pytree into a list of members: the inverse of `stack`.
 
     `jax.vmap`, `jax.pmap` and `eqx.filter_vmap` return one pytree whose arrays carry a
@@ -527,7 +524,7 @@ def unstack(tree: Tree, *, axes: Any = _DEFAULT_AXES) -> list[Tree]:
     return [treedef.unflatten(member) for member in zip(*columns, strict=True)]
 
 
-def batch_size(tree: Any, *, axes: Any = _DEFAULT_AXES) -> int:
+def batch_size(tree: Any, *, axes: Any = eqx.if_array(0)) -> int:
     """The number of members of a stacked pytree: the common member-axis size.
 
     Stacked pytrees have no field recording their size; this reads it off the mapped
@@ -556,7 +553,7 @@ def batch_size(tree: Any, *, axes: Any = _DEFAULT_AXES) -> int:
     return _sizes(tree, axes, "tree")[1]
 
 
-def index(tree: Tree, i: int, *, axes: Any = _DEFAULT_AXES) -> Tree:
+def index(tree: Tree, i: int, *, axes: Any = eqx.if_array(0)) -> Tree:
     """Member `i` of a stacked pytree.
 
     Like `unstack(tree)[i]`, without building the other members. Indexing every member
@@ -594,7 +591,7 @@ def index(tree: Tree, i: int, *, axes: Any = _DEFAULT_AXES) -> Tree:
     return jtu.tree_unflatten(jtu.tree_structure(tree), out)
 
 
-def take(tree: Tree, indices: Any, *, axes: Any = _DEFAULT_AXES) -> Tree:
+def take(tree: Tree, indices: Any, *, axes: Any = eqx.if_array(0)) -> Tree:
     """A stacked pytree of the members at `indices`.
 
     Selects a subset (or a reordering, or repeats) of an ensemble or population while
@@ -652,7 +649,7 @@ def take(tree: Tree, indices: Any, *, axes: Any = _DEFAULT_AXES) -> Tree:
     return jtu.tree_unflatten(jtu.tree_structure(tree), out)
 
 
-def concat(trees: Sequence[Tree], *, axes: Any = _DEFAULT_AXES) -> Tree:
+def concat(trees: Sequence[Tree], *, axes: Any = eqx.if_array(0)) -> Tree:
     """Joins stacked pytrees along their member axis.
 
     Combines populations or ensembles built separately (e.g. on different hosts, or in

@@ -231,21 +231,27 @@ def _suggest_in_axes(
     return "{" + ", ".join(f"{name!r}: {rendered[name]}" for name in names) + "}"
 
 
-def _reference_size(
-    mapped: _LeavesByArgument, axis_size: int | None
-) -> tuple[int, str]:
-    """The size the others are checked against, and where it comes from.
-
-    The first argument whose mapped leaves agree among themselves is most likely the
-    batch (`model` in `f(model, x)`, `x` in `affine(x, w, b)`); failing that, the size
-    most leaves have.
-    """
-    if axis_size is not None:
-        return axis_size, f"axis_size={axis_size}"
+def _own_sizes(mapped: _LeavesByArgument) -> dict[str, int]:
+    """The size of each argument whose mapped leaves agree among themselves."""
+    own = {}
     for name, triples in mapped.items():
         sizes = {leaf.shape[axis] for _, leaf, axis in triples if axis is not None}
         if len(sizes) == 1:
-            return sizes.pop(), f"the size of `{name}`"
+            own[name] = sizes.pop()
+    return own
+
+
+def _reference_size(
+    mapped: _LeavesByArgument, own: dict[str, int], axis_size: int | None
+) -> tuple[int, str]:
+    """The size the others are checked against, and where it comes from: `axis_size`;
+    else the one size that arguments agreeing among themselves have; else the size
+    most mapped leaves have."""
+    if axis_size is not None:
+        return axis_size, f"axis_size={axis_size}"
+    if own:
+        name = next(iter(own))
+        return own[name], f"the size of `{name}`"
     counts: dict[int, int] = {}
     for triples in mapped.values():
         for _, leaf, axis in triples:
@@ -270,6 +276,23 @@ def check_mapped_sizes(
     and suggests the `in_axes` that fixes the common mistake of mapping an argument that
     is shared by every member. It reads only shapes, so under `jax.jit` it runs once per
     trace and costs nothing per call.
+
+    When one size is known to be right (`axis_size`, or the one size that arguments
+    whose mapped leaves agree among themselves have), every leaf of another size is
+    listed, and whole arguments without a leaf of the right size are suggested the axis
+    spec `None`. When two or more arguments each agree among themselves but on
+    different sizes (`f(model, x)` with an unstacked `eqx.nn.Linear` and a batch `x`),
+    any of those sizes could be the number of members: the sizes are listed by
+    argument, and every reading that maps the arguments of one size and broadcasts the
+    rest is suggested, most likely first:
+
+    1. the size more arguments agree on: separate arguments rarely share a size by
+        accident, whereas within one argument sizes often agree by construction (a
+        `Linear`'s weight and bias both start with `out_features`);
+    2. then a reading that maps no 1-d leaf: it would give each member a scalar, and a
+        single vector (a bias, one input) mistaken for a batch is the usual culprit;
+    3. then the larger size;
+    4. then the order of the arguments.
 
     **Arguments:**
 
@@ -317,7 +340,10 @@ def _checked(
     ]
     if not sizes:
         return axis_size, mapped
-    size, source = _reference_size(mapped, axis_size)
+    own = _own_sizes(mapped)
+    if axis_size is None and len(set(own.values())) > 1:
+        raise BatchError(_ambiguous(arguments, axes, mapped, own, positional))
+    size, source = _reference_size(mapped, own, axis_size)
     wrong = [
         (name, path, leaf, axis)
         for name, path, leaf, axis in sizes
@@ -325,15 +351,10 @@ def _checked(
     ]
     if not wrong:
         return size, mapped
-    lines = [
-        f"`{leaf_name(name, path)}`: size {leaf.shape[axis]} "
-        f"(axis {axis} of {describe(leaf)})"
-        for name, path, leaf, axis in wrong
-    ]
     message = (
         f"mapped leaves disagree on the size of the mapped axis. Taking {size} "
         f"({source}) as the number of members, these mapped leaves differ:\n"
-        + bullet_list(lines)
+        + bullet_list([_size_line(*leaf) for leaf in wrong])
     )
     # The fix is obvious when whole arguments have no mapped leaf of the right size:
     # they are most likely shared by every member and should not be mapped.
@@ -341,16 +362,94 @@ def _checked(
     right_names = {name for name, path, leaf, axis in sizes if leaf.shape[axis] == size}
     unmap = [name for name in wrong_names if name not in right_names]
     if unmap == wrong_names:
-        listed = " and ".join(f"`{name}`" for name in unmap)
-        verb = "has" if len(unmap) == 1 else "have"
         message += (
-            f"\nArgument{'' if len(unmap) == 1 else 's'} {listed} {verb} no mapped "
-            f"leaf of size {size}; if shared by every member, give "
-            f"{'it' if len(unmap) == 1 else 'them'} the axis spec None"
+            f"\n{_arguments(unmap, 'Argument')} {_plural(unmap, 'has', 'have')} no "
+            f"mapped leaf of size {size}; if shared by every member, give "
+            f"{_plural(unmap, 'it', 'them')} the axis spec None"
         )
         suggestion = _suggest_in_axes(arguments, axes, unmap, positional)
         message += f": did you mean in_axes={suggestion}?" if suggestion else "."
     raise BatchError(message)
+
+
+def _size_line(name: str, path: KeyPath, leaf: Any, axis: int) -> str:
+    size = leaf.shape[axis]
+    return f"`{leaf_name(name, path)}`: size {size} (axis {axis} of {describe(leaf)})"
+
+
+def _arguments(names: list[str], noun: str = "argument") -> str:
+    """``argument `x` `` or ``arguments `a`, `w` and `b` ``."""
+    *rest, last = [f"`{name}`" for name in names]
+    listed = f"{', '.join(rest)} and {last}" if rest else last
+    return f"{_plural(names, noun, noun + 's')} {listed}"
+
+
+def _plural(names: list[str], one: str, many: str) -> str:
+    return one if len(names) == 1 else many
+
+
+def _ambiguous(
+    arguments: dict[str, Any],
+    axes: dict[str, Any],
+    mapped: _LeavesByArgument,
+    own: dict[str, int],
+    positional: int | None,
+) -> str:
+    """The message for arguments that each agree on a size of their own: the sizes by
+    argument, and each reading that maps one size, in the order documented in
+    `check_mapped_sizes`."""
+    leaves = {
+        name: [(path, leaf, axis) for path, leaf, axis in triples if axis is not None]
+        for name, triples in mapped.items()
+    }
+    leaves = {name: triples for name, triples in leaves.items() if triples}
+    lines = []
+    for name, triples in leaves.items():
+        if name in own and len(triples) > 1:
+            path, leaf, axis = triples[0]
+            lines.append(
+                f"`{name}`: size {own[name]} (all {len(triples)} mapped leaves, such "
+                f"as `{leaf_name(name, path)}`: axis {axis} of {describe(leaf)})"
+            )
+        else:
+            lines.extend(_size_line(name, *triple) for triple in triples)
+    message = (
+        "mapped leaves disagree on the size of the mapped axis, and with no axis_size "
+        "given, any of several sizes could be the number of members. Mapped sizes by "
+        "argument:\n" + bullet_list(lines)
+    )
+    sizes = {
+        name: {leaf.shape[axis] for _, leaf, axis in triples}
+        for name, triples in leaves.items()
+    }
+    readings = []
+    for size in dict.fromkeys(own.values()):
+        kept = [name for name in own if own[name] == size]
+        shared = [name for name in leaves if name not in kept]
+        if any(size in sizes[name] for name in shared):
+            continue  # it would map only part of an argument
+        scalar = any(np.ndim(leaf) == 1 for name in kept for _, leaf, _ in leaves[name])
+        readings.append(((-len(kept), scalar, -size), size, shared))
+    readings.sort(key=lambda reading: reading[0])  # stable: then argument order
+    if not readings:
+        return message
+    clauses = []
+    for _, size, shared in readings:
+        suggestion = _suggest_in_axes(arguments, axes, shared, positional)
+        clause = f"{_arguments(shared)} shared ({size} members)"
+        if not clauses:
+            ask = f": did you mean in_axes={suggestion}?" if suggestion else "."
+            clauses.append(f"With {clause}{ask}")
+        else:
+            fix = f": in_axes={suggestion}" if suggestion else ""
+            clauses.append(f"with {clause}{fix}")
+    message += (
+        "\nMap the arguments of one size, and give the others, if shared by every "
+        f"member, the axis spec None. {clauses[0]}"
+    )
+    if len(clauses) > 1:
+        message += f" Otherwise, {'; '.join(clauses[1:])}."
+    return message
 
 
 class _Static(eqx.Module):
@@ -589,8 +688,8 @@ def _compiled_chunked(
 @overload
 def filter_vmap(
     *,
-    in_axes: Any = _DEFAULT_AXIS,
-    out_axes: Any = _DEFAULT_AXIS,
+    in_axes: Any = eqx.if_array(0),
+    out_axes: Any = eqx.if_array(0),
     axis_name: Hashable | None = None,
     axis_size: int | None = None,
     chunk_size: int | None = None,
@@ -601,8 +700,8 @@ def filter_vmap(
 def filter_vmap(
     fun: Callable[..., Any],
     *,
-    in_axes: Any = _DEFAULT_AXIS,
-    out_axes: Any = _DEFAULT_AXIS,
+    in_axes: Any = eqx.if_array(0),
+    out_axes: Any = eqx.if_array(0),
     axis_name: Hashable | None = None,
     axis_size: int | None = None,
     chunk_size: int | None = None,
@@ -612,8 +711,8 @@ def filter_vmap(
 def filter_vmap(
     fun: Callable[..., Any] | None = None,
     *,
-    in_axes: Any = _DEFAULT_AXIS,
-    out_axes: Any = _DEFAULT_AXIS,
+    in_axes: Any = eqx.if_array(0),
+    out_axes: Any = eqx.if_array(0),
     axis_name: Hashable | None = None,
     axis_size: int | None = None,
     chunk_size: int | None = None,
@@ -627,8 +726,9 @@ def filter_vmap(
     follows the chunk, not the batch; and a mismatch in axis sizes is reported before
     tracing, naming every disagreeing leaf by argument name and path
     (`model.layers[0].weight`) with its size, and, where the fix is obvious, the
-    `in_axes` that fixes it. The checks read only shapes, so under `eqx.filter_jit` they
-    run once per compilation and cost nothing per call.
+    `in_axes` that fixes it (one per possible size, the likeliest first, when several
+    arguments each agree on a size of their own). The checks read only shapes, so
+    under `eqx.filter_jit` they run once per compilation and cost nothing per call.
 
     **Arguments:**
 
@@ -669,8 +769,10 @@ def filter_vmap(
     - `BatchError` (at the call, before tracing): if mapped leaves disagree on the
         number of members (or disagree with `axis_size`), listing each with its size and
         suggesting the `in_axes` that broadcasts the arguments that are most likely
-        shared; if a mapped leaf is not an array, is 0-d, or has no such axis; if
-        `in_axes` is not a prefix of the arguments (a tuple needs one entry per
+        shared (with no `axis_size` and several arguments that each agree on a size of
+        their own, one suggestion per size, as the guide's "Reading eqx_batch's error
+        messages" explains); if a mapped leaf is not an array, is 0-d, or has no such
+        axis; if `in_axes` is not a prefix of the arguments (a tuple needs one entry per
         positional argument, a dict may name only parameters); if `axis_name` is given
         with a `chunk_size` smaller than the number of members (a collective in a chunk
         cannot see the whole axis); if `out_axes` maps a non-array output or an axis out

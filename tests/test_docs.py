@@ -23,9 +23,7 @@ FENCE = re.compile(
 
 
 def _blocks(text: str) -> list[str]:
-    return [
-        textwrap.dedent(m["body"]) for m in FENCE.finditer(textwrap.dedent(text))
-    ]
+    return [textwrap.dedent(m["body"]) for m in FENCE.finditer(textwrap.dedent(text))]
 
 
 def _run(code: str, where: str) -> None:

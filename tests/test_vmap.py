@@ -248,7 +248,8 @@ def test_methods_and_bound_methods():
         eb.filter_vmap(single.plain)(x), eqx.filter_vmap(single.plain)(x)
     )
     # Errors name `self` like any other argument.
-    with pytest.raises(eb.BatchError, match=r"the size of `self`.*\n  `x`: size 3"):
+    named = r"(?s)`self\.scale`: size 5.*\n  `x`: size 3.*argument `self` shared"
+    with pytest.raises(eb.BatchError, match=named):
         Scaled(_arange(5)).apply(x)
 
 
@@ -368,14 +369,74 @@ def test_error_affine_suggests_in_axes():
     with pytest.raises(eb.BatchError) as excinfo:
         eb.filter_vmap(_affine)(x, w, b)
     message = _message(excinfo)
+    # Each argument agrees with itself, so no size is taken as the number of members.
+    assert "Taking" not in message
+    assert "`x`: size 8" in message
     assert "`w`: size 3" in message
     assert "`b`: size 2" in message
-    assert "`x`" in message
+    assert "arguments `w` and `b` shared (8 members): did you mean " in message
     assert "did you mean in_axes=(0, None, None)?" in message
+    # Every other reading follows, by size: `b` alone would make each member a scalar.
+    assert message.endswith(
+        "Otherwise, with arguments `x` and `b` shared (3 members): "
+        "in_axes=(None, 0, None); with arguments `x` and `w` shared (2 members): "
+        "in_axes=(None, None, 0)."
+    )
     # With `b` passed by keyword, the fix is keyed by name.
     with pytest.raises(eb.BatchError) as excinfo:
         eb.filter_vmap(_affine)(x, w, b=b)
     assert "did you mean in_axes={'x': 0, 'w': None, 'b': None}?" in _message(excinfo)
+
+
+def test_error_ambiguous_unstacked_model_suggests_mapping_the_data():
+    # An unstacked Linear agrees with itself (weight rows and bias are both 2) just as
+    # the batch does; mapping it would make each member's bias a scalar.
+    linear = eqx.nn.Linear(3, 2, key=jr.key(0))
+    with pytest.raises(eb.BatchError) as excinfo:
+        eb.filter_vmap(_model_call)(linear, _arange(32, 3))
+    message = _message(excinfo)
+    assert "Taking" not in message
+    assert "`model`: size 2 (all 2 mapped leaves, such as `model.weight`" in message
+    assert "`x`: size 32 (axis 0 of float32[32,3])" in message
+    assert message.endswith(
+        "With argument `model` shared (32 members): did you mean in_axes=(None, 0)? "
+        "Otherwise, with argument `x` shared (2 members): "
+        "in_axes=(eqx.if_array(0), None)."
+    )
+
+
+def test_error_ambiguous_prefers_the_size_more_arguments_share():
+    def loss(x, y, w):
+        return (x @ w - y[..., None]) ** 2
+
+    # `y` would be a scalar per member, but `x` and `y` agreeing outweighs that.
+    with pytest.raises(eb.BatchError) as excinfo:
+        eb.filter_vmap(loss)(_arange(8, 3), _arange(8), _arange(3, 2))
+    message = _message(excinfo)
+    first = "With argument `w` shared (8 members): did you mean in_axes=(0, 0, None)?"
+    assert first in message
+    assert message.endswith(
+        "with arguments `x` and `y` shared (3 members): in_axes=(None, None, 0)."
+    )
+
+
+def test_error_ambiguous_with_an_argument_that_disagrees_with_itself():
+    def first(a, pair, b):
+        return a
+
+    # `pair` disagrees with itself; each reading shares it whole.
+    with pytest.raises(eb.BatchError) as excinfo:
+        eb.filter_vmap(first)(_arange(4, 2), (_arange(6), _arange(7)), _arange(5, 2))
+    message = _message(excinfo)
+    assert "`pair[0]`: size 6" in message and "`pair[1]`: size 7" in message
+    assert "With arguments `a` and `pair` shared (5 members): did you mean " in message
+    assert "in_axes=(None, None, 0)?" in message
+    # A reading that would map only part of `pair` is no reading: none is left here.
+    with pytest.raises(eb.BatchError) as excinfo:
+        eb.filter_vmap(first)(_arange(4, 2), (_arange(4), _arange(5)), _arange(5, 2))
+    message = _message(excinfo)
+    assert "`pair[0]`: size 4" in message and "`pair[1]`: size 5" in message
+    assert "did you mean" not in message and "shared" not in message
 
 
 def test_error_names_leaf_path_and_every_disagreeing_leaf():
