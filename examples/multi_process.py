@@ -1,31 +1,34 @@
 """Many Markov chains run as a job of 2 processes, as on a cluster, on one machine.
 
-The question: my chains (as in `parallel_markov_chains.py`) run on one machine. How
-do I run the same code as several JAX processes (one per host on a cluster), and do
-I get the same chains?
+The question: my chains (`parallel_markov_chains.py`) run on one machine. How do I
+run the same code as several JAX processes (one per host on a cluster), and do I get
+the same chains?
 
 JAX's multi-process model: every process runs the same program, calls
 `jax.distributed.initialize(...)` first, and then sees the devices of ALL processes
-(`jax.devices()`), of which it drives its own (`jax.local_devices()`). Every process
-passes the same global inputs to `eb.filter_pmap`, which spreads the chains over all
-devices of all processes and hands every process the whole result; the processes'
-CPUs talk to each other through gloo. Only process 0 prints and saves.
+(`jax.devices()`), of which it drives its own (`jax.local_devices()`). After that,
+nothing changes: every process calls `eb.run_chains` with the same step, the same
+initial states and the same key, the chains are spread over every device of every
+process, and every process gets the whole result. The processes' CPUs talk to each
+other through gloo. Only process 0 prints and saves.
 
 Here the "cluster" is this machine: 2 processes with 2 CPU devices each, talking
-over 127.0.0.1. Run without arguments, this script launches them itself, then runs
-the same chains in ONE process with 4 devices and checks the results agree (there,
-`eb.run_chains` runs them once more, as a cross-check):
+over 127.0.0.1, running the chains of `parallel_markov_chains.py` (its model and
+step, imported from it). Run without arguments, this script launches them itself,
+then runs the same chains in this one process with 4 devices and checks that both
+give the same bits:
 
     python examples/multi_process.py [--out DIR]
 
 It prints the command to start each process by hand (each in its own terminal, or
 on its own host with the coordinator's address). It writes `DIR/multi_process.npz`
-(from the 2-process job) and `DIR/single_process.npz` (default `examples/out/`) and
-ends with one line `RESULT {...}` in JSON, for scripts and tests to read.
+(the job's chains; default `examples/out/`) and ends with one line `RESULT {...}` in
+JSON, for scripts and tests to read.
 """
 
 import argparse
 import functools as ft
+import hashlib
 import json
 import os
 import pathlib
@@ -36,13 +39,13 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 
 DEFAULT_OUT = pathlib.Path(__file__).parent / "out"
 NUM_PROCESSES = 2
 DEVICES_PER_PROCESS = 2
 TIMEOUT = 180  # seconds, for the whole job; every process is killed after it
-NUM_CHAINS = 8
-NUM_STEPS = 2000
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,116 +61,7 @@ def parse_args() -> argparse.Namespace:
         "--coordinator", help="host:port of process 0, e.g. 127.0.0.1:1234"
     )
     parser.add_argument("--devices", type=int, default=DEVICES_PER_PROCESS)
-    parser.add_argument(
-        "--single", action="store_true", help="run the job's chains in this one process"
-    )
     return parser.parse_args()
-
-
-# =====================================================================================
-# The computation: every process runs this with the same inputs.
-
-
-def run_the_chains(check_with_run_chains: bool = False) -> dict:
-    """Random-walk Metropolis on a small Bayesian network; host arrays by name.
-
-    Each chain is a `lax.scan` over steps; `eb.filter_pmap` runs all chains, spread
-    over every device of every process, and hands each process the whole result.
-    """
-    import jax
-    import jax.numpy as jnp
-    import jax.random as jr
-    import numpy as np
-
-    import eqx_batch as eb
-
-    def log_posterior(state: dict, x: jax.Array, y: jax.Array) -> jax.Array:
-        hidden = jnp.tanh(x[:, None] * state["layer1"]["weights"])
-        prediction = hidden @ state["layer2"]["weights"]
-        log_likelihood = -0.5 * jnp.sum((prediction - y) ** 2) / 0.1**2
-        log_prior = -0.5 * sum(jnp.sum(w**2) for w in jax.tree.leaves(state))
-        return log_likelihood + log_prior
-
-    def metropolis(state: dict, key: jax.Array, x: jax.Array, y: jax.Array):
-        """One step of ONE chain: the new state, and whether it moved."""
-        noise_key, accept_key = jr.split(key)
-        leaves, treedef = jax.tree.flatten(state)
-        noise_keys = jr.split(noise_key, len(leaves))
-        noise = [jr.normal(k, w.shape) for w, k in zip(leaves, noise_keys, strict=True)]
-        proposal = treedef.unflatten(
-            [w + 0.02 * n for w, n in zip(leaves, noise, strict=True)]
-        )
-        log_ratio = log_posterior(proposal, x, y) - log_posterior(state, x, y)
-        accept = jnp.log(jr.uniform(accept_key)) < log_ratio
-        new = jax.tree.map(lambda p, s: jnp.where(accept, p, s), proposal, state)
-        return new, accept.astype(jnp.float32)
-
-    def run_chain(state: dict, key: jax.Array, x: jax.Array, y: jax.Array):
-        """ONE chain, all its steps; each step's key is split from the chain's key."""
-
-        def body(carry, _):
-            state, key = carry
-            key, step_key = jr.split(key)
-            state, accepted = metropolis(state, step_key, x, y)
-            return (state, key), accepted
-
-        (state, _), accepted = jax.lax.scan(body, (state, key), None, NUM_STEPS)
-        return state, jnp.mean(accepted)
-
-    # Global inputs: every process builds exactly the same ones from the same seeds.
-    data_key, init_key, chain_key = jr.split(jr.key(0), 3)
-    x = jnp.linspace(-1.5, 1.5, 32)
-    y = jnp.sin(2 * x) + 0.1 * jr.normal(data_key, x.shape)
-    key1, key2 = jr.split(init_key)
-    init = {
-        "layer1": {"weights": 0.5 * jr.normal(key1, (NUM_CHAINS, 4))},
-        "layer2": {"weights": 0.5 * jr.normal(key2, (NUM_CHAINS, 4))},
-    }
-    chain_keys = jr.split(chain_key, NUM_CHAINS)
-
-    # Chains and their keys are split over the devices; the data is shared (None).
-    final, acceptance = eb.filter_pmap(run_chain, in_axes=(0, 0, None, None))(
-        init, chain_keys, x, y
-    )
-    results = {
-        "layer1_weights": np.asarray(final["layer1"]["weights"]),
-        "layer2_weights": np.asarray(final["layer2"]["weights"]),
-        "acceptance": np.asarray(acceptance),
-    }
-    if check_with_run_chains:
-        # `eb.run_chains` splits each step's key from the chain's key the same way,
-        # so it must give the same chains.
-        step = ft.partial(metropolis, x=x, y=y)
-        chains = eb.run_chains(step, init, chain_keys, NUM_STEPS, with_output=True)
-        same = all(
-            np.allclose(a, b, rtol=1e-5, atol=1e-6)
-            for a, b in zip(
-                jax.tree.leaves(chains.final), jax.tree.leaves(final), strict=True
-            )
-        )
-        results["run_chains_agrees"] = np.array(same)
-    return results
-
-
-def checksum(results: dict) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    for name in sorted(results):
-        digest.update(name.encode() + results[name].tobytes())
-    return digest.hexdigest()[:16]
-
-
-def report(results: dict, where: str) -> None:
-    print(f"[{where}] chain  acceptance  final layer2 weights")
-    for i in range(NUM_CHAINS):
-        weights = " ".join(f"{w:+.2f}" for w in results["layer2_weights"][i])
-        print(f"[{where}] {i:5d}  {results['acceptance'][i]:10.2f}  {weights}")
-    print(f"[{where}] checksum {checksum(results)}")
-
-
-# =====================================================================================
-# One process of the job, and the single-process reference.
 
 
 def force_cpu_devices(count: int) -> None:
@@ -180,10 +74,87 @@ def force_cpu_devices(count: int) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+# =====================================================================================
+# The computation: every process runs this with the same inputs.
+
+
+def run_the_chains() -> dict[str, np.ndarray]:
+    """The run of `parallel_markov_chains.py`; its results as host arrays by name."""
+    # Imported here, after `force_cpu_devices`: the chains example imports JAX.
+    import jax
+    import jax.numpy as jnp
+    import jax.random as jr
+    from parallel_markov_chains import (
+        BURN_IN,
+        HIDDEN,
+        metropolis,
+        NOISE,
+        NUM_CHAINS,
+        NUM_STEPS,
+        THIN,
+    )
+
+    import eqx_batch as eb
+
+    # Global inputs: every process builds exactly the same ones from the same seeds.
+    data_key, init_key, chain_key = jr.split(jr.key(0), 3)
+    x = jnp.linspace(-1.5, 1.5, 40)
+    y = jnp.sin(2 * x) + NOISE * jr.normal(data_key, x.shape)
+    grid = jnp.linspace(-2.0, 2.0, 41)
+    layer1_key, layer2_key = jr.split(init_key)
+    init = {
+        "layer1": {"weights": 0.5 * jr.normal(layer1_key, (NUM_CHAINS, HIDDEN, 2))},
+        "layer2": {"weights": 0.5 * jr.normal(layer2_key, (NUM_CHAINS, 1, HIDDEN + 1))},
+    }
+
+    result = eb.run_chains(
+        ft.partial(metropolis, x=x, y=y, grid=grid),
+        init,
+        jr.split(chain_key, NUM_CHAINS),
+        NUM_STEPS,
+        burn_in=BURN_IN,
+        thin=THIN,
+        with_output=True,
+    )
+    # Typed keys cannot go to NumPy; their data can.
+    arrays = {
+        "final": result.final,
+        "trace": result.trace,
+        "keys": jr.key_data(result.keys),
+    }
+    leaves = jax.tree_util.tree_flatten_with_path(arrays)[0]
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="."): np.asarray(leaf)
+        for path, leaf in leaves
+    }
+
+
+def checksum(results: dict[str, np.ndarray]) -> str:
+    """Equal for equal names, dtypes, shapes and bits."""
+    digest = hashlib.sha256()
+    for name in sorted(results):
+        value = results[name]
+        digest.update(f"{name} {value.dtype} {value.shape}".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()[:16]
+
+
+def report(results: dict[str, np.ndarray], where: str) -> None:
+    acceptance = results["trace.accepted"].mean(axis=1)
+    log_posterior = results["trace.log_posterior"].mean(axis=1)
+    print(f"[{where}] chain  acceptance  mean log posterior")
+    for i, (rate, value) in enumerate(zip(acceptance, log_posterior, strict=True)):
+        print(f"[{where}] {i:5d}  {rate:10.2f}  {value:18.1f}")
+    print(f"[{where}] checksum {checksum(results)}", flush=True)
+
+
+# =====================================================================================
+# One process of the job.
+
+
 def run_process(args: argparse.Namespace) -> None:
     force_cpu_devices(args.devices)
     import jax
-    import numpy as np
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
@@ -208,22 +179,9 @@ def run_process(args: argparse.Namespace) -> None:
     jax.distributed.shutdown()
 
 
-def run_single(args: argparse.Namespace) -> None:
-    force_cpu_devices(args.devices)
-    import jax
-    import numpy as np
-
-    print(f"[single] {jax.device_count()} devices in one process", flush=True)
-    results = run_the_chains(check_with_run_chains=True)
-    agrees = results.pop("run_chains_agrees")
-    report(results, "single")
-    print(f"[single] eb.run_chains gives the same chains: {bool(agrees)}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    np.savez(args.out / "single_process.npz", run_chains_agrees=agrees, **results)
-
-
 # =====================================================================================
-# The launcher: starts the processes, waits with a deadline, always reaps them.
+# The launcher: starts the processes, waits with a deadline, always reaps them; then
+# runs the same chains here, in one process.
 
 
 def free_port() -> int:
@@ -277,14 +235,10 @@ def run_all(commands: list[list[str]], timeout: float) -> list[tuple[int, str]]:
 def without_gloo_chatter(output: str) -> str:
     """The output without gloo's connection messages (which processes interleave)."""
     lines = output.rstrip().splitlines()
-    return "\n".join(
-        line for line in lines if "Gloo" not in line and "peer" not in line
-    )
+    return "\n".join(line for line in lines if not line.startswith("[Gloo]"))
 
 
 def launch(args: argparse.Namespace) -> None:
-    import numpy as np
-
     script = str(pathlib.Path(__file__).resolve())
     out = str(args.out.resolve())
     coordinator = f"127.0.0.1:{free_port()}"
@@ -310,51 +264,42 @@ def launch(args: argparse.Namespace) -> None:
     for i, (code, output) in enumerate(job):
         print(f"--- process {i} (exit code {code}) ---")
         print(without_gloo_chatter(output))
-    job_ok = all(code == 0 for code, _ in job)
-    print(f"\nThe job took {time.monotonic() - start:.1f}s. Now the same chains in ONE")
-    print(f"process with {NUM_PROCESSES * DEVICES_PER_PROCESS} devices:\n")
+    print(f"\nThe job took {time.monotonic() - start:.1f}s.")
+    exit_codes = [code for code, _ in job]
+    if any(exit_codes):
+        print("RESULT " + json.dumps({"process_exit_codes": exit_codes}))
+        sys.exit(1)
 
-    single_command = [
-        sys.executable, script, "--single",
-        "--devices", str(NUM_PROCESSES * DEVICES_PER_PROCESS), "--out", out,
-    ]  # fmt: skip
-    [(single_code, single_output)] = run_all([single_command], TIMEOUT)
-    print(without_gloo_chatter(single_output))
+    force_cpu_devices(NUM_PROCESSES * DEVICES_PER_PROCESS)
+    import jax
 
-    match = exact = run_chains_agrees = False
-    if job_ok and single_code == 0:
-        with np.load(args.out / "multi_process.npz") as f:
-            job_results = dict(f)
-        with np.load(args.out / "single_process.npz") as f:
-            single_results = dict(f)
-        run_chains_agrees = bool(single_results.pop("run_chains_agrees"))
-        match = sorted(job_results) == sorted(single_results) and all(
-            np.allclose(job_results[k], single_results[k], rtol=1e-5, atol=1e-6)
-            for k in single_results
-        )
-        exact = checksum(job_results) == checksum(single_results)
-    print(f"\n2-process job and 1-process run agree: {match} (bit for bit: {exact})")
+    print(
+        f"Now the same chains in this ONE process, on {jax.device_count()} devices:\n"
+    )
+    here = run_the_chains()
+    report(here, "one process")
+    with np.load(args.out / "multi_process.npz") as saved:
+        job_results = dict(saved)
+    bit_for_bit = checksum(job_results) == checksum(here)
+    print(f"\nThe 2-process job and the 1-process run agree bit for bit: {bit_for_bit}")
+
     summary = {
-        "process_exit_codes": [code for code, _ in job],
-        "single_exit_code": single_code,
-        "match": match,
-        "bit_for_bit": exact,
-        "run_chains_agrees": run_chains_agrees,
-        "files": [
-            str(args.out / "multi_process.npz"),
-            str(args.out / "single_process.npz"),
-        ],
+        "process_exit_codes": exit_codes,
+        "bit_for_bit": bit_for_bit,
+        "checksum": checksum(job_results),
+        "chains": int(job_results["trace.accepted"].shape[0]),
+        "draws": int(job_results["trace.accepted"].shape[1]),
+        "acceptance": job_results["trace.accepted"].mean(axis=1).tolist(),
+        "file": str(args.out / "multi_process.npz"),
     }
     print("RESULT " + json.dumps(summary))
-    if not (job_ok and single_code == 0 and match):
+    if not bit_for_bit:
         sys.exit(1)
 
 
 if __name__ == "__main__":
     arguments = parse_args()
-    if arguments.process_id is not None:
-        run_process(arguments)
-    elif arguments.single:
-        run_single(arguments)
-    else:
+    if arguments.process_id is None:
         launch(arguments)
+    else:
+        run_process(arguments)
