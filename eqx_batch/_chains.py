@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from ._errors import BatchError, bullet_list, describe, leaf_name
 from ._pmap import member_mesh, shard
 from ._progress import ProgressBar
-from ._serialise import load, save
+from ._serialise import load, save, write_tree
 from ._stack import take
 from ._tree import common_size, is_array, mapped_leaves
 
@@ -236,6 +236,12 @@ class _Plan:
     with_output: bool
     record: bool
     legacy: bool
+    # How many draws from the segment's first one on to return a copy of, for the
+    # checkpoint (the next segment takes over, donates, the trace buffer while they
+    # are written). The most any segment of this length records, so that segments
+    # that record fewer share the compiled loop; the slice then ends at the buffer's
+    # end and starts before the segment's first draw.
+    emit: int = 0
 
 
 def _all_finite(state: Any) -> jax.Array:
@@ -252,9 +258,36 @@ def _draws_before(step: int, burn_in: int, thin: int) -> int:
     return max(0, -(-(step - burn_in) // thin))
 
 
-@eqx.filter_jit(donate="all-except-first")
 def _segment(inputs: tuple, buffer: Any) -> tuple:
-    plan, step, states, keys, first_bad, start, progress = inputs
+    """Dispatches one segment and returns without waiting for it.
+
+    `inputs` is `(plan, step, states, keys, first_bad, start, progress)`, where
+    `progress` is None or a `ProgressHandle` and the step its next report is due;
+    `buffer` (the trace) is donated and updated in place. Returns the new states, keys,
+    NaN report and buffer, the due step of the next report (or None), and a copy of the
+    draws around the segment's if `plan.emit` (else None; see `_Plan.emit`).
+
+    Unlike `eqx.filter_jit`, which waits for every call to finish (to report
+    `eqx.error_if` failures), this returns as soon as the segment is queued: the next
+    segment is dispatched while this one runs, and the checkpoint writer waits on the
+    results it needs, not the loop.
+    """
+    leaves, treedef = jtu.tree_flatten(inputs)
+    arrays = [x if is_array(x) else None for x in leaves]
+    others = tuple(None if is_array(x) else x for x in leaves)
+    dynamic, *results = _compiled_segment(arrays, buffer, (treedef, others))
+    static = eqx.filter(inputs[2], is_array, inverse=True)
+    return eqx.combine(dynamic, static), *results
+
+
+@ft.partial(jax.jit, static_argnums=(2,), donate_argnums=(1,))
+def _compiled_segment(arrays: list, buffer: Any, others: tuple) -> tuple:
+    """`_segment`'s work: `arrays` and `others` are the leaves of its `inputs`."""
+    treedef, other_leaves = others
+    leaves = [o if a is None else a for a, o in zip(arrays, other_leaves, strict=True)]
+    plan, step, states, keys, first_bad, start, progress = jtu.tree_unflatten(
+        treedef, leaves
+    )
     static = eqx.filter(states, is_array, inverse=True)
 
     def one_chain(dynamic: Any, key: jax.Array) -> tuple:
@@ -268,7 +301,7 @@ def _segment(inputs: tuple, buffer: Any) -> tuple:
         return new, key, _all_finite(new), output
 
     def body(carry: tuple, _: None) -> tuple:
-        dynamic, keys, first_bad, buffer, t = carry
+        dynamic, keys, first_bad, buffer, t, due = carry
         dynamic, keys, finite, output = jax.vmap(one_chain)(dynamic, keys)
         first_bad = jnp.where((first_bad == 0) & ~finite, t + 1, first_bad)
         if plan.record:
@@ -285,14 +318,22 @@ def _segment(inputs: tuple, buffer: Any) -> tuple:
             recorded = output if plan.with_output else dynamic
             buffer = jtu.tree_map(write, buffer, recorded)
         if progress is not None:
-            progress(t + 1)
-        return (dynamic, keys, first_bad, buffer, t + 1), None
+            due = progress[0](t + 1, due)
+        return (dynamic, keys, first_bad, buffer, t + 1, due), None
 
-    carry = (eqx.filter(states, is_array), keys, first_bad, buffer, start)
-    (dynamic, keys, first_bad, buffer, _), _ = lax.scan(
+    due = None if progress is None else progress[1]
+    carry = (eqx.filter(states, is_array), keys, first_bad, buffer, start, due)
+    (dynamic, keys, first_bad, buffer, _, due), _ = lax.scan(
         body, carry, None, length=plan.length
     )
-    return eqx.combine(dynamic, static), keys, first_bad, buffer
+    new_draws = None
+    if plan.emit:
+        # In the same program as the loop: no extra dispatch, and XLA can overlap it.
+        first = jnp.maximum(0, -((plan.burn_in - start) // plan.thin))
+        new_draws = jtu.tree_map(
+            lambda b: lax.dynamic_slice_in_dim(b, first, plan.emit, 1), buffer
+        )
+    return dynamic, keys, first_bad, buffer, due, new_draws
 
 
 @eqx.filter_jit(donate="all-except-first")
@@ -301,11 +342,6 @@ def _put_draws(inputs: tuple, buffer: Any) -> Any:
     return jtu.tree_map(
         lambda b, d: lax.dynamic_update_slice_in_dim(b, d, first, 1), buffer, draws
     )
-
-
-@ft.partial(jax.jit, static_argnums=(2,))
-def _draw_slice(buffer: Any, start: jax.Array, size: int) -> Any:
-    return jtu.tree_map(lambda b: lax.dynamic_slice_in_dim(b, start, size, 1), buffer)
 
 
 # ------------------------------------------------------------------------------------
@@ -455,9 +491,13 @@ class _Checkpoint:
         chunks: list[tuple[str, int, int]],
         draws: Any,
     ) -> None:
-        """Writes the new draws (if any), then the run state that commits them."""
+        """Writes the new draws (if any), then the run state that commits them.
+
+        The draws are written once and read back only to resume, so they are dropped
+        from the OS cache once on disk (see `atomic_write`).
+        """
         if draws is not None:
-            save(self.path.with_name(chunks[-1][0]), draws)
+            write_tree(self.path.with_name(chunks[-1][0]), draws, keep_cached=False)
         progress = {"steps_done": steps_done, "chunks": chunks}
         save(
             self.path,
@@ -564,7 +604,9 @@ def run_chains(
     - `with_output`: record `step`'s second output in the trace instead of the state.
     - `trace`: whether to record a trace at all (memory: chains x draws x state).
     - `progress`: show one tqdm bar for all chains, updated from inside the compiled
-        loop about 100 times per run (each update is one host callback).
+        loop (each update is one host callback): at most about 100 times per run,
+        and, once the loop's speed is known, about every 0.1 s (as often as tqdm
+        redraws), so a short run makes only a few callbacks.
     - `checkpoint`: a file path. The run state is written there atomically (new draws
         go to files named after it in the same folder), and a call with the same
         arguments resumes from it, bit for bit; if the run finished, its result is
@@ -662,9 +704,10 @@ def run_chains(
     interval = checkpoint_every or max(num_steps - steps_done, 1)
     pending: concurrent.futures.Future | None = None
     with contextlib.ExitStack() as stack:
-        handle = None
+        bar = None
         if progress:
             handle = stack.enter_context(ProgressBar(num_steps, "run_chains")).handle
+            bar = (handle, handle.start(steps_done))
         writer = None
         if store is not None and jax.process_index() == 0:
             # In a job of several processes, process 0 writes for all of them.
@@ -672,34 +715,47 @@ def run_chains(
         while steps_done < num_steps:
             length = min(interval, num_steps - steps_done)
             start = np.int32(steps_done)
-            segment_plan = dataclasses.replace(plan, length=length)
-            states, keys, first_bad, buffer = _segment(
-                (segment_plan, step, states, keys, first_bad, start, handle), buffer
-            )
             first = _draws_before(steps_done, burn_in, thin)
+            stop = _draws_before(steps_done + length, burn_in, thin)
+            emit = 0
+            if store is not None and plan.record and stop > first:
+                emit = min(-(-length // thin), num_draws)
+            segment_plan = dataclasses.replace(plan, length=length, emit=emit)
+            states, keys, first_bad, buffer, due, new_draws = _segment(
+                (segment_plan, step, states, keys, first_bad, start, bar), buffer
+            )
+            if bar is not None:
+                bar = (bar[0], due)
             steps_done += length
             if store is None:
                 continue
-            stop = _draws_before(steps_done, burn_in, thin)
-            new_draws = None
-            if plan.record and stop > first:
-                # Sliced now, before the next segment takes over (donates) the buffer.
-                new_draws = _draw_slice(buffer, np.int32(first), stop - first)
-                chunks = [
-                    *chunks,
-                    (store.draws_file(first, stop), first, stop),
-                ]
+            # Where the segment's draws lie in the emitted slice (see `_Plan.emit`).
+            offset = first - min(first, num_draws - emit)
+            new_range = (offset, offset + stop - first)
+            if emit:
+                chunks = [*chunks, (store.draws_file(first, stop), first, stop)]
             snapshot = (eqx.filter(states, is_array), keys, first_bad, new_draws)
             if jax.process_count() > 1:
                 snapshot = placed.whole(snapshot)
             if writer is None:
                 continue
+            # Off a CPU, the copies to the host start as soon as the segment ends,
+            # rather than when the writer thread asks for them.
+            for leaf in jtu.tree_leaves(snapshot):
+                if not _is_typed_key(leaf):
+                    leaf.copy_to_host_async()
             if pending is not None:
                 # At most one write in flight: a slow disk slows the run down rather
                 # than piling up copies of the draws.
                 pending.result()
             pending = writer.submit(
-                _write_checkpoint, store, steps_done, snapshot, num_chains, chunks
+                _write_checkpoint,
+                store,
+                steps_done,
+                snapshot,
+                num_chains,
+                chunks,
+                new_range,
             )
         if pending is not None:
             pending.result()
@@ -755,10 +811,12 @@ def _write_checkpoint(
     arrays: tuple,
     num_chains: int,
     chunks: list[tuple[str, int, int]],
+    new_range: tuple[int, int],
 ) -> None:
     # Runs on the writer thread: each host copy waits for its segment to finish.
     states, keys, first_bad, draws = jtu.tree_map(
         lambda x: _raw(x)[:num_chains], arrays
     )
+    draws = jtu.tree_map(lambda x: x[:, slice(*new_range)], draws)
     run_state = {"states": states, "keys": keys, "first_bad": first_bad}
     store.write(steps_done, run_state, chunks, draws)

@@ -2,30 +2,38 @@
 
 The host side is `ProgressBar`, a context manager that owns a `tqdm` bar. The traced
 side is its `handle`, a `ProgressHandle` that a `lax.scan` or `fori_loop` body calls
-with the number of steps done: `handle(t + 1)`. At most about `max_updates` times per
-run, and on the last step, that call reaches the host through `jax.debug.callback` and
-moves the bar. The cost is one `lax.cond` per step plus, per update, one host callback
-(a fraction of a millisecond on CPU), so about 100 updates cost tens of milliseconds
-whatever the length of the run.
+with the number of steps done and the step at which the next report is due, carried
+through the loop: `due = handle(t + 1, due)`, starting from `due = handle.start(t0)`.
+When a report is due (and on the last step), that call reaches the host through
+`io_callback`, moves the bar and returns the step of the next report.
+
+Each host call stops the compiled loop for a fraction of a millisecond (about 0.2 ms
+for a loop that keeps two CPU cores busy), so the host decides how far apart they are:
+`every` steps at least (at most about `max_updates` calls per run), and further once
+the loop's speed is known, so that calls come no more often than every `min_interval`
+seconds, the rate at which tqdm redraws a bar. A short run makes a handful of calls; a
+long one keeps its bar moving `min_interval` apart. (tqdm itself does the same on the
+host with `miniters`.) Between reports the cost is one integer comparison and a
+`lax.cond` per step.
 
 Two rules keep this cheap and correct:
 
 - **The step counter must be unbatched.** Scan over steps outside, `vmap` over chains
   inside the body, and call the handle from the body, outside the `vmap`: one bar for
-  all chains, one callback per update. Under `vmap` the callback would be unrolled into
-  one call per chain (`jax.debug.callback`'s batching rule), and `io_callback` fails
-  under `vmap` of `lax.cond` altogether.
+  all chains, one host call per report (`io_callback` cannot run under `vmap` of a
+  `lax.cond` with a batched predicate).
 - **Pass the handle as an argument of the compiled function** (e.g. in the arguments of
-  `eqx.filter_jit`), not as a closed-over constant. Its bar id is an array, so it is
-  traced and one compiled loop serves every bar; `every` and `total` are static fields.
+  `jax.jit`), not as a closed-over constant. Its bar id is an array, so it is traced
+  and one compiled loop serves every bar; `every` and `total` are static fields.
 
-Callbacks are unordered, so they may reach the host out of order; the bar only ever
-moves forward to the largest count reported, which makes the order irrelevant.
+The bar only ever moves forward to the largest count reported, so reports that reach
+the host out of order cannot move it back.
 """
 
 import itertools
 import math
 import threading
+import time
 from types import TracebackType
 from typing import Any, TextIO
 
@@ -34,6 +42,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 from tqdm.auto import tqdm
 
 from ._errors import BatchError
@@ -42,6 +51,8 @@ from ._errors import BatchError
 _BARS: dict[int, "ProgressBar"] = {}
 _NEXT_ID = itertools.count()
 _LOCK = threading.Lock()
+# The due step that never comes: for a bar that is closed or done.
+_NEVER = np.iinfo(np.int32).max
 
 
 class ProgressHandle(eqx.Module):
@@ -51,7 +62,7 @@ class ProgressHandle(eqx.Module):
 
     - `bar_id`: an `int32` scalar naming the bar on the host; traced when the handle is
         an argument of a compiled function, so recompiling is not needed per bar.
-    - `every`: the host is told of every `every`-th step (and of the last one).
+    - `every`: the fewest steps between two reports (except the last one).
     - `total`: the number of steps of the whole run.
     """
 
@@ -59,50 +70,70 @@ class ProgressHandle(eqx.Module):
     every: int = eqx.field(static=True)
     total: int = eqx.field(static=True)
 
-    def __call__(self, done: Any) -> None:
-        """Reports from traced code that `done` steps of `total` are finished.
+    def start(self, done: Any) -> jax.Array:
+        """The first step at which to report, in a loop that starts after `done` steps.
 
-        `done` must be an unbatched integer scalar (see the module docstring). Only when
-        `done` is a multiple of `every`, or equals `total`, does a `jax.debug.callback`
-        run; otherwise the cost is one integer comparison and a `lax.cond`.
+        Carry it through the loop and pass it to each call of the handle.
         """
         done = jnp.asarray(done, jnp.int32)
-        report = (done % self.every == 0) | (done == self.total)
-        lax.cond(report, _send, _skip, self.bar_id, done)
+        return jnp.minimum(done + self.every, self.total)
+
+    def __call__(self, done: Any, due: Any) -> jax.Array:
+        """Reports from traced code that `done` steps of `total` are finished, if due.
+
+        `done` must be an unbatched integer scalar (see the module docstring), `due`
+        what `start` or the previous call returned. Only when `done` reaches `due`, or
+        equals `total`, does the host get called; otherwise the cost is one integer
+        comparison and a `lax.cond`.
+
+        **Returns:**
+
+        The step at which the next report is due: the carry for the next call.
+        """
+        done = jnp.asarray(done, jnp.int32)
+        due = jnp.asarray(due, jnp.int32)
+        report = (done >= due) | (done == self.total)
+        return lax.cond(report, _send, _wait, self.bar_id, done, due)
 
 
-def _send(bar_id: jax.Array, done: jax.Array) -> None:
-    jax.debug.callback(_receive, bar_id, done)
+def _send(bar_id: jax.Array, done: jax.Array, due: jax.Array) -> jax.Array:
+    del due
+    shape = jax.ShapeDtypeStruct((), jnp.int32)
+    return io_callback(_receive, shape, bar_id, done, ordered=False)
 
 
-def _skip(bar_id: jax.Array, done: jax.Array) -> None:
+def _wait(bar_id: jax.Array, done: jax.Array, due: jax.Array) -> jax.Array:
     del bar_id, done
+    return due
 
 
-def _receive(bar_id: np.ndarray, done: np.ndarray) -> None:
-    """On the host: moves bar `bar_id` forward to `done`, if it is still open."""
+def _receive(bar_id: Any, done: Any) -> np.ndarray:
+    """On the host: moves bar `bar_id` forward to `done` (if it is still open), and
+    returns the step at which the next report is due."""
     with _LOCK:
         bar = _BARS.get(int(bar_id))
-    if bar is not None:
-        bar._advance_to(int(done))
+    due = _NEVER if bar is None else bar._advance_to(int(done))
+    return np.asarray(due, np.int32)
 
 
 class ProgressBar:
     """One tqdm bar for a compiled loop of `total` steps, updated at a bounded rate.
 
     Use it as a context manager around the call of the compiled function, and pass its
-    `handle` to that function:
+    `handle` to that function, which carries the step of the next report through its
+    loop:
 
     ```python
-    @eqx.filter_jit
+    @jax.jit
     def run(states, progress):
         def body(carry, _):
-            states, t = carry
+            states, t, due = carry
             states = jax.vmap(step)(states)  # chains inside
-            progress(t + 1)  # the counter outside the vmap
-            return (states, t + 1), None
+            due = progress(t + 1, due)  # the counter outside the vmap
+            return (states, t + 1, due), None
 
-        (states, _), _ = lax.scan(body, (states, 0), None, length=progress.total)
+        carry = (states, 0, progress.start(0))
+        (states, _, _), _ = lax.scan(body, carry, None, length=progress.total)
         return states
 
     with ProgressBar(1000, "sampling") as bar:
@@ -110,7 +141,8 @@ class ProgressBar:
     ```
 
     On exit it waits for pending callbacks (`jax.effects_barrier()`) and closes the bar,
-    which then shows how far the loop got: `total` if it finished, less if it failed.
+    which then shows how far the loop got as of its last report: `total` if it
+    finished, less if it stopped early.
 
     **Arguments:**
 
@@ -118,11 +150,15 @@ class ProgressBar:
     - `desc`: the text before the bar.
     - `max_updates`: the most times the compiled loop calls back to the host (plus one
         for the last step), so the overhead is bounded whatever `total` is.
+    - `min_interval`: once the loop's speed is known, reports are spaced to come about
+        this many seconds apart (tqdm redraws a bar at most every 0.1 s), or `every`
+        steps apart if that is further.
     - `file`: where the bar is written; `sys.stderr` by default, as for `tqdm`.
 
     **Raises:**
 
-    `BatchError` if `total` is negative or `max_updates` is not positive.
+    `BatchError` if `total` is negative, `max_updates` is not positive or
+    `min_interval` is negative.
     """
 
     def __init__(
@@ -131,6 +167,7 @@ class ProgressBar:
         desc: str = "",
         *,
         max_updates: int = 100,
+        min_interval: float = 0.1,
         file: TextIO | None = None,
     ):
         if total < 0:
@@ -139,13 +176,19 @@ class ProgressBar:
             raise BatchError(
                 f"`max_updates` is {max_updates}; the bar needs at least one update."
             )
+        if not min_interval >= 0:
+            raise BatchError(
+                f"`min_interval` is {min_interval}; it must be zero or more seconds."
+            )
         self.total = total
         self.every = max(1, math.ceil(total / max_updates))
+        self.min_interval = min_interval
         self.updates = 0
         self._desc = desc
         self._file = file
         self._bar: Any = None
         self._id = -1
+        self._last: tuple[float, int] | None = None
 
     @property
     def handle(self) -> ProgressHandle:
@@ -183,8 +226,19 @@ class ProgressBar:
             _BARS.pop(self._id, None)
         self._bar.close()
 
-    def _advance_to(self, done: int) -> None:
+    def _advance_to(self, done: int) -> int:
+        """Moves the bar forward to `done`; returns the step of the next report."""
+        now = time.monotonic()
         with _LOCK:
             self.updates += 1
             if done > self._bar.n:
                 self._bar.update(done - self._bar.n)
+            ahead = self.every
+            if self._last is not None and now > self._last[0] and done > self._last[1]:
+                # Steps per second since the last report, times the interval wanted.
+                rate = (done - self._last[1]) / (now - self._last[0])
+                ahead = max(ahead, int(rate * self.min_interval))
+            self._last = (now, done)
+        if done >= self.total:
+            return _NEVER
+        return min(done + ahead, self.total)

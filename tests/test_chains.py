@@ -251,7 +251,7 @@ def test_equinox_module_state(getkey):
 def test_trace_is_written_in_place():
     # The compiled loop updates the (donated) trace buffer in place: memory stays at the
     # trace's size, with no second copy of it.
-    from eqx_batch._chains import _Plan, _segment
+    from eqx_batch._chains import _compiled_segment, _Plan
 
     num_chains, num_steps = 8, 50
     init = make_init(num_chains)
@@ -260,8 +260,11 @@ def test_trace_is_written_in_place():
     keys = jr.split(jr.key(0), num_chains)
     first_bad = jnp.zeros(num_chains, jnp.int32)
     inputs = (plan, metropolis, init, keys, first_bad, jnp.asarray(0, jnp.int32), None)
-    lowered: Any = _segment.lower(inputs, buffer)  # pyright: ignore
-    stats = lowered.lowered.compile().memory_analysis()
+    leaves, treedef = jtu.tree_flatten(inputs)
+    arrays = [x if eqx.is_array(x) else None for x in leaves]
+    others = tuple(None if eqx.is_array(x) else x for x in leaves)
+    lowered: Any = _compiled_segment.lower(arrays, buffer, (treedef, others))
+    stats = lowered.compile().memory_analysis()
     trace_bytes = sum(x.nbytes for x in jtu.tree_leaves(buffer))
     assert stats.alias_size_in_bytes >= trace_bytes
     assert stats.temp_size_in_bytes < trace_bytes / 4
@@ -307,6 +310,39 @@ def test_finished_checkpoint_is_read_back_without_recomputing(tmp_path):
     again = eb.run_chains(_zeros_named_metropolis, init, jr.key(0), 20, checkpoint=path)
     assert_trees_identical(outputs(again), outputs(first))
     assert_trees_identical(again.nonfinite.chains, first.nonfinite.chains)
+
+
+def test_draw_files_of_a_thinned_run_read_back_exactly(tmp_path):
+    # Segments of 7 steps against thin=3 and burn_in=4: each segment's draws start
+    # and stop at other offsets, and their counts differ.
+    init = make_init(5)
+    path = tmp_path / "run.ckpt"
+    run = ft.partial(
+        eb.run_chains, thin=3, burn_in=4, checkpoint=path, checkpoint_every=7
+    )
+    first = run(metropolis, init, jr.key(0), 40)
+    chunks = json.loads(_checkpoint(path, init)["progress"])["chunks"]
+    bounds = [[0, 1], [1, 4], [4, 6], [6, 8], [8, 11], [11, 12]]
+    assert [chunk[1:] for chunk in chunks] == bounds
+    again = run(_zeros_named_metropolis, init, jr.key(0), 40)
+    assert_trees_identical(outputs(again), outputs(first))
+
+
+def test_progress_bar_across_checkpoint_segments(tmp_path, capsys):
+    init = make_init(4)
+    plain = eb.run_chains(metropolis, init, jr.key(0), 50)
+    path = tmp_path / "run.ckpt"
+    shown = eb.run_chains(
+        metropolis,
+        init,
+        jr.key(0),
+        50,
+        progress=True,
+        checkpoint=path,
+        checkpoint_every=15,
+    )
+    assert_trees_identical(outputs(shown), outputs(plain))
+    assert "50/50" in capsys.readouterr().err
 
 
 def _zeros_named_metropolis(state: dict, key: jax.Array) -> dict:

@@ -24,19 +24,24 @@ def _step(x: jax.Array) -> jax.Array:
 
 
 @eqx.filter_jit
-def _run_chains(states, progress: ProgressHandle | None, start, length: int):
-    """Scan over steps outside, vmap over chains inside: the counter stays unbatched."""
+def _run_chains(states, progress: ProgressHandle | None, start, length: int, due=None):
+    """Scan over steps outside, vmap over chains inside: the counter stays unbatched.
+
+    Returns the states and the step at which the next report is due (or None).
+    """
     TRACES.append(length)
+    if progress is not None and due is None:
+        due = progress.start(start)
 
     def body(carry, _):
-        states, t = carry
+        states, t, due = carry
         states = jax.vmap(_step)(states)
         if progress is not None:
-            progress(t + 1)
-        return (states, t + 1), None
+            due = progress(t + 1, due)
+        return (states, t + 1, due), None
 
-    (states, _), _ = lax.scan(body, (states, start), None, length=length)
-    return states
+    (states, _, due), _ = lax.scan(body, (states, start, due), None, length=length)
+    return states, due
 
 
 def _final_line(stream: io.StringIO) -> str:
@@ -47,14 +52,14 @@ def test_one_bar_for_all_chains_reaches_total(getkey):
     states = jr.normal(getkey(), (8, 3))
     stream = io.StringIO()
     with ProgressBar(1000, "sampling", max_updates=50, file=stream) as bar:
-        out = _run_chains(states, bar.handle, jnp.int32(0), 1000)
+        out, _ = _run_chains(states, bar.handle, jnp.int32(0), 1000)
     assert bar.n == 1000
     # One callback per update for all eight chains, not one per chain.
     assert 0 < bar.updates <= 51
     assert _final_line(stream).startswith("sampling: 100%")
     assert "1000/1000" in _final_line(stream)
     # The bar does not change what is computed.
-    expected = _run_chains(states, None, jnp.int32(0), 1000)
+    expected, _ = _run_chains(states, None, jnp.int32(0), 1000)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
 
 
@@ -76,15 +81,17 @@ def test_segments_of_one_run_share_a_bar(getkey):
     # Checkpointed runs call the compiled loop once per segment, counting on globally.
     states = jr.normal(getkey(), (4, 2))
     with ProgressBar(600, file=io.StringIO()) as bar:
+        due = None
         for start in (0, 200, 400):
-            states = _run_chains(states, bar.handle, jnp.int32(start), 200)
+            states, due = _run_chains(states, bar.handle, jnp.int32(start), 200, due)
     assert bar.n == 600
     assert bar.updates <= 101
 
 
 def test_unfinished_run_shows_how_far_it_got(getkey):
+    # Reported every step (`every` is 1 and no wait), the bar stops where the loop did.
     stream = io.StringIO()
-    with ProgressBar(100, file=stream) as bar:
+    with ProgressBar(100, min_interval=0, file=stream) as bar:
         _run_chains(jr.normal(getkey(), (2, 2)), bar.handle, jnp.int32(0), 40)
     assert bar.n == 40
     assert "40/100" in _final_line(stream)
@@ -93,16 +100,17 @@ def test_unfinished_run_shows_how_far_it_got(getkey):
 def test_fori_loop_under_jit():
     @jax.jit
     def count(progress: ProgressHandle) -> jax.Array:
-        def body(i, total):
-            progress(i + 1)
-            return total + i
+        def body(i, carry):
+            total, due = carry
+            return total + i, progress(i + 1, due)
 
-        return lax.fori_loop(0, progress.total, body, jnp.int32(0))
+        init = (jnp.int32(0), progress.start(0))
+        return lax.fori_loop(0, progress.total, body, init)[0]
 
-    with ProgressBar(7, file=io.StringIO()) as bar:
+    # Fewer steps than `max_updates` and no wait between reports: every step reported.
+    with ProgressBar(7, min_interval=0, file=io.StringIO()) as bar:
         total = count(bar.handle)
     assert int(total) == sum(range(7))
-    # Fewer steps than `max_updates`: every step is reported.
     assert bar.every == 1 and bar.updates == 7 and bar.n == 7
 
 
@@ -111,11 +119,12 @@ def test_fori_loop_under_jit():
 def test_updates_are_bounded_and_reach_total(total, max_updates):
     @jax.jit
     def loop(progress: ProgressHandle) -> None:
-        def body(t, _):
-            progress(t + 1)
-            return t + 1, None
+        def body(carry, _):
+            t, due = carry
+            return (t + 1, progress(t + 1, due)), None
 
-        lax.scan(body, jnp.int32(0), None, length=progress.total)
+        init = (jnp.int32(0), progress.start(0))
+        lax.scan(body, init, None, length=progress.total)
 
     stream = io.StringIO()
     with ProgressBar(total, max_updates=max_updates, file=stream) as bar:
@@ -129,7 +138,8 @@ def test_out_of_order_callbacks_only_move_forward():
     with ProgressBar(10, file=io.StringIO()) as bar:
         bar_id = np.asarray(bar.handle.bar_id)
         for done in (4, 9, 2, 6):
-            _receive(bar_id, np.asarray(done))
+            due = _receive(bar_id, np.asarray(done))
+            assert done < due <= 10
         assert bar.n == 9
         assert bar.updates == 4
 
@@ -139,10 +149,11 @@ def test_callbacks_for_a_closed_bar_are_ignored():
         handle = bar.handle
 
     @jax.jit
-    def finish(progress: ProgressHandle) -> None:
-        progress(progress.total)
+    def finish(progress: ProgressHandle) -> jax.Array:
+        return progress(progress.total, progress.start(0))
 
-    finish(handle)
+    # The host answers that no report is ever due again.
+    assert int(finish(handle)) == np.iinfo(np.int32).max
     jax.effects_barrier()
     assert bar.n == 0 and bar.updates == 0
 
@@ -152,5 +163,22 @@ def test_bad_arguments():
         ProgressBar(-1)
     with pytest.raises(eb.BatchError, match="`max_updates` is 0"):
         ProgressBar(10, max_updates=0)
+    with pytest.raises(eb.BatchError, match="`min_interval` is -1"):
+        ProgressBar(10, min_interval=-1)
     with pytest.raises(eb.BatchError, match="not open"):
         _ = ProgressBar(10).handle
+
+
+def test_reports_are_spaced_by_the_loops_speed(getkey):
+    # A fast loop: after the first report, the host asks for the next ones only about
+    # `min_interval` apart, so far fewer than `max_updates` calls are made.
+    states = jr.normal(getkey(), (4, 2))
+    with ProgressBar(20_000, max_updates=1000, min_interval=10.0) as bar:
+        _run_chains(states, bar.handle, jnp.int32(0), 20_000)
+    assert bar.n == 20_000
+    assert bar.updates < 20
+    # Without a wait between reports, `max_updates` bounds them.
+    with ProgressBar(20_000, max_updates=1000, min_interval=0) as bar:
+        _run_chains(states, bar.handle, jnp.int32(0), 20_000)
+    assert bar.n == 20_000
+    assert 900 <= bar.updates <= 1001

@@ -24,7 +24,15 @@ from helpers import assert_trees_identical
 from hypothesis import given, HealthCheck, settings
 
 import eqx_batch as eb
-from eqx_batch._serialise import _MAGIC, _PREFIX, atomic_write, atomic_write_bytes
+from eqx_batch._serialise import (
+    _CHECKSUMS,
+    _MAGIC,
+    _PREFIX,
+    _VERSION,
+    atomic_write,
+    atomic_write_bytes,
+    write_tree,
+)
 
 
 SETTINGS = settings(
@@ -52,19 +60,28 @@ def _mixed_tree(key):
 
 
 def _rewrite(path: pathlib.Path, header_edit=None, version: int | None = None) -> None:
-    """Edits a saved file's header or version and re-signs it with a valid checksum."""
+    """Edits a saved file's header or version and re-signs it with a valid checksum
+    (the checksum of the new version, or the current one's for an unknown version)."""
     data = path.read_bytes()
     magic, old_version, header_nbytes = _PREFIX.unpack_from(data)
     header = json.loads(data[_PREFIX.size : _PREFIX.size + header_nbytes])
     payload_start = _PREFIX.size + header_nbytes
-    payload = data[payload_start + -payload_start % 64 : -32]
+    checksum_nbytes = _CHECKSUMS[old_version][1]
+    payload = data[payload_start + -payload_start % 64 : -checksum_nbytes]
     if header_edit is not None:
         header_edit(header)
     raw = json.dumps(header).encode()
-    prefix = _PREFIX.pack(magic, old_version if version is None else version, len(raw))
+    new_version = old_version if version is None else version
+    prefix = _PREFIX.pack(magic, new_version, len(raw))
     padding = bytes(-(len(prefix) + len(raw)) % 64)
     body = prefix + raw + padding + payload
-    path.write_bytes(body + hashlib.sha256(body).digest())
+    path.write_bytes(_signed(body, new_version))
+
+
+def _signed(body: bytes, version: int = _VERSION) -> bytes:
+    """`body` followed by the checksum of format `version`."""
+    _, _, checksum = _CHECKSUMS.get(version, _CHECKSUMS[_VERSION])
+    return body + checksum(memoryview(body))
 
 
 # ------------------------------------------------------------------------------------
@@ -345,7 +362,7 @@ def test_pickles_are_never_unpickled(tmp_path):
         eb.load(path, like=jnp.zeros(3))
     # The same bytes behind our magic, correctly checksummed, still do not run.
     body = _PREFIX.pack(_MAGIC, 1, 0) + pickle.dumps(_Payload(str(marker)))
-    path.write_bytes(body + hashlib.sha256(body).digest())
+    path.write_bytes(_signed(body, 1))
     with pytest.raises(eb.BatchError, match="malformed header"):
         eb.load(path, like=jnp.zeros(3))
     assert not marker.exists()
@@ -386,8 +403,30 @@ def test_checksum_mismatch_says_corrupt(tmp_path):
     data = bytearray(path.read_bytes())
     data[-40] ^= 1  # inside the payload
     path.write_bytes(bytes(data))
-    with pytest.raises(eb.BatchError, match="corrupt or truncated"):
+    with pytest.raises(eb.BatchError, match="corrupt or truncated: its CRC-32"):
         eb.load(path, like=jnp.zeros(100))
+
+
+def test_version_1_files_with_sha256_still_load(getkey, tmp_path):
+    tree = {"w": jr.normal(getkey(), (4, 3)), "key": getkey(), "name": "model"}
+    path = tmp_path / "tree.eqx"
+    eb.save(path, tree)
+    _rewrite(path, version=1)
+    assert path.read_bytes()[-32:] == hashlib.sha256(path.read_bytes()[:-32]).digest()
+    assert_trees_identical(eb.load(path, like=tree), tree)
+    data = bytearray(path.read_bytes())
+    data[-40] ^= 1  # inside the payload
+    path.write_bytes(bytes(data))
+    with pytest.raises(eb.BatchError, match="its SHA-256 checksum does not match"):
+        eb.load(path, like=tree)
+
+
+def test_version_0_is_unknown(tmp_path):
+    path = tmp_path / "tree.eqx"
+    eb.save(path, jnp.zeros(3))
+    _rewrite(path, version=0)
+    with pytest.raises(eb.BatchError, match="unknown checkpoint format version, 0"):
+        eb.load(path, like=jnp.zeros(3))
 
 
 def test_newer_format_version(tmp_path):
@@ -475,6 +514,16 @@ def test_atomic_write_bytes(tmp_path):
     atomic_write_bytes(path, b"second")
     assert path.read_bytes() == b"second"
     assert [p.name for p in tmp_path.iterdir()] == ["blob"]
+
+
+def test_write_tree_uncached_writes_the_same_file(getkey, tmp_path):
+    # Dropping the pages from the OS cache after the fsync changes nothing on disk.
+    tree = {"w": jr.normal(getkey(), (64, 1024)), "name": "draws"}
+    eb.save(tmp_path / "cached.eqx", tree)
+    write_tree(tmp_path / "uncached.eqx", tree, keep_cached=False)
+    cached = (tmp_path / "cached.eqx").read_bytes()
+    assert (tmp_path / "uncached.eqx").read_bytes() == cached
+    assert_trees_identical(eb.load(tmp_path / "uncached.eqx", like=tree), tree)
 
 
 def test_atomic_write_uses_the_umask(tmp_path):
