@@ -9,9 +9,8 @@ A file is, in order:
    scalars the value; for other objects their qualified name);
 3. zero padding to a multiple of 64 bytes, then the payload: the raw little-endian
    bytes of every array, each starting on a 64-byte boundary;
-4. a checksum of everything before it: in format version 2 (written now), its CRC-32
-   (`zlib.crc32`, 4 bytes, little-endian); in version 1 (still read), its SHA-256
-   digest (32 bytes).
+4. a checksum of everything before it: its CRC-32 (`zlib.crc32`, 4 bytes,
+   little-endian).
 
 The checksum guards against accidents (a torn or truncated write, flipped bits), as
 CRC-32 does in zip, gzip and PNG files: it catches every change of up to 32
@@ -24,7 +23,6 @@ up by name among numeric ones, and objects that JSON cannot hold (functions,
 activations) are not stored but checked by name against the `like` given to `load`.
 """
 
-import hashlib
 import json
 import math
 import os
@@ -50,15 +48,10 @@ from ._tree import is_array
 Tree = TypeVar("Tree")
 
 _MAGIC = b"\x89EQXBATCH\r\n\x1a\n"
-_VERSION = 2
+_VERSION = 1
 _PREFIX = struct.Struct(f"<{len(_MAGIC)}sIQ")
 _ALIGN = 64
 _CRC = struct.Struct("<I")
-# Per format version: the checksum's name, its size and how to compute it.
-_CHECKSUMS: dict[int, tuple[str, int, Callable[[memoryview], bytes]]] = {
-    1: ("SHA-256", hashlib.sha256().digest_size, lambda b: hashlib.sha256(b).digest()),
-    2: ("CRC-32", _CRC.size, lambda b: _CRC.pack(zlib.crc32(b))),
-}
 _KIND_PHRASES = {
     "array": "an array",
     "key": "a typed PRNG key",
@@ -356,19 +349,17 @@ class _File:
                 f"eqx_batch reads versions up to {_VERSION}.",
                 "Upgrade eqx_batch to load it.",
             )
-        if version not in _CHECKSUMS:
+        if version != _VERSION:
             raise self._fail(f"has an unknown checkpoint format version, {version}.")
-        name, checksum_nbytes, checksum = _CHECKSUMS[version]
-        if len(data) < _PREFIX.size + checksum_nbytes:
+        if len(data) < _PREFIX.size + _CRC.size:
             raise self._fail(f"is truncated: it has only {len(data)} bytes.")
-        body = memoryview(data)[:-checksum_nbytes]
-        if checksum(body) != data[-checksum_nbytes:]:
+        crc = zlib.crc32(memoryview(data)[: -_CRC.size])
+        if _CRC.pack(crc) != data[-_CRC.size :]:
             raise self._fail(
-                f"is corrupt or truncated: its {name} checksum does not match its "
+                "is corrupt or truncated: its CRC-32 checksum does not match its "
                 f"contents ({len(data)} bytes).",
                 "Load an earlier checkpoint.",
             )
-        self.checksum_nbytes = checksum_nbytes
         self.header_nbytes = header_nbytes
         self.payload_start = _PREFIX.size + header_nbytes
         self.payload_start += _padding(self.payload_start)
@@ -383,7 +374,7 @@ class _File:
             payload_nbytes = header["payload_nbytes"]
             if not isinstance(records, list) or not _is_count(payload_nbytes):
                 raise TypeError
-            expected = self.payload_start + payload_nbytes + self.checksum_nbytes
+            expected = self.payload_start + payload_nbytes + _CRC.size
             if expected != len(self.data):
                 raise ValueError
             for record in records:
