@@ -82,13 +82,11 @@ def run_the_chains() -> dict[str, np.ndarray]:
     """The run of `parallel_markov_chains.py`; its results as host arrays by name."""
     # Imported here, after `force_cpu_devices`: the chains example imports JAX.
     import jax
-    import jax.numpy as jnp
     import jax.random as jr
     from parallel_markov_chains import (
         BURN_IN,
-        HIDDEN,
+        make_problem,
         metropolis,
-        NOISE,
         NUM_CHAINS,
         NUM_STEPS,
         THIN,
@@ -97,15 +95,7 @@ def run_the_chains() -> dict[str, np.ndarray]:
     import eqx_batch as eb
 
     # Global inputs: every process builds exactly the same ones from the same seeds.
-    data_key, init_key, chain_key = jr.split(jr.key(0), 3)
-    x = jnp.linspace(-1.5, 1.5, 40)
-    y = jnp.sin(2 * x) + NOISE * jr.normal(data_key, x.shape)
-    grid = jnp.linspace(-2.0, 2.0, 41)
-    layer1_key, layer2_key = jr.split(init_key)
-    init = {
-        "layer1": {"weights": 0.5 * jr.normal(layer1_key, (NUM_CHAINS, HIDDEN, 2))},
-        "layer2": {"weights": 0.5 * jr.normal(layer2_key, (NUM_CHAINS, 1, HIDDEN + 1))},
-    }
+    (x, y, grid), init, chain_key = make_problem()
 
     result = eb.run_chains(
         ft.partial(metropolis, x=x, y=y, grid=grid),

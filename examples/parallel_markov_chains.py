@@ -94,6 +94,23 @@ def metropolis(
     return new, record
 
 
+def make_problem() -> tuple[tuple[jax.Array, ...], dict, jax.Array]:
+    """The data `(x, y, grid)`, the stacked initial states, and the chains' key.
+
+    Built from fixed seeds, so that every process of `multi_process.py` builds the same.
+    """
+    data_key, init_key, chain_key = jr.split(jr.key(0), 3)
+    x = jnp.linspace(-1.5, 1.5, 40)
+    y = jnp.sin(2 * x) + NOISE * jr.normal(data_key, x.shape)
+    grid = jnp.linspace(-2.0, 2.0, 41)
+    layer1_key, layer2_key = jr.split(init_key)
+    init = {
+        "layer1": {"weights": 0.5 * jr.normal(layer1_key, (NUM_CHAINS, HIDDEN, 2))},
+        "layer2": {"weights": 0.5 * jr.normal(layer2_key, (NUM_CHAINS, 1, HIDDEN + 1))},
+    }
+    return (x, y, grid), init, chain_key
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -102,18 +119,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    # --- Data -------------------------------------------------------------------------
-    data_key, init_key, chain_key = jr.split(jr.key(0), 3)
-    x = jnp.linspace(-1.5, 1.5, 40)
-    y = jnp.sin(2 * x) + NOISE * jr.normal(data_key, x.shape)
-    grid = jnp.linspace(-2.0, 2.0, 41)
-
-    # --- The chains' initial states: one nested dict, stacked along axis 0 ------------
-    layer1_key, layer2_key = jr.split(init_key)
-    init = {
-        "layer1": {"weights": 0.5 * jr.normal(layer1_key, (NUM_CHAINS, HIDDEN, 2))},
-        "layer2": {"weights": 0.5 * jr.normal(layer2_key, (NUM_CHAINS, 1, HIDDEN + 1))},
-    }
+    # --- Data, and the chains' initial states: one nested dict, stacked on axis 0 -----
+    (x, y, grid), init, chain_key = make_problem()
     print(f"{eb.batch_size(init)} chains; one chain's state:")
     for path, leaf in jax.tree_util.tree_flatten_with_path(eb.index(init, 0))[0]:
         print(f"   state{jax.tree_util.keystr(path)}: shape {leaf.shape}")
