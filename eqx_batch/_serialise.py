@@ -42,7 +42,7 @@ from jax._src.lax.lax import _convert_element_type
 
 from ._errors import BatchError, bullet_list, describe, leaf_name
 from ._stack import batch_size, stack, unstack
-from ._tree import is_array
+from ._tree import is_array, is_key
 
 
 Tree = TypeVar("Tree")
@@ -77,7 +77,7 @@ _SCALAR_KINDS = {
 
 def atomic_write(
     path: str | os.PathLike,
-    write: Callable[[BinaryIO], None],
+    write: Callable[[BinaryIO], object],
     *,
     keep_cached: bool = True,
 ) -> None:
@@ -115,15 +115,6 @@ def atomic_write(
     _fsync_folder(folder)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Writes `data` to `path` atomically: see `atomic_write`."""
-
-    def write(file: BinaryIO) -> None:
-        file.write(data)
-
-    atomic_write(path, write)
-
-
 def _fsync_folder(folder: pathlib.Path) -> None:
     # The rename is only durable once the folder's entry is on disk. Windows cannot open
     # a folder this way; there `os.replace` is as durable as it gets.
@@ -138,10 +129,6 @@ def _fsync_folder(folder: pathlib.Path) -> None:
 
 # ------------------------------------------------------------------------------------
 # Leaf kinds and dtypes.
-
-
-def _is_key_dtype(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _is_array_template(x: Any) -> bool:
@@ -190,7 +177,7 @@ def _host_data(leaf: Any, name: str) -> tuple[dict, np.ndarray | None]:
             f"`{name}` is a traced array ({describe(leaf)}): `save` reads concrete "
             "values on the host. Call it outside `jax.jit`, `jax.vmap` and friends."
         )
-    if isinstance(leaf, jax.Array) and _is_key_dtype(leaf.dtype):
+    if isinstance(leaf, jax.Array) and is_key(leaf):
         data = np.asarray(jax.random.key_data(leaf))
         record = {
             "kind": "key",
@@ -335,7 +322,7 @@ class _File:
 
     def _check_envelope(self) -> None:
         data = self.data
-        if len(data) < len(_MAGIC) or data[: len(_MAGIC)] != _MAGIC:
+        if not data.startswith(_MAGIC):
             raise self._fail(
                 f"is not an eqx_batch checkpoint (its first bytes are {data[:16]!r}).",
                 "Only files written by `eb.save` can be loaded.",
@@ -459,8 +446,8 @@ def _place(x: Any, like_leaf: Any) -> jax.Array:
 
 
 def _restore_array(file: _File, record: dict, like_leaf: Any, name: str) -> Any:
-    is_key = _is_key_dtype(like_leaf.dtype)
-    kind = "key" if is_key else "array"
+    like_key = is_key(like_leaf)
+    kind = "key" if like_key else "array"
     if record["kind"] != kind:
         raise _mismatch(
             name,
@@ -480,7 +467,7 @@ def _restore_array(file: _File, record: dict, like_leaf: Any, name: str) -> Any:
             "Build `like` with the sizes the saved tree had.",
         )
     data = file.array(record)
-    if is_key:
+    if like_key:
         try:
             key = jax.random.wrap_key_data(jnp.asarray(data), impl=record["impl"])
         except (ValueError, TypeError, KeyError):
@@ -620,8 +607,9 @@ def _load_list_into_stacked(file: _File, like: Any, length: int) -> Any:
 
 
 def _structure_error(file: _File, like_paths: list[str]) -> BatchError:
-    missing = [f"like{p}" for p in like_paths if p not in set(file.paths)]
-    extra = [p for p in file.paths if p not in set(like_paths)]
+    in_file, in_like = set(file.paths), set(like_paths)
+    missing = [f"like{p}" for p in like_paths if p not in in_file]
+    extra = [p for p in file.paths if p not in in_like]
     lines = [f"in `like` only: `{p}`" for p in missing]
     lines += [f"in the file only: `{p}`" for p in extra]
     if not lines:

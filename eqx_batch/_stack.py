@@ -26,7 +26,7 @@ import numpy as np
 from jax._src.lib import xla_client
 
 from ._errors import BatchError, describe, KeyPath, leaf_name
-from ._tree import common_size, is_array, mapped_leaves, resolve_axes
+from ._tree import common_size, is_array, is_key, mapped_leaves, resolve_axes
 
 
 Tree = TypeVar("Tree")
@@ -47,10 +47,6 @@ def _is_tracer(x: Any) -> bool:
 
 def _is_numpy(x: Any) -> bool:
     return isinstance(x, (np.ndarray, np.generic))
-
-
-def _is_key(x: Any) -> bool:
-    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _on_cpu(x: jax.Array) -> bool:
@@ -75,7 +71,7 @@ def _placement(x: jax.Array) -> Any:
 
 def _host(x: Any) -> np.ndarray:
     """The raw bits of a concrete leaf as NumPy (key data for typed PRNG keys)."""
-    if isinstance(x, jax.Array) and _is_key(x):
+    if isinstance(x, jax.Array) and is_key(x):
         x = jax.random.key_data(x)
     return np.asarray(x)
 
@@ -116,7 +112,7 @@ def _to_device(pieces: list[np.ndarray], like: jax.Array, weak: bool) -> list[An
     aval = jax.core.ShapedArray(pieces[0].shape, pieces[0].dtype, weak_type=weak)
     put, devices = xla_client.batched_device_put, [device]
     out = [put(aval, placement, [piece], devices, committed) for piece in pieces]
-    if _is_key(like):
+    if is_key(like):
         impl = jax.random.key_impl(like)
         out = [jax.random.wrap_key_data(data, impl=impl) for data in out]
     return out
@@ -221,11 +217,9 @@ def _node_summary(treedef: Any) -> str:
         return f"a {node_type.__name__} of length {len(treedef.children())}"
     if node_type is type(None):
         return "None"
-    text = repr(aux)
-    text = text if len(text) <= 80 else text[:77] + "..."
     return (
         f"a {node_type.__name__} with {len(treedef.children())} children and static "
-        f"data {text}"
+        f"data {describe(aux)}"
     )
 
 
@@ -342,12 +336,17 @@ def _join_members(
     trees: Sequence[Any], axes: Any, argname: str, verb: str, new_axis: bool
 ) -> Any:
     treedef, by_member = _flatten_members(trees, argname, verb)
-    resolved = resolve_axes(trees[0], axes, f"{argname}[0]")
-    axis_leaves = treedef.flatten_up_to(resolved)
-    paths = [path for path, _ in jtu.tree_flatten_with_path(trees[0])[0]]
-    if not new_axis:
-        for i, tree in enumerate(trees):
+    if new_axis:
+        resolved = resolve_axes(trees[0], axes, f"{argname}[0]")
+        axis_leaves = treedef.flatten_up_to(resolved)
+    else:
+        # Every tree's own mapped leaves must agree on its member count; `_sizes` also
+        # checks member 0's axes against its leaves and makes them non-negative.
+        mapped, _ = _sizes(trees[0], axes, f"{argname}[0]")
+        axis_leaves = [axis for _, _, axis in mapped]
+        for i, tree in enumerate(trees[1:], start=1):
             _sizes(tree, axes, f"{argname}[{i}]")
+    paths = [path for path, _ in jtu.tree_flatten_with_path(trees[0])[0]]
     out = []
     for j, (path, axis) in enumerate(zip(paths, axis_leaves, strict=True)):
         column = [leaves[j] for leaves in by_member]
@@ -356,20 +355,19 @@ def _join_members(
             out.append(column[0])
             continue
         first = column[0]
-        name = leaf_name(f"{argname}[0]", path)
-        ndim = np.ndim(first) + (1 if new_axis else 0) if is_array(first) else 0
-        if is_array(first) and (not new_axis and ndim == 0):
-            raise BatchError(
-                f"`{name}` is a 0-d array ({describe(first)}) but is asked to have a "
-                f"member axis {axis}. Give it the axis spec None to keep it once."
-            )
-        if is_array(first) and not -ndim <= axis < ndim:
-            raise BatchError(
-                f"member axis {axis} is out of range for `{name}`, which has "
-                f"{ndim} axes after {verb}."
-            )
-        _check_column(column, path, argname, None if new_axis else axis % ndim)
-        out.append(_join(column, axis % ndim, new_axis))
+        if new_axis and is_array(first):
+            # The new axis counts among the stacked leaf's axes. A non-array member 0
+            # is reported by `_check_column`.
+            ndim = np.ndim(first) + 1
+            if not -ndim <= axis < ndim:
+                raise BatchError(
+                    f"member axis {axis} is out of range for "
+                    f"`{leaf_name(f'{argname}[0]', path)}`, which has {ndim} axes "
+                    f"after {verb}."
+                )
+            axis %= ndim
+        _check_column(column, path, argname, None if new_axis else axis)
+        out.append(_join(column, axis, new_axis))
     return jtu.tree_unflatten(treedef, out)
 
 

@@ -5,22 +5,26 @@ an `int` (the member axis of that leaf), or a callable such as `eqx.if_array(0)`
 called on each leaf and returns one of those.
 """
 
-from collections.abc import Callable
+from collections import Counter
 from typing import Any, TypeGuard
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
 from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
 
 
-AxisSpec = None | int | Callable[[Any], int | None]
-
-
 def is_array(x: Any) -> bool:
     """Whether `x` is an array leaf (a JAX array, tracer, or NumPy array/scalar)."""
     return eqx.is_array(x)
+
+
+def is_key(x: Any) -> bool:
+    """Whether `x`, an array or `jax.ShapeDtypeStruct`, holds typed PRNG keys."""
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _is_int(x: Any) -> TypeGuard[int]:
@@ -58,14 +62,13 @@ def resolve_axes(tree: Any, axes: Any, argname: str) -> Any:
     not an axis spec.
     """
     try:
-        prefix = jtu.tree_structure(axes, is_leaf=_is_none)
+        specs, prefix = jtu.tree_flatten_with_path(axes, is_leaf=_is_none)
         subtrees = prefix.flatten_up_to(tree)
     except (ValueError, TypeError) as e:
         raise BatchError(
             f"the axis spec for `{argname}` is not a pytree prefix of `{argname}`: "
             f"{e}\nGive one spec (None, an int or a callable) per subtree."
         ) from None
-    specs = jtu.tree_flatten_with_path(axes, is_leaf=_is_none)[0]
     resolved = [
         _resolve_subtree(spec, subtree, argname, path)
         for (path, spec), subtree in zip(specs, subtrees, strict=True)
@@ -86,8 +89,8 @@ def mapped_leaves(
     that is not an array, is 0-d, or whose axis is out of range.
     """
     resolved = resolve_axes(tree, axes, argname)
-    leaves = jtu.tree_flatten_with_path(tree)[0]
-    axis_leaves = jtu.tree_structure(tree).flatten_up_to(resolved)
+    leaves, treedef = jtu.tree_flatten_with_path(tree)
+    axis_leaves = treedef.flatten_up_to(resolved)
     out = []
     for (path, leaf), axis in zip(leaves, axis_leaves, strict=True):
         if axis is not None:
@@ -123,21 +126,19 @@ def common_size(
 ) -> int:
     """The one size shared by all `(leaf name, size)` pairs.
 
-    Raises `BatchError` listing every leaf whose size differs from the most common one,
-    or if there is no leaf at all.
+    Raises `BatchError` listing every leaf with its size, against the most common size,
+    if they differ, or if there is no leaf at all.
     """
     if not sizes:
         raise BatchError(
             f"no array leaf has a {what}, so its size is undefined. "
             "Pass a tree with at least one mapped array leaf."
         )
-    counts: dict[int, int] = {}
-    for _, size in sizes:
-        counts[size] = counts.get(size, 0) + 1
+    counts = Counter(size for _, size in sizes)
     if len(counts) == 1:
         return sizes[0][1]
-    # The majority is most likely right; report the others against it.
-    majority = max(counts, key=lambda s: (counts[s], -list(counts).index(s)))
+    # The majority is most likely right; on a tie, the size seen first.
+    majority = max(counts, key=counts.__getitem__)
     lines = [f"`{name}`: {size}" for name, size in sizes]
     message = (
         f"array leaves disagree on the size of their {what} "

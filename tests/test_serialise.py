@@ -30,7 +30,6 @@ from eqx_batch._serialise import (
     _PREFIX,
     _VERSION,
     atomic_write,
-    atomic_write_bytes,
     write_tree,
 )
 
@@ -491,10 +490,10 @@ def test_save_into_missing_folder_is_an_os_error(tmp_path):
 # Atomic writes.
 
 
-def test_atomic_write_bytes(tmp_path):
+def test_atomic_write_replaces(tmp_path):
     path = tmp_path / "blob"
-    atomic_write_bytes(path, b"first")
-    atomic_write_bytes(path, b"second")
+    atomic_write(path, lambda file: file.write(b"first"))
+    atomic_write(path, lambda file: file.write(b"second"))
     assert path.read_bytes() == b"second"
     assert [p.name for p in tmp_path.iterdir()] == ["blob"]
 
@@ -512,7 +511,7 @@ def test_write_tree_uncached_writes_the_same_file(getkey, tmp_path):
 def test_atomic_write_uses_the_umask(tmp_path):
     plain = tmp_path / "plain"
     plain.write_bytes(b"")
-    atomic_write_bytes(tmp_path / "atomic", b"")
+    atomic_write(tmp_path / "atomic", lambda file: None)
     mode = (tmp_path / "atomic").stat().st_mode & 0o777
     assert mode == plain.stat().st_mode & 0o777
 
