@@ -291,7 +291,13 @@ def _check_column(
     """
     first = column[0]
     there = leaf_name(f"{argname}[0]", path)
-    for i, leaf in enumerate(column):
+    if not is_array(first):
+        raise BatchError(
+            f"`{there}` is {describe(first)}, not an array, but is asked to have a "
+            "member axis. Make it an array, or give the leaf the axis spec None to "
+            "keep it once."
+        )
+    for i, leaf in enumerate(column[1:], start=1):
         here = leaf_name(f"{argname}[{i}]", path)
         if not is_array(leaf):
             raise BatchError(

@@ -501,6 +501,9 @@ def test_stack_array_versus_non_array():
     a, b = {"w": jnp.zeros(2)}, {"w": 2.0}
     _raises("not an array", lambda: eb.stack([a, b], axes=0), "trees[1]['w']")
     _raises("must be equal", lambda: eb.stack([b, a]), "trees[1]['w']")
+    # Member 0 itself not an array: the message is about member 0 alone.
+    message = _raises("not an array", lambda: eb.stack([b, a], axes=0), "trees[0]['w']")
+    assert "trees[1]" not in message
 
 
 def test_stack_axis_out_of_range():
