@@ -114,13 +114,14 @@ def _check_n(n: Any) -> int:
 
 
 def _check_key(key: Any) -> None:
-    if not isinstance(key, jax.Array):
+    if not isinstance(key, jax.Array) or not (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.dtype == jnp.uint32
+    ):
         raise BatchError(
             f"`key` is {describe(key)}, not a PRNG key. Pass `jax.random.key(seed)`."
         )
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        typed = key
-    elif key.dtype == jnp.uint32:
+    typed = key
+    if key.dtype == jnp.uint32:
         try:
             typed = jr.wrap_key_data(key)
         except TypeError:
@@ -128,10 +129,6 @@ def _check_key(key: Any) -> None:
                 f"`key` is {describe(key)}, which is not key data for the default PRNG "
                 "implementation. Pass `jax.random.key(seed)`."
             ) from None
-    else:
-        raise BatchError(
-            f"`key` is {describe(key)}, not a PRNG key. Pass `jax.random.key(seed)`."
-        )
     if typed.shape != ():
         raise BatchError(
             f"`key` is {describe(key)}, a batch of keys of shape {typed.shape}, but "

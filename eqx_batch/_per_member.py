@@ -100,32 +100,29 @@ def per_member(
     """
     inner = _with_extra_args(tx)
 
+    # The checks below resolve `axes` only to validate it and name leaves; the vmaps
+    # take the spec itself, which Equinox resolves the same way.
     def init(params: Any) -> Any:
         arrays = eqx.filter(params, eqx.is_array)
-        params_axes, sizes = _member_axes(arrays, axes, "params")
-        common_size(sizes, what="member axis", fix=_FIX)
-        return eqx.filter_vmap(
-            inner.init, in_axes=(params_axes,), out_axes=eqx.if_array(0)
-        )(arrays)
+        common_size(_member_sizes(arrays, axes, "params"), fix=_FIX)
+        return eqx.filter_vmap(inner.init, in_axes=(axes,), out_axes=eqx.if_array(0))(
+            arrays
+        )
 
     def update(
         updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
         update_arrays = eqx.filter(updates, eqx.is_array)
-        update_axes, sizes = _member_axes(update_arrays, axes, "updates")
-        sizes += _state_sizes(state)
         params_arrays = eqx.filter(params, eqx.is_array)
-        params_axes = None
+        sizes = _member_sizes(update_arrays, axes, "updates") + _state_sizes(state)
         if params is not None:
-            params_axes, params_sizes = _member_axes(params_arrays, axes, "params")
-            sizes += params_sizes
+            sizes += _member_sizes(params_arrays, axes, "params")
         for name, value in extra_args.items():
-            sizes += [
-                (leaf_name(name, path), leaf.shape[axis])
-                for path, leaf, axis in mapped_leaves(value, eqx.if_array(0), name)
-                if axis is not None
-            ]
-        common_size(sizes, what="member axis", fix=_FIX)
+            sizes += _member_sizes(
+                eqx.filter(value, eqx.is_array), eqx.if_array(0), name
+            )
+        common_size(sizes, fix=_FIX)
+        params_axes = None if params is None else axes
 
         def member_update(
             member_updates: Any,
@@ -139,8 +136,8 @@ def per_member(
 
         return eqx.filter_vmap(
             member_update,
-            in_axes=(update_axes, eqx.if_array(0), params_axes, eqx.if_array(0)),
-            out_axes=(update_axes, eqx.if_array(0)),
+            in_axes=(axes, eqx.if_array(0), params_axes, eqx.if_array(0)),
+            out_axes=(axes, eqx.if_array(0)),
         )(update_arrays, state, params_arrays, extra_args)
 
     return optax.GradientTransformationExtraArgs(init, update)
@@ -166,8 +163,8 @@ def _with_extra_args(
     )
 
 
-def _member_axes(tree: Any, axes: Any, argname: str) -> tuple[Any, list[Any]]:
-    """The resolved member axis of every array leaf of `tree`, and their sizes."""
+def _member_sizes(tree: Any, axes: Any, argname: str) -> list[tuple[str, int]]:
+    """The member-axis size of every leaf of `tree`, a tree of arrays only, by name."""
     leaves = mapped_leaves(tree, axes, argname)
     unmapped = [leaf_name(argname, path) for path, _, axis in leaves if axis is None]
     if unmapped:
@@ -178,13 +175,7 @@ def _member_axes(tree: Any, axes: Any, argname: str) -> tuple[Any, list[Any]]:
             + "\nA parameter shared by all members cannot take per-member updates; "
             "give it a member axis."
         )
-    resolved = jtu.tree_unflatten(
-        jtu.tree_structure(tree), [axis for _, _, axis in leaves]
-    )
-    sizes = [
-        (leaf_name(argname, path), leaf.shape[axis]) for path, leaf, axis in leaves
-    ]
-    return resolved, sizes
+    return [(leaf_name(argname, path), leaf.shape[axis]) for path, leaf, axis in leaves]
 
 
 def _state_sizes(state: Any) -> list[tuple[str, int]]:

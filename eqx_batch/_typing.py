@@ -11,6 +11,7 @@ import functools as ft
 import inspect
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any, NamedTuple, TYPE_CHECKING, TypeVar
 
 import equinox as eqx
@@ -54,21 +55,23 @@ def _current_memo() -> _Memo:
 # What a tree structure says about its leaves: paths and field annotations.
 
 
+# The leaf index of an annotated field holding a leaf directly, and the field's types
+# (any of which may match).
+_Field = tuple[int, tuple[type[AbstractArray], ...]]
+
+
 class _Instance(NamedTuple):
     """A module (or NamedTuple) in the tree that has fields with array annotations."""
 
     path: KeyPath
     cls: type
-    # The leaf index of each annotated field holding a leaf directly, and its types
-    # (any of which may match).
-    fields: tuple[tuple[int, tuple[type[AbstractArray], ...]], ...]
+    fields: tuple[_Field, ...]
 
 
 class _Plan(NamedTuple):
     """Everything the check needs from a tree's structure, computed once per treedef."""
 
     paths: tuple[KeyPath, ...]  # per leaf, in `tree_flatten` order
-    field_types: tuple[tuple[type[AbstractArray], ...], ...]  # per leaf; () if none
     instances: tuple[_Instance, ...]
 
 
@@ -94,7 +97,6 @@ def _flatten(obj: Any) -> tuple[list[Any], _Plan]:
 
 def _make_plan(obj: Any) -> _Plan:
     paths: list[KeyPath] = []
-    field_types: list[tuple[type[AbstractArray], ...]] = []
     instances: list[_Instance] = []
 
     def walk(node: Any, path: KeyPath) -> None:
@@ -116,12 +118,11 @@ def _make_plan(obj: Any) -> _Plan:
             if types_:
                 own.append((len(paths), types_))
             paths.append(path + sub_path)
-            field_types.append(types_)
         if own:
             instances.append(_Instance(path, type(node), tuple(own)))
 
     walk(obj, ())
-    return _Plan(tuple(paths), tuple(field_types), tuple(instances))
+    return _Plan(tuple(paths), tuple(instances))
 
 
 @ft.cache
@@ -265,7 +266,8 @@ class _StackedMeta(type):
                 leaf, plan.paths[index], argname, memo, bound, bound_by
             )
             if message:
-                if _looks_unstacked(leaves, plan, range(len(leaves))):
+                fields = [f for instance in plan.instances for f in instance.fields]
+                if _looks_unstacked(leaves, fields):
                     message += " " + cls._unstacked_hint()
                 return message
 
@@ -284,7 +286,7 @@ class _StackedMeta(type):
                 instance, leaves, plan.paths, argname, memo, bound
             )
             if message:
-                if _looks_unstacked(leaves, plan, [i for i, _ in instance.fields]):
+                if _looks_unstacked(leaves, instance.fields):
                     message += " " + cls._unstacked_hint()
                 return message
             passed.add(signature)
@@ -430,15 +432,15 @@ def _member_signature(leaf: Any, lead: int) -> Any:
     return type(leaf), tuple(leaf.shape[lead:]), leaf.dtype
 
 
-def _looks_unstacked(leaves: list[Any], plan: _Plan, indices: Any) -> bool:
+def _looks_unstacked(leaves: list[Any], fields: Sequence[_Field]) -> bool:
     # A leaf whose whole shape has exactly the rank its field annotation asks for
     # carries no member axes.
     return any(
         is_array(leaves[index])
         and array_type.index_variadic is None
         and len(array_type.dims) == len(leaves[index].shape)
-        for index in indices
-        for array_type in plan.field_types[index]
+        for index, field_types in fields
+        for array_type in field_types
     )
 
 

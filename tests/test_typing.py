@@ -75,10 +75,6 @@ def apply_mlp(model: MLP, x: Float[Array, "b 4"]) -> Float[Array, "b 2"]:
     return x
 
 
-def member(models: MLP, i: int) -> MLP:
-    return jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, models)
-
-
 @eb.typecheck
 def predict(
     models: eb.Stacked[MLP, " n"], x: Float[Array, "n b 4"]
@@ -109,7 +105,7 @@ def reasons(error: BaseException) -> str:
 
 def test_predict_matches_per_member_loop():
     models, x = make_mlp(5), jnp.linspace(-1, 1, 5 * 3 * 4).reshape(5, 3, 4)
-    expected = jnp.stack([apply_mlp(member(models, i), x[i]) for i in range(5)])
+    expected = jnp.stack([apply_mlp(eb.index(models, i), x[i]) for i in range(5)])
     assert tree_allclose(predict(models, x), expected)
     assert tree_allclose(eqx.filter_jit(predict)(models, x), expected)
 
