@@ -37,14 +37,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._errors import BatchError, leaf_name
 from ._tree import _is_none, common_size, is_array, mapped_leaves, resolve_axes
-from ._vmap import (
-    _join_output,
-    _split_output,
-    _Static,
-    bind_arguments,
-    check_mapped_sizes,
-    filter_vmap,
-)
+from ._vmap import _join_output, _Mapped, _split_output, _Static, bind_call, filter_vmap
 
 
 MEMBER_AXIS_NAME = "members"
@@ -60,8 +53,7 @@ def member_mesh(devices: Sequence[Device] | None = None) -> Mesh:
     outputs are split, which is what lets a collective under `vmap` (a reduction over
     the member axis) become a cross-device reduction.
     """
-    devices = jax.devices() if devices is None else list(devices)
-    return _cached_mesh(tuple(devices))
+    return _cached_mesh(tuple(jax.devices() if devices is None else devices))
 
 
 @ft.cache
@@ -212,26 +204,8 @@ def _join(dynamic: Sequence[Any], static: _Frozen) -> Any:
     return jtu.tree_unflatten(static.treedef, leaves)
 
 
-def _constrain(tree: Any, axes: Any, argname: str, mesh: Mesh) -> Any:
-    def place(leaf: Any, axis: int | None) -> Any:
-        if axis is None or not is_array(leaf):
-            return leaf
-        return jax.lax.with_sharding_constraint(
-            leaf, NamedSharding(mesh, _member_spec(mesh, axis))
-        )
-
-    leaves = mapped_leaves(tree, axes, argname)
-    placed = [place(leaf, axis) for _, leaf, axis in leaves]
-    return jtu.tree_unflatten(jtu.tree_structure(tree), placed)
-
-
 def _one_per_device(
-    fun: Callable[..., Any],
-    arguments: dict[str, Any],
-    axes: dict[str, Any],
-    keywords: tuple[str, ...],
-    out_axes: Any,
-    mesh: Mesh,
+    fun: Callable[..., Any], call: _Mapped, out_axes: Any, mesh: Mesh
 ) -> Any:
     """`fun` per member with `jax.shard_map`, for exactly one member per device.
 
@@ -240,29 +214,16 @@ def _one_per_device(
     slower. The mesh axis carries the user's `axis_name`, so collectives are the
     mesh's own, over exactly the members.
     """
-    values = list(arguments.values())
-    leaves, treedef = jtu.tree_flatten(values)
-    member_axes = [
-        axis
-        for name, value in arguments.items()
-        for _, _, axis in mapped_leaves(value, axes[name], name)
-    ]
-    arrays = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
-    specs = tuple(_member_spec(mesh, member_axes[i]) for i in arrays)
-    positional = len(values) - len(keywords)
+    arrays = [i for i, leaf in enumerate(call.leaves) if is_array(leaf)]
+    specs = tuple(_member_spec(mesh, call.axes[i]) for i in arrays)
     layout: list[Any] = []
 
     def per_device(*local: Any) -> tuple[list[Any], list[Any]]:
-        own = list(leaves)
+        own = list(call.leaves)
         for i, array in zip(arrays, local, strict=True):
-            axis = member_axes[i]
+            axis = call.axes[i]
             own[i] = array if axis is None else jnp.squeeze(array, axis)
-        own_values = jtu.tree_unflatten(treedef, own)
-        out = fun(
-            *own_values[:positional],
-            **dict(zip(keywords, own_values[positional:], strict=True)),
-        )
-        mapped, unmapped, static = _split_output(out, out_axes)
+        mapped, unmapped, static = _split_output(call.invoke(fun, own), out_axes)
         layout.append(static)
         return [leaf[None] for leaf in mapped], unmapped
 
@@ -271,51 +232,43 @@ def _one_per_device(
         mesh=mesh,
         in_specs=specs,
         out_specs=(_member_spec(mesh, 0), PartitionSpec()),
-    )(*[leaves[i] for i in arrays])
+    )(*[call.leaves[i] for i in arrays])
     return _join_output(mapped, unmapped, layout[0])
 
 
-def _vmapped(
-    fun: Callable[..., Any],
-    arguments: dict[str, Any],
-    axes: dict[str, Any],
-    keywords: tuple[str, ...],
-    plan: _Plan,
-) -> Any:
+def _vmapped(fun: Callable[..., Any], call: _Mapped, plan: _Plan) -> Any:
     """`eb.filter_vmap(fun)` over all members, each device computing its own."""
     # Pinning each mapped input to "split along its member axis" is what makes the
     # partitioner give each device its own members rather than replicate the work.
     placed = [
-        _constrain(value, axes[name], name, plan.mesh)
-        for name, value in arguments.items()
+        leaf
+        if axis is None
+        else jax.lax.with_sharding_constraint(
+            leaf, NamedSharding(plan.mesh, _member_spec(plan.mesh, axis))
+        )
+        for leaf, axis in zip(call.leaves, call.axes, strict=True)
     ]
-    positional = len(placed) - len(keywords)
-    return filter_vmap(
+    vmapped = filter_vmap(
         fun,
         in_axes=plan.in_axes.tree,
         out_axes=plan.out_axes.tree,
         axis_name=plan.axis_name,
         axis_size=plan.axis_size,
-    )(
-        *placed[:positional],
-        **dict(zip(keywords, placed[positional:], strict=True)),
     )
+    return call.invoke(vmapped, placed)
 
 
 def _run(plan: _Plan, static: _Frozen, dynamic: list[Any]) -> Any:
     fun, args, kwargs = _join(dynamic, static)
-    arguments, axes = bind_arguments(fun, plan.in_axes.tree, args, kwargs)
-    size = check_mapped_sizes(arguments, axes, plan.axis_size, positional=len(args))
+    call, size = bind_call(fun, plan.in_axes.tree, plan.axis_size, args, kwargs)
     mesh = plan.mesh
     if size == mesh.size and isinstance(plan.axis_name, str | None):
         mesh = _cached_mesh(
             tuple(mesh.devices.flat), plan.axis_name or MEMBER_AXIS_NAME
         )
-        out = _one_per_device(
-            fun, arguments, axes, tuple(kwargs), plan.out_axes.tree, mesh
-        )
+        out = _one_per_device(fun, call, plan.out_axes.tree, mesh)
     else:
-        out = _vmapped(fun, arguments, axes, tuple(kwargs), plan)
+        out = _vmapped(fun, call, plan)
     # A jax.Array cannot be split unevenly, and every process must receive every
     # result: in both cases outputs are gathered onto every device instead.
     replicate = jax.process_count() > 1 or (size or 0) % mesh.size != 0
@@ -325,10 +278,7 @@ def _run(plan: _Plan, static: _Frozen, dynamic: list[Any]) -> Any:
     def place(leaf: Any, axis: int | None) -> Any:
         if not is_array(leaf):
             return leaf
-        if axis is not None and not replicate:
-            axis = axis % np.ndim(leaf)
-        else:
-            axis = None
+        axis = None if axis is None or replicate else axis % np.ndim(leaf)
         spec = _member_spec(mesh, axis)
         return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
 
@@ -373,8 +323,7 @@ class _PmapWrapper(eqx.Module):
         return self._fun
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        plan, static, dynamic = _prepare(self, args, kwargs)
-        jitted = _JITTED if self._donate == "none" else _JITTED_DONATING
+        jitted, plan, static, dynamic = _prepare(self, args, kwargs)
         return _dispatch(self, jitted, plan, static, dynamic)
 
     def lower(self, /, *args: Any, **kwargs: Any) -> "Lowered":
@@ -382,8 +331,7 @@ class _PmapWrapper(eqx.Module):
 
         `.compile()` on the result gives a callable taking the same arguments.
         """
-        plan, static, dynamic = _prepare(self, args, kwargs)
-        jitted = _JITTED if self._donate == "none" else _JITTED_DONATING
+        jitted, plan, static, dynamic = _prepare(self, args, kwargs)
         return Lowered(jitted.lower(plan, static, dynamic), static, self)
 
     def __get__(self, instance: Any, owner: Any) -> Any:
@@ -397,7 +345,7 @@ class _PmapWrapper(eqx.Module):
 # method object, which costs microseconds on every call.
 def _prepare(
     wrapper: _PmapWrapper, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[_Plan, _Frozen, list[Any]]:
+) -> tuple[Any, _Plan, _Frozen, list[Any]]:
     # The mesh is looked up per call, not at decoration time: a function may be
     # decorated before `jax.distributed.initialize` makes other processes' devices
     # visible.
@@ -409,7 +357,8 @@ def _prepare(
         mesh=member_mesh(wrapper._devices),
     )
     dynamic, static = _split((wrapper._fun, args, kwargs))
-    return plan, static, dynamic
+    jitted = _JITTED if wrapper._donate == "none" else _JITTED_DONATING
+    return jitted, plan, static, dynamic
 
 
 def _dispatch(wrapper: _PmapWrapper, run: Callable[..., Any], *inputs: Any) -> Any:
@@ -458,7 +407,8 @@ class Compiled(eqx.Module):
         return text
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        _, static, dynamic = _prepare(self.wrapper, args, kwargs)
+        # Only the arguments: the plan (and its mesh) was fixed when this was lowered.
+        dynamic, static = _split((self.wrapper._fun, args, kwargs))
         if static != self.static:
             raise BatchError(
                 "this compiled function was lowered for arguments with other non-array "

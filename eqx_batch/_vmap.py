@@ -1,14 +1,16 @@
 """`filter_vmap`: Equinox's `filter_vmap` with keyword arguments, chunking and errors
 that name the user's own arguments.
 
-The two building blocks, `bind_arguments` and `check_mapped_sizes`, are shared with
-`_pmap.py`: every mapped transform names arguments and checks axis sizes the same way.
+The two building blocks, `bind_arguments` and `check_mapped_sizes`, and `bind_call`,
+which joins them, are shared with `_pmap.py`: every mapped transform names arguments
+and checks axis sizes the same way.
 """
 
 import dataclasses
 import functools as ft
 import inspect
 import re
+from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any, overload
 
@@ -19,7 +21,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
-from ._tree import is_array, mapped_leaves, resolve_axes
+from ._tree import _is_int, is_array, mapped_leaves, resolve_axes
 
 
 _DEFAULT_AXIS = eqx.if_array(0)
@@ -191,7 +193,7 @@ def _mapped(arguments: dict[str, Any], axes: dict[str, Any]) -> _LeavesByArgumen
 
 def _render_spec(spec: Any, value: Any) -> str | None:
     """How to write `spec` for `value` in a suggested `in_axes`, if it can be."""
-    if spec is None or isinstance(spec, int) and not isinstance(spec, bool):
+    if spec is None or _is_int(spec):
         return repr(spec)
     if isinstance(spec, eqx.if_array):
         leaves = jtu.tree_leaves(value)
@@ -252,12 +254,13 @@ def _reference_size(
     if own:
         name = next(iter(own))
         return own[name], f"the size of `{name}`"
-    counts: dict[int, int] = {}
-    for triples in mapped.values():
-        for _, leaf, axis in triples:
-            if axis is not None:
-                counts[leaf.shape[axis]] = counts.get(leaf.shape[axis], 0) + 1
-    size = max(counts, key=counts.__getitem__)
+    counts = Counter(
+        leaf.shape[axis]
+        for triples in mapped.values()
+        for _, leaf, axis in triples
+        if axis is not None
+    )
+    size = max(counts, key=counts.__getitem__)  # on a tie, the size seen first
     return size, "the size most mapped leaves have"
 
 
@@ -477,17 +480,38 @@ class _Mapped:
         return [leaf for leaf, _ in pairs], [axis for _, axis in pairs]
 
     def call(self, fun: Callable[..., Any], dynamic: list[Any]) -> Any:
+        """`fun` called with the mapped leaves replaced by `dynamic`."""
         members = iter(dynamic)
         leaves = [
             leaf if axis is None else next(members)
             for leaf, axis in zip(self.leaves, self.axes, strict=True)
         ]
+        return self.invoke(fun, leaves)
+
+    def invoke(self, fun: Callable[..., Any], leaves: list[Any]) -> Any:
+        """`fun` called with `leaves` in place of the call's leaves."""
         values = jtu.tree_unflatten(self.treedef, leaves)
         positional = len(values) - len(self.keywords)
         return fun(
             *values[:positional],
             **dict(zip(self.keywords, values[positional:], strict=True)),
         )
+
+
+def bind_call(
+    fun: Callable[..., Any],
+    in_axes: Any,
+    axis_size: int | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[_Mapped, int | None]:
+    """`bind_arguments` then `check_mapped_sizes`: the call as leaves with their member
+    axes, and the size of the mapped axis."""
+    arguments, axes = bind_arguments(fun, in_axes, args, kwargs)
+    size, mapped = _checked(arguments, axes, axis_size, len(args))
+    leaves, treedef = jtu.tree_flatten(list(arguments.values()))
+    leaf_axes = [axis for triples in mapped.values() for _, _, axis in triples]
+    return _Mapped(leaves, leaf_axes, treedef, tuple(kwargs)), size
 
 
 def _split_output(out: Any, out_axes: Any) -> tuple[list[Any], list[Any], _Static]:
@@ -552,7 +576,7 @@ class _VmapWrapper(eqx.Module):
         return self.fun
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        call, size = self._bind(args, kwargs)
+        call, size = bind_call(self.fun, self.in_axes, self.axis_size, args, kwargs)
         if size is None:
             return self._unmapped(args, kwargs)
         if self.chunk_size is None or self.chunk_size >= size:
@@ -568,15 +592,6 @@ class _VmapWrapper(eqx.Module):
         # an eager `jax.grad` reuses it; under an outer `jax.jit` it is just traced.
         return _compiled_chunked(self, args, kwargs)
 
-    def _bind(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[_Mapped, int | None]:
-        arguments, axes = bind_arguments(self.fun, self.in_axes, args, kwargs)
-        size, mapped = _checked(arguments, axes, self.axis_size, len(args))
-        leaves, treedef = jtu.tree_flatten(list(arguments.values()))
-        leaf_axes = [axis for triples in mapped.values() for _, _, axis in triples]
-        return _Mapped(leaves, leaf_axes, treedef, tuple(kwargs)), size
-
     def _unmapped(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = self.fun(*args, **kwargs)
         mapped, _, _ = _split_output(out, self.out_axes)
@@ -589,20 +604,13 @@ class _VmapWrapper(eqx.Module):
             )
         return out
 
-    def _member(self, call: _Mapped) -> Callable[[list[Any]], Any]:
-        def member(dynamic: list[Any]) -> tuple[list[Any], list[Any], _Static]:
-            return _split_output(call.call(self.fun, dynamic), self.out_axes)
-
-        return member
-
     def _vmap(
         self, call: _Mapped, size: int, in_axes: list[int]
     ) -> Callable[[list[Any]], Any]:
-        member = self._member(call)
         layouts: list[_Static] = []
 
         def recorded(dynamic: list[Any]) -> tuple[list[Any], list[Any], _Static]:
-            out = member(dynamic)
+            out = _split_output(call.call(self.fun, dynamic), self.out_axes)
             layouts.append(out[2])
             return out
 
@@ -680,7 +688,9 @@ class _VmapWrapper(eqx.Module):
 def _compiled_chunked(
     wrapper: _VmapWrapper, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    call, size = wrapper._bind(args, kwargs)
+    call, size = bind_call(
+        wrapper.fun, wrapper.in_axes, wrapper.axis_size, args, kwargs
+    )
     assert size is not None
     return wrapper._chunked(call, size)
 
@@ -814,11 +824,7 @@ def filter_vmap(
             axis_size=axis_size,
             chunk_size=chunk_size,
         )
-    if chunk_size is not None and (
-        not isinstance(chunk_size, int)
-        or isinstance(chunk_size, bool)
-        or chunk_size < 1
-    ):
+    if chunk_size is not None and (not _is_int(chunk_size) or chunk_size < 1):
         raise BatchError(
             f"chunk_size={chunk_size!r}; it must be a positive int (members mapped at "
             "a time), or None to map all members at once."
