@@ -8,6 +8,7 @@ the trace, and each is compiled before timing.
 
 import pathlib
 import tempfile
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,24 @@ def vmap_of_scan(init: dict, keys: jax.Array) -> tuple:
     return jax.vmap(lambda s, k: one_chain(s, k, NUM_STEPS))(init, keys)
 
 
+def compare(
+    name: str,
+    a: Callable[[], object],
+    b: Callable[[], object],
+    target: str,
+    repeat: int,
+) -> None:
+    """Reports the time of `a` over that of `b` (both compiled), timed alternately.
+
+    `target` is `"<= x"` or `">= x"`: the bound the ratio must meet.
+    """
+    t_a, t_b = interleaved(a, b, repeat=repeat)
+    ratio = t_a / t_b
+    op, bound = target.split()
+    ok = ratio <= float(bound) if op == "<=" else ratio >= float(bound)
+    report(name, ratio, target, ok, f"{t_a:.3f}s vs {t_b:.3f}s")
+
+
 def main() -> None:
     init = {
         "layer1": {"weights": jnp.zeros((NUM_CHAINS, 3, 3))},
@@ -72,15 +91,7 @@ def main() -> None:
 
     ours()
     baseline()
-    t_ours, t_base = interleaved(ours, baseline, repeat=5)
-    ratio = t_ours / t_base
-    report(
-        "run_chains / jit(vmap(scan))",
-        ratio,
-        "<= 1.1",
-        ratio <= 1.1,
-        f"{t_ours:.3f}s vs {t_base:.3f}s",
-    )
+    compare("run_chains / jit(vmap(scan))", ours, baseline, "<= 1.1", repeat=5)
 
     one_jitted = jax.jit(lambda s, k: one_chain(s, k, NUM_STEPS))
 
@@ -90,15 +101,7 @@ def main() -> None:
         )
 
     python_loop()
-    t_ours, t_loop = interleaved(ours, python_loop, repeat=2)
-    speedup = t_loop / t_ours
-    report(
-        "Python loop over chains / run_chains",
-        speedup,
-        ">= 3",
-        speedup >= 3,
-        f"{t_loop:.3f}s vs {t_ours:.3f}s",
-    )
+    compare("Python loop over chains / run_chains", python_loop, ours, ">= 3", repeat=2)
 
     with tempfile.TemporaryDirectory() as folder:
         runs = iter(range(10**6))
@@ -118,15 +121,13 @@ def main() -> None:
             )
 
         checkpointed()
-        t_ckpt, t_ours = interleaved(checkpointed, ours, repeat=5)
-    ratio = t_ckpt / t_ours
-    report(
-        "run_chains checkpoint_every=100 / without",
-        ratio,
-        "<= 1.1",
-        ratio <= 1.1,
-        f"{t_ckpt:.3f}s vs {t_ours:.3f}s",
-    )
+        compare(
+            "run_chains checkpoint_every=100 / without",
+            checkpointed,
+            ours,
+            "<= 1.1",
+            repeat=5,
+        )
 
     def with_progress() -> object:
         return jax.block_until_ready(
@@ -134,14 +135,8 @@ def main() -> None:
         )
 
     with_progress()
-    t_bar, t_ours = interleaved(with_progress, ours, repeat=5)
-    ratio = t_bar / t_ours
-    report(
-        "run_chains progress=True / without",
-        ratio,
-        "<= 1.05",
-        ratio <= 1.05,
-        f"{t_bar:.3f}s vs {t_ours:.3f}s",
+    compare(
+        "run_chains progress=True / without", with_progress, ours, "<= 1.05", repeat=5
     )
 
 

@@ -31,7 +31,7 @@ from ._errors import BatchError, bullet_list, describe, leaf_name
 from ._pmap import member_mesh, shard
 from ._progress import ProgressBar
 from ._serialise import load, save, write_tree
-from ._stack import take
+from ._stack import _host, take
 from ._tree import common_size, is_array, mapped_leaves
 
 
@@ -413,16 +413,13 @@ def _sharded_zeros(specs: tuple, sharding: jax.sharding.Sharding) -> list[jax.Ar
 # trace is never rewritten, so a checkpoint costs the new draws plus the states.
 
 
-_FORMAT = 1
-
-
 def _fingerprint(tree: Any) -> str:
     """A SHA-256 digest of `tree`'s paths and values."""
     digest = hashlib.sha256()
     for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
         digest.update(jtu.keystr(path).encode())
         if is_array(leaf):
-            data = np.ascontiguousarray(_raw(leaf))
+            data = np.ascontiguousarray(_host(leaf))
             digest.update(f"{data.dtype}{data.shape}".encode())
             digest.update(data.tobytes())
         else:
@@ -433,10 +430,6 @@ def _fingerprint(tree: Any) -> str:
 def _stable_name(x: Any) -> str:
     """`repr` without the memory addresses that differ between processes."""
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(x))
-
-
-def _raw(x: Any) -> np.ndarray:
-    return np.asarray(jr.key_data(x) if _is_typed_key(x) else x)
 
 
 def _describe_run(
@@ -450,7 +443,6 @@ def _describe_run(
     trace: bool,
 ) -> dict[str, Any]:
     return {
-        "format": _FORMAT,
         "structure": _stable_name(jtu.tree_structure(init)),
         "leaves": [
             f"{jtu.keystr(path)}: "
@@ -649,7 +641,8 @@ def run_chains(
     """
     _check_counts(num_steps, thin, burn_in)
     _check_checkpoint(checkpoint, checkpoint_every)
-    num_chains = _chain_count(eqx.filter(init, is_array))
+    init_arrays, shared = eqx.partition(init, is_array)
+    num_chains = _chain_count(init_arrays)
     keys, legacy = _chain_keys(key, num_chains)
     if isinstance(step, ft.partial) and not isinstance(step, jtu.Partial):
         # As a pytree, a partial's arrays (the data) are arguments of the compiled loop
@@ -659,7 +652,7 @@ def run_chains(
     num_draws = _draws_before(num_steps, burn_in, thin)
     trace_like = None
     if trace:
-        recorded = output if with_output else _per_chain(eqx.filter(init, is_array))
+        recorded = output if with_output else _per_chain(init_arrays)
         trace_like = jtu.tree_map(
             lambda x: jax.ShapeDtypeStruct((num_chains, num_draws, *x.shape), x.dtype),
             recorded,
@@ -678,7 +671,7 @@ def run_chains(
     read_draws = None
     if saved is not None:
         steps_done, loaded, chunks, read_draws = saved
-        states = eqx.combine(loaded["states"], eqx.filter(init, is_array, inverse=True))
+        states = eqx.combine(loaded["states"], shared)
         keys = jr.wrap_key_data(loaded["keys"], impl=jr.key_impl(keys))
         first_bad = loaded["first_bad"]
 
@@ -763,7 +756,7 @@ def run_chains(
     recorded = None if buffer is None else placed.take(buffer)
     if recorded is not None and not with_output:
         # Non-array leaves (an MLP's activation) are shared, so the trace has them too.
-        recorded = eqx.combine(recorded, eqx.filter(init, is_array, inverse=True))
+        recorded = eqx.combine(recorded, shared)
     nonfinite_steps = np.asarray(placed.take(first_bad))
     bad_chains = np.flatnonzero(nonfinite_steps)
     keys = placed.take(keys)
@@ -815,7 +808,7 @@ def _write_checkpoint(
 ) -> None:
     # Runs on the writer thread: each host copy waits for its segment to finish.
     states, keys, first_bad, draws = jtu.tree_map(
-        lambda x: _raw(x)[:num_chains], arrays
+        lambda x: _host(x)[:num_chains], arrays
     )
     draws = jtu.tree_map(lambda x: x[:, slice(*new_range)], draws)
     run_state = {"states": states, "keys": keys, "first_bad": first_bad}

@@ -4,8 +4,9 @@ The host side is `ProgressBar`, a context manager that owns a `tqdm` bar. The tr
 side is its `handle`, a `ProgressHandle` that a `lax.scan` or `fori_loop` body calls
 with the number of steps done and the step at which the next report is due, carried
 through the loop: `due = handle(t + 1, due)`, starting from `due = handle.start(t0)`.
-When a report is due (and on the last step), that call reaches the host through
-`io_callback`, moves the bar and returns the step of the next report.
+When a report is due, that call reaches the host through `io_callback`, moves the bar
+and returns the step of the next report. Until the bar reaches `total` (or closes), no
+due step is past `total`, so the last step always reports.
 
 Each host call stops the compiled loop for a fraction of a millisecond (about 0.2 ms
 for a loop that keeps two CPU cores busy), so the host decides how far apart they are:
@@ -82,9 +83,9 @@ class ProgressHandle(eqx.Module):
         """Reports from traced code that `done` steps of `total` are finished, if due.
 
         `done` must be an unbatched integer scalar (see the module docstring), `due`
-        what `start` or the previous call returned. Only when `done` reaches `due`, or
-        equals `total`, does the host get called; otherwise the cost is one integer
-        comparison and a `lax.cond`.
+        what `start` or the previous call returned (at most `total`, so the last step
+        reports). Only when `done` reaches `due` does the host get called; otherwise
+        the cost is one integer comparison and a `lax.cond`.
 
         **Returns:**
 
@@ -92,8 +93,7 @@ class ProgressHandle(eqx.Module):
         """
         done = jnp.asarray(done, jnp.int32)
         due = jnp.asarray(due, jnp.int32)
-        report = (done >= due) | (done == self.total)
-        return lax.cond(report, _send, _wait, self.bar_id, done, due)
+        return lax.cond(done >= due, _send, _wait, self.bar_id, done, due)
 
 
 def _send(bar_id: jax.Array, done: jax.Array, due: jax.Array) -> jax.Array:
