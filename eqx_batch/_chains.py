@@ -32,7 +32,7 @@ from ._pmap import member_mesh, shard
 from ._progress import ProgressBar
 from ._serialise import load, save, write_tree
 from ._stack import _host, take
-from ._tree import common_size, is_array, mapped_leaves
+from ._tree import common_size, is_array, is_key, mapped_leaves
 
 
 class NonFinite(eqx.Module):
@@ -119,13 +119,9 @@ def _chain_count(states: Any) -> int:
     )
 
 
-def _is_typed_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _chain_keys(key: Any, num_chains: int) -> tuple[jax.Array, bool]:
     """One typed key per chain, and whether `key` was given as legacy `uint32` data."""
-    if _is_typed_key(key):
+    if isinstance(key, jax.Array) and is_key(key):
         legacy = False
     elif is_array(key) and key.dtype == np.uint32 and np.ndim(key) in (1, 2):
         legacy = True
@@ -735,7 +731,7 @@ def run_chains(
             # Off a CPU, the copies to the host start as soon as the segment ends,
             # rather than when the writer thread asks for them.
             for leaf in jtu.tree_leaves(snapshot):
-                if not _is_typed_key(leaf):
+                if not is_key(leaf):
                     leaf.copy_to_host_async()
             if pending is not None:
                 # At most one write in flight: a slow disk slows the run down rather

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import jax.random as jr
 
 from ._errors import BatchError, describe
+from ._tree import is_key
 from ._typing import Stacked
 
 
@@ -114,9 +115,7 @@ def _check_n(n: Any) -> int:
 
 
 def _check_key(key: Any) -> None:
-    if not isinstance(key, jax.Array) or not (
-        jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.dtype == jnp.uint32
-    ):
+    if not isinstance(key, jax.Array) or not (is_key(key) or key.dtype == jnp.uint32):
         raise BatchError(
             f"`key` is {describe(key)}, not a PRNG key. Pass `jax.random.key(seed)`."
         )
