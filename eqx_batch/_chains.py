@@ -32,7 +32,7 @@ from ._pmap import member_mesh, shard
 from ._progress import ProgressBar
 from ._serialise import load, save, write_tree
 from ._stack import _host, take
-from ._tree import common_size, is_array, is_key, mapped_leaves
+from ._tree import axis_sizes, common_size, is_array, is_key, mapped_leaves
 
 
 class NonFinite(eqx.Module):
@@ -108,12 +108,8 @@ def _check_counts(num_steps: int, thin: int, burn_in: int) -> None:
 
 
 def _chain_count(states: Any) -> int:
-    sizes = [
-        (leaf_name("init", path), np.shape(leaf)[0])
-        for path, leaf, axis in mapped_leaves(states, 0, "init")
-    ]
     return common_size(
-        sizes,
+        axis_sizes(mapped_leaves(states, 0, "init"), "init"),
         what="chain axis (axis 0)",
         fix="Every array leaf of `init` needs one entry per chain along axis 0.",
     )

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from ._errors import BatchError, bullet_list, describe, leaf_name
-from ._tree import common_size, mapped_leaves
+from ._tree import axis_sizes, common_size, mapped_leaves
 
 
 _Carry = TypeVar("_Carry")
@@ -114,9 +114,9 @@ def scan_layers(
     dynamic, static = eqx.partition(layers, eqx.is_array)
     dynamic_xs, static_xs = eqx.partition(xs, eqx.is_array)
     sizes = [
-        (leaf_name(argname, path), leaf.shape[axis])
+        size
         for argname, tree in (("layers", dynamic), ("xs", dynamic_xs))
-        for path, leaf, axis in mapped_leaves(tree, 0, argname)
+        for size in axis_sizes(mapped_leaves(tree, 0, argname), argname)
     ]
     common_size(
         sizes,

@@ -7,7 +7,7 @@ import jax.tree_util as jtu
 import optax
 
 from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
-from ._tree import common_size, mapped_leaves
+from ._tree import axis_sizes, common_size, mapped_leaves
 
 
 def per_member(
@@ -175,7 +175,7 @@ def _member_sizes(tree: Any, axes: Any, argname: str) -> list[tuple[str, int]]:
             + "\nA parameter shared by all members cannot take per-member updates; "
             "give it a member axis."
         )
-    return [(leaf_name(argname, path), leaf.shape[axis]) for path, leaf, axis in leaves]
+    return axis_sizes(leaves, argname)
 
 
 def _state_sizes(state: Any) -> list[tuple[str, int]]:

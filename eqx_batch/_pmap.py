@@ -35,8 +35,15 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ._errors import BatchError, leaf_name
-from ._tree import _is_none, common_size, is_array, mapped_leaves, resolve_axes
+from ._errors import BatchError
+from ._tree import (
+    _is_none,
+    axis_sizes,
+    common_size,
+    is_array,
+    mapped_leaves,
+    resolve_axes,
+)
 from ._vmap import _join_output, _Mapped, _split_output, _Static, bind_call, filter_vmap
 
 
@@ -127,11 +134,7 @@ def shard(tree: Any, mesh: Mesh | None = None, *, axes: Any = eqx.if_array(0)) -
     """
     mesh = member_mesh() if mesh is None else _auto(mesh)
     leaves = mapped_leaves(tree, axes, "tree")
-    sizes = [
-        (leaf_name("tree", path), np.shape(leaf)[axis])
-        for path, leaf, axis in leaves
-        if axis is not None
-    ]
+    sizes = axis_sizes(leaves, "tree")
     count = common_size(sizes)
     if count % mesh.size:
         padded = -(-count // mesh.size) * mesh.size

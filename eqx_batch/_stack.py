@@ -26,7 +26,14 @@ import numpy as np
 from jax._src.lib import xla_client
 
 from ._errors import BatchError, describe, KeyPath, leaf_name
-from ._tree import common_size, is_array, is_key, mapped_leaves, resolve_axes
+from ._tree import (
+    axis_sizes,
+    common_size,
+    is_array,
+    is_key,
+    mapped_leaves,
+    resolve_axes,
+)
 
 
 Tree = TypeVar("Tree")
@@ -384,13 +391,8 @@ def _join_members(
 def _sizes(tree: Any, axes: Any, argname: str) -> tuple[list, int]:
     """`mapped_leaves` of `tree` and the common member-axis size."""
     leaves = mapped_leaves(tree, axes, argname)
-    sizes = [
-        (leaf_name(argname, path), np.shape(leaf)[axis])
-        for path, leaf, axis in leaves
-        if axis is not None
-    ]
     size = common_size(
-        sizes,
+        axis_sizes(leaves, argname),
         fix="Every mapped array leaf needs the same member-axis size; give leaves that "
         "are not per-member the axis spec None.",
     )

@@ -121,6 +121,18 @@ def normalise_axis(leaf: Any, axis: int, name: str) -> int:
     return axis % ndim
 
 
+def axis_sizes(
+    leaves: list[tuple[KeyPath, Any, int | None]], argname: str
+) -> list[tuple[str, int]]:
+    """`(leaf name, member-axis size)` of every mapped leaf in `mapped_leaves`' output,
+    in the form `common_size` takes."""
+    return [
+        (leaf_name(argname, path), np.shape(leaf)[axis])
+        for path, leaf, axis in leaves
+        if axis is not None
+    ]
+
+
 def common_size(
     sizes: list[tuple[str, int]], what: str = "member axis", fix: str = ""
 ) -> int:
