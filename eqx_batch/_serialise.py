@@ -1,57 +1,101 @@
-"""`save` and `load`: atomic, validated checkpoints in a format that never runs code.
+"""`save` and `load`: pytrees in safetensors files, written atomically, read validated.
 
-A file is, in order:
+A file is a [safetensors](https://huggingface.co/docs/safetensors) file, so any
+safetensors reader (`safetensors.numpy.load_file`, PyTorch, Rust, the Hub's viewer)
+sees every array leaf as a tensor named by its `jax.tree_util.keystr` path
+(`.layers[0].weight`). What safetensors cannot express goes in its string metadata,
+under keys that start with `eqx_batch.`:
 
-1. a fixed prefix: magic bytes, the format version (`uint32`) and the length of the
-   header (`uint64`), little-endian;
-2. the header: UTF-8 JSON with one record per leaf (its `keystr` path and kind; for
-   arrays the dtype name, shape and where its bytes lie in the payload; for Python
-   scalars the value; for other objects their qualified name);
-3. zero padding to a multiple of 64 bytes, then the payload: the raw little-endian
-   bytes of every array, each starting on a 64-byte boundary;
-4. a checksum of everything before it: its CRC-32 (`zlib.crc32`, 4 bytes,
-   little-endian).
+- `eqx_batch.header_crc32` and `eqx_batch.data_crc32`: CRC-32s (8 hex digits) of the
+    header, taken with these 16 digits as zeros, and of the tensor data. `eb.save`
+    writes them first in the header, at a fixed place, so that they are found and
+    checked before anything else in the file is interpreted.
+- `eqx_batch.version`: the format version, `"1"`.
+- `eqx_batch.leaves`: JSON, one record per leaf in flattening order: its path and kind;
+    for arrays the true dtype, shape and weak type; for typed PRNG keys the
+    implementation's name (the tensor holds the key data); for `bool`, `int`, `float`,
+    `complex` and `str` leaves the value; for other objects (functions) their
+    qualified name, checked against `like` on loading.
+- entries of the caller (`write_tree(metadata=...)`), whose keys must not start with
+    `eqx_batch.`.
 
-The checksum guards against accidents (a torn or truncated write, flipped bits), as
-CRC-32 does in zip, gzip and PNG files: it catches every change of up to 32
-consecutive bits and all but one in 2**32 of any others, and it costs a fraction of
-SHA-256's time, which matters when checkpoints are written while a computation runs.
-A truncated file is also caught by its length, which the header fixes.
+Dtypes that `safetensors.numpy` reads natively (bool, integers, float16/32/64,
+bfloat16) are stored as such; others (complex, float8 variants, int4...) as raw
+little-endian bytes, a `U8` tensor with one extra trailing axis of the item size, their
+dtype named in `eqx_batch.leaves`.
 
-Nothing in a file is ever executed or unpickled: the header is JSON, dtypes are looked
-up by name among numeric ones, and objects that JSON cannot hold (functions,
-activations) are not stored but checked by name against the `like` given to `load`.
+The checksums guard against accidents (torn or truncated copies, flipped bits), as
+CRC-32 does in zip, gzip and PNG files; a crafted file can carry valid checksums, so
+every field is checked before it is used, and the safetensors package (a maintained,
+fuzzed parser) reads the tensors. Nothing is ever executed or unpickled.
 """
 
+import contextlib
+import functools
 import json
-import math
 import os
 import pathlib
 import secrets
+import stat
 import struct
 import zlib
-from collections.abc import Callable
-from typing import Any, BinaryIO, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, BinaryIO, NamedTuple, TypeVar
 
 import jax
 import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax._src.lax.lax import _convert_element_type
+import safetensors
 
 from ._errors import BatchError, bullet_list, describe, leaf_name
-from ._stack import batch_size, stack, unstack
+from ._stack import unstack
 from ._tree import is_array, is_key
 
 
 Tree = TypeVar("Tree")
 
-_MAGIC = b"\x89EQXBATCH\r\n\x1a\n"
+
+class BadFileError(BatchError):
+    """The file itself cannot be read as an eqx_batch file.
+
+    It is not a regular file, not an eqx_batch file (junk, another tool's safetensors
+    file), corrupt or truncated, or from a newer format version: no `like` would
+    load it. A plain `BatchError` from `load`/`read_tree` means the file is sound but
+    does not fit `like`.
+    """
+
+
+_NAMESPACE = "eqx_batch."
 _VERSION = 1
-_PREFIX = struct.Struct(f"<{len(_MAGIC)}sIQ")
-_ALIGN = 64
-_CRC = struct.Struct("<I")
+_LENGTH = struct.Struct("<Q")
+# Where `eb.save` puts the checksums: first in the header, so at fixed offsets.
+_HEAD = b'{"__metadata__":{"eqx_batch.header_crc32":"'
+_MIDDLE = b'","eqx_batch.data_crc32":"'
+_HEADER_CRC_AT = _LENGTH.size + len(_HEAD)
+_DATA_CRC_AT = _HEADER_CRC_AT + 8 + len(_MIDDLE)
+_FIXED_END = _DATA_CRC_AT + 8
+# safetensors refuses headers over 100 MB; so do we, before reading one.
+_MAX_HEADER = 100_000_000
+_CHUNK = 1 << 22
+# Files of the container format eqx_batch wrote before it wrote safetensors.
+_OLD_MAGIC = b"\x89EQXBATCH\r\n\x1a\n"
+_NATIVE = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "uint16": "U16",
+    "int16": "I16",
+    "uint32": "U32",
+    "int32": "I32",
+    "uint64": "U64",
+    "int64": "I64",
+    "float16": "F16",
+    "float32": "F32",
+    "float64": "F64",
+    "bfloat16": "BF16",
+}
 _KIND_PHRASES = {
     "array": "an array",
     "key": "a typed PRNG key",
@@ -136,6 +180,12 @@ def _is_array_template(x: Any) -> bool:
     return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
+def _describe(x: Any) -> str:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return f"{x.dtype}[{','.join(map(str, x.shape))}]"
+    return describe(x)
+
+
 def _storable(dtype: np.dtype) -> bool:
     """Numeric dtypes only: bool, ints, floats, complex and ml_dtypes' (bfloat16...)."""
     return dtype.kind in "biufc" or dtype.type.__module__ == "ml_dtypes"
@@ -152,6 +202,14 @@ def _numeric_dtype(name: Any) -> np.dtype:
     return dtype
 
 
+def _stored_as(dtype: np.dtype, shape: Sequence[int]) -> tuple[str, list[int]]:
+    """The safetensors dtype and shape of an array: native, or raw bytes (`U8`)."""
+    code = _NATIVE.get(dtype.name)
+    if code is not None:
+        return code, list(shape)
+    return "U8", [*shape, dtype.itemsize]
+
+
 def _object_name(x: Any) -> str:
     """What is recorded of a leaf JSON cannot hold: its qualified name or its type's."""
     module = getattr(x, "__module__", None)
@@ -166,40 +224,44 @@ def _object_name(x: Any) -> str:
     return f"instance of {kind.__module__}.{kind.__qualname__}"
 
 
+@functools.cache
+def _key_dtype(impl: str) -> Any:
+    """The dtype of typed keys of the implementation named `impl` (traced, not run)."""
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+@functools.cache
+def _weak_identity(specs: tuple[jax.ShapeDtypeStruct, ...]) -> Callable:
+    return jax.jit(lambda *xs: xs).lower(*specs).compile()
+
+
+def make_weak(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+    """`arrays` with the same values, dtypes and shardings, weakly typed.
+
+    Weak types decide dtype promotion (a weak float32 scalar times a bfloat16 array is
+    bfloat16), so a round trip must keep them. Public JAX makes weak arrays only from
+    Python scalars, or as the outputs of a program whose inputs are weak: this runs
+    one identity program compiled for weak inputs, one compilation per combination of
+    shapes and dtypes (cached), whatever the number of arrays.
+    """
+    if not arrays:
+        return []
+    specs = tuple(
+        jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=True, sharding=x.sharding)
+        for x in arrays
+    )
+    return list(_weak_identity(specs)(*arrays))
+
+
 # ------------------------------------------------------------------------------------
-# Saving.
+# Writing.
 
 
-def _host_data(leaf: Any, name: str) -> tuple[dict, np.ndarray | None]:
-    """The header record of `leaf` and the array whose bytes go in the payload."""
-    if isinstance(leaf, jax.core.Tracer):
-        raise BatchError(
-            f"`{name}` is a traced array ({describe(leaf)}): `save` reads concrete "
-            "values on the host. Call it outside `jax.jit`, `jax.vmap` and friends."
-        )
-    if isinstance(leaf, jax.Array) and is_key(leaf):
-        data = np.asarray(jax.random.key_data(leaf))
-        record = {
-            "kind": "key",
-            "impl": str(jax.random.key_impl(leaf)),
-            "shape": list(leaf.shape),
-        }
-        return record, data
-    if is_array(leaf):
-        data = np.asarray(leaf)
-        if not _storable(data.dtype):
-            raise BatchError(
-                f"`{name}` is {describe(leaf)}; only numeric arrays (bool, integer, "
-                "floating, complex and ml_dtypes such as bfloat16) can be saved."
-            )
-        weak = bool(getattr(leaf, "weak_type", False))
-        return {"kind": "array", "shape": list(data.shape), "weak_type": weak}, data
-    kind = _SCALAR_KINDS.get(type(leaf))
-    if kind == "complex":
-        return {"kind": kind, "value": [leaf.real, leaf.imag]}, None
-    if kind is not None:
-        return {"kind": kind, "value": leaf}, None
-    return {"kind": "object", "name": _object_name(leaf)}, None
+class _Tensor(NamedTuple):
+    name: str
+    code: str
+    shape: list[int]
+    data: np.ndarray  # C-contiguous, little-endian
 
 
 def _little_endian(data: np.ndarray) -> np.ndarray:
@@ -208,24 +270,166 @@ def _little_endian(data: np.ndarray) -> np.ndarray:
     return np.array(data, dtype=data.dtype.newbyteorder("<"), order="C", copy=None)
 
 
-def _padding(offset: int) -> int:
-    return -offset % _ALIGN
+def _flatten_for_file(tree: Any) -> tuple[list[dict], list[_Tensor]]:
+    """The leaf records of `tree` and its tensors, fetched from devices in one batch."""
+    leaves = jtu.tree_flatten_with_path(tree)[0]
+    records: list[dict] = []
+    on_device: list[Any] = []
+    for key_path, leaf in leaves:
+        name = leaf_name("tree", key_path)
+        record: dict[str, Any] = {"path": jtu.keystr(key_path)}
+        if isinstance(leaf, jax.core.Tracer):
+            raise BatchError(
+                f"`{name}` is a traced array ({describe(leaf)}): `save` reads concrete "
+                "values on the host. Call it outside `jax.jit`, `jax.vmap` and friends."
+            )
+        if isinstance(leaf, jax.Array) and is_key(leaf):
+            record.update(
+                kind="key", impl=str(jax.random.key_impl(leaf)), shape=list(leaf.shape)
+            )
+            on_device.append(jax.random.key_data(leaf))
+        elif is_array(leaf):
+            if not _storable(np.dtype(leaf.dtype)):
+                raise BatchError(
+                    f"`{name}` is {describe(leaf)}; only numeric arrays (bool, "
+                    "integer, floating, complex and ml_dtypes such as bfloat16) can "
+                    "be saved."
+                )
+            weak = bool(getattr(leaf, "weak_type", False))
+            record.update(
+                kind="array",
+                dtype=np.dtype(leaf.dtype).name,
+                shape=list(np.shape(leaf)),
+                weak=weak,
+            )
+            on_device.append(leaf)
+        else:
+            kind = _SCALAR_KINDS.get(type(leaf))
+            if kind == "complex":
+                record.update(kind=kind, value=[leaf.real, leaf.imag])
+            elif kind is not None:
+                record.update(kind=kind, value=leaf)
+            else:
+                record.update(kind="object", name=_object_name(leaf))
+        records.append(record)
+    hosts = iter(jax.device_get(on_device))
+    tensors = []
+    for record in records:
+        if record["kind"] in ("array", "key"):
+            data = _little_endian(np.asarray(next(hosts)))
+            code, shape = _stored_as(data.dtype, data.shape)
+            tensors.append(_Tensor(record["path"], code, shape, data))
+    names = [tensor.name for tensor in tensors]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise BatchError(
+            f"`tree` has several array leaves with the path {twice[0]!r}, and a file "
+            "names each array by its path. Give the leaves distinct keys."
+        )
+    return records, tensors
+
+
+def _header(
+    records: list[dict], tensors: list[_Tensor], metadata: Mapping[str, str]
+) -> tuple[bytes, list[_Tensor]]:
+    """The length prefix and header, checksums included, padded to a multiple of 8
+    bytes; and the tensors in the order of their data."""
+    # Largest items first keeps every tensor aligned to its item size, as
+    # safetensors' own writer does, for readers that map the file.
+    ordered = sorted(tensors, key=lambda t: -t.data.dtype.itemsize)
+    entries = {}
+    offset = 0
+    data_crc = 0
+    for tensor in ordered:
+        entries[tensor.name] = {
+            "dtype": tensor.code,
+            "shape": tensor.shape,
+            "data_offsets": [offset, offset + tensor.data.nbytes],
+        }
+        offset += tensor.data.nbytes
+        data_crc = zlib.crc32(_raw(tensor.data), data_crc)
+    ours = {
+        f"{_NAMESPACE}version": str(_VERSION),
+        f"{_NAMESPACE}leaves": json.dumps(records, separators=(",", ":")),
+    }
+    rest = json.dumps({**ours, **metadata}, separators=(",", ":"))[1:]
+    header = _HEAD + b"00000000" + _MIDDLE + b"00000000" + b'",' + rest.encode()
+    if entries:
+        header += b"," + json.dumps(entries, separators=(",", ":"))[1:].encode()
+    else:
+        header += b"}"
+    header += b" " * (-(len(header) + _LENGTH.size) % 8)
+    prefix = _LENGTH.pack(len(header))
+    header_crc = zlib.crc32(prefix + header)
+    patched = bytearray(prefix + header)
+    patched[_HEADER_CRC_AT : _HEADER_CRC_AT + 8] = b"%08x" % header_crc
+    patched[_DATA_CRC_AT : _DATA_CRC_AT + 8] = b"%08x" % data_crc
+    return bytes(patched), ordered
+
+
+def _raw(data: np.ndarray) -> memoryview:
+    return data.reshape(-1).view(np.uint8).data
+
+
+def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    entries = dict(metadata or {})
+    for key, value in entries.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise BatchError(
+                f"`metadata` maps {key!r} to {value!r}; safetensors metadata maps "
+                "strings to strings."
+            )
+        if key.startswith(_NAMESPACE):
+            raise BatchError(
+                f"`metadata` has the key {key!r}; keys starting with {_NAMESPACE!r} "
+                "are eqx_batch's own. Choose another name."
+            )
+    return entries
+
+
+def write_tree(
+    path: str | os.PathLike,
+    tree: Any,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    keep_cached: bool = True,
+) -> None:
+    """`eb.save`, with caller metadata and `atomic_write`'s `keep_cached`.
+
+    `metadata` holds string entries stored in the file's safetensors metadata and
+    returned verbatim by `read_tree` and `read_metadata`; keys must not start with
+    `eqx_batch.`. Raises `BatchError` for such a key or a non-string entry.
+    """
+    entries = _check_metadata(metadata)
+    records, tensors = _flatten_for_file(tree)
+    header, ordered = _header(records, tensors, entries)
+
+    def write(file: BinaryIO) -> None:
+        file.write(header)
+        for tensor in ordered:
+            file.write(_raw(tensor.data))
+
+    atomic_write(path, write, keep_cached=keep_cached)
 
 
 def save(path: str | os.PathLike, tree: Any) -> None:
-    """Saves a pytree to a file, atomically, in a format that never runs code.
+    """Saves a pytree to a safetensors file, atomically; loading it never runs code.
 
-    Checkpoints must survive crashes and must not be a way to run someone else's code.
-    `save` writes a temporary file in the same folder, flushes and fsyncs it, and only
-    then renames it over `path`: a crash mid-write leaves the previous file whole. The
-    format is a JSON header plus raw array bytes and a CRC-32 checksum, with no pickle,
-    so `eb.load` can validate a file completely before trusting it.
+    Checkpoints must survive crashes, must not be a way to run someone else's code, and
+    should open in other tools. `save` writes a temporary file in the same folder,
+    flushes and fsyncs it, and only then renames it over `path`: a crash mid-write
+    leaves the previous file whole. The file is a
+    [safetensors](https://huggingface.co/docs/safetensors) file: every array leaf is a
+    tensor named by its `jax.tree_util.keystr` path (`.layers[0].weight`), readable by
+    `safetensors.numpy.load_file` or PyTorch, and what safetensors cannot express (the
+    tree's structure, Python scalars, key implementations, weak types, CRC-32
+    checksums) is in its metadata. See the [checkpoints guide](../checkpoints.md).
 
     Arrays (JAX or NumPy, any numeric dtype including bfloat16 and other ml_dtypes),
-    typed PRNG keys (with their implementation) and `bool`/`int`/`float`/`complex`/`str`
-    leaves are stored. Any other leaf, such as an activation function, is not stored:
-    its qualified name is recorded, and `eb.load` checks it against `like`, which
-    supplies the object.
+    typed PRNG keys (their key data, with the implementation's name) and
+    `bool`/`int`/`float`/`complex`/`str` leaves are stored. Any other leaf, such as an
+    activation function, is not stored: its qualified name is recorded, and `eb.load`
+    checks it against `like`, which supplies the object.
 
     **Arguments:**
 
@@ -239,167 +443,315 @@ def save(path: str | os.PathLike, tree: Any) -> None:
 
     **Raises:**
 
-    `BatchError` if a leaf is a tracer (call `save` outside `jax.jit`), an array of a
-    non-numeric dtype (strings, objects). `OSError` if the
-    file cannot be written (no such folder, no permission, disk full); `path` is then
-    left as it was.
+    `BatchError` if a leaf is a tracer (call `save` outside `jax.jit`) or an array of
+    a non-numeric dtype (strings, objects). `OSError` if the file cannot be written
+    (no such folder, no permission, disk full); `path` is then left as it was.
 
     !!! Example
 
         ```python
         model = eqx.nn.MLP(2, 1, 8, 2, key=jr.key(0))
-        eb.save("model.eqx", model)
-        same = eb.load("model.eqx", like=model)
+        eb.save("model.safetensors", model)
+        same = eb.load("model.safetensors", like=model)
         ```
     """
     write_tree(path, tree)
 
 
-def write_tree(path: str | os.PathLike, tree: Any, *, keep_cached: bool = True) -> None:
-    """`eb.save`, with `atomic_write`'s `keep_cached`."""
-    records = []
-    arrays: list[np.ndarray] = []
-    offset = 0
-    for key_path, leaf in jtu.tree_flatten_with_path(tree)[0]:
-        record, data = _host_data(leaf, leaf_name("tree", key_path))
-        record["path"] = jtu.keystr(key_path)
-        if data is not None:
-            data = _little_endian(data)
-            offset += _padding(offset)
-            record["dtype"] = data.dtype.name
-            record["data_shape"] = list(data.shape)
-            record["offset"] = offset
-            record["nbytes"] = data.nbytes
-            offset += data.nbytes
-            arrays.append(data)
-        records.append(record)
-    header = json.dumps(
-        {"leaves": records, "payload_nbytes": offset}, separators=(",", ":")
-    ).encode()
-    prefix = _PREFIX.pack(_MAGIC, _VERSION, len(header))
-
-    def write(file: BinaryIO) -> None:
-        crc = 0
-
-        def put(chunk: bytes | memoryview) -> None:
-            nonlocal crc
-            crc = zlib.crc32(chunk, crc)
-            file.write(chunk)
-
-        put(prefix)
-        put(header)
-        put(bytes(_padding(len(prefix) + len(header))))
-        written = 0
-        for data in arrays:
-            put(bytes(_padding(written)))
-            written += _padding(written)
-            put(data.reshape(-1).view(np.uint8).data)
-            written += data.nbytes
-        file.write(_CRC.pack(crc))
-
-    atomic_write(path, write, keep_cached=keep_cached)
-
-
 # ------------------------------------------------------------------------------------
-# Reading and checking a file.
+# Opening and checking a file.
+
+
+def _read_at(descriptor: int, offset: int, count: int) -> bytes:
+    """`count` bytes at `offset`, fewer only if the file ends first."""
+    chunks = []
+    while count > 0:
+        chunk = os.pread(descriptor, min(count, _CHUNK), offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+        count -= len(chunk)
+    return b"".join(chunks)
+
+
+def _file_kind(mode: int) -> str:
+    for test, phrase in [
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ]:
+        if test(mode):
+            return phrase
+    return "not a regular file"
+
+
+def _open_regular(path: str) -> tuple[int, int]:
+    """A read-only descriptor of `path` and its size; refuses anything but a file."""
+    # Non-blocking, so that opening a FIFO with no writer returns at once; a regular
+    # file reads the same either way.
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    descriptor = os.open(path, flags)
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(descriptor)
+        raise BadFileError(
+            f"`{path}` is {_file_kind(info.st_mode)}, not a regular file: only files "
+            "written by `eb.save` can be loaded."
+        )
+    return descriptor, info.st_size
+
+
+def _similar(head: bytes) -> bool:
+    """Whether `head` has `eb.save`'s fixed opening, give or take one damaged byte."""
+    expected = (
+        (_LENGTH.size, _HEAD),
+        (_HEADER_CRC_AT + 8, _MIDDLE),
+    )
+    differing = 0
+    seen = 0
+    for start, part in expected:
+        got = head[start : start + len(part)]
+        seen += len(got)
+        differing += sum(a != b for a, b in zip(got, part, strict=False))
+    return seen > 0 and differing <= 1
+
+
+def _crc_digits(raw: bytes | bytearray, at: int) -> int | None:
+    digits = raw[at : at + 8]
+    if len(digits) != 8 or digits.strip(b"0123456789abcdef"):
+        return None
+    return int(digits, 16)
+
+
+class _Envelope(NamedTuple):
+    """What the checks of a file's opening established."""
+
+    header: dict[str, Any]
+    metadata: dict[str, str]
+    data_start: int
+    data_crc: int
+
+
+def _not_ours(path: str, head: bytes) -> BadFileError:
+    return BadFileError(
+        f"`{path}` is not an eqx_batch file (its first bytes are {head[:16]!r}). "
+        "Only files written by `eb.save` can be loaded."
+    )
+
+
+def _corrupt(path: str, problem: str) -> BadFileError:
+    return BadFileError(
+        f"`{path}` is corrupt: {problem}. It was damaged after `eb.save` wrote it (an "
+        "interrupted copy, a failing disk), so its contents cannot be trusted."
+    )
+
+
+def _parse_header(raw: bytes) -> Any:
+    try:
+        return json.loads(raw[_LENGTH.size :].decode())
+    except (ValueError, RecursionError):
+        return None
+
+
+def _check_foreign(
+    path: str, descriptor: int, size: int, head: bytes, header_nbytes: int
+) -> BadFileError:
+    """The error for a file without `eb.save`'s opening: junk, or another tool's."""
+    if header_nbytes > _MAX_HEADER or _LENGTH.size + header_nbytes > size:
+        return _not_ours(path, head)
+    header = _parse_header(_read_at(descriptor, 0, _LENGTH.size + header_nbytes))
+    if not isinstance(header, dict):
+        return _not_ours(path, head)
+    metadata = header.get("__metadata__")
+    if isinstance(metadata, dict) and any(
+        isinstance(k, str) and k.startswith(_NAMESPACE) for k in metadata
+    ):
+        return _corrupt(
+            path,
+            "it has eqx_batch metadata, but its checksums are not where `eb.save` "
+            "puts them (or another tool rewrote the file)",
+        )
+    try:
+        with safetensors.safe_open(_descriptor_path(path, descriptor), "np") as file:
+            count = len(list(file.keys()))
+    except Exception:  # noqa: BLE001 - any failure of the parser means "not a file of it"
+        return _not_ours(path, head)
+    return BadFileError(
+        f"`{path}` is a safetensors file with {count} tensors but not an eqx_batch "
+        "file: it lacks the metadata `eb.save` writes (the tree's structure, Python "
+        "scalars, key implementations, checksums), so it cannot be checked against "
+        "`like`. Read its arrays with `safetensors.numpy.load_file`, put them into "
+        "your tree (e.g. with `eqx.tree_at`), and `eb.save` that to get a file "
+        "`eb.load` reads."
+    )
+
+
+def _descriptor_path(path: str, descriptor: int) -> str:
+    # The parser opens files by name. Naming the descriptor makes it read the very file
+    # that was checked, even if `eb.save` replaces `path` meanwhile.
+    by_descriptor = f"/dev/fd/{descriptor}"
+    return by_descriptor if os.path.exists(by_descriptor) else path
+
+
+def _check_envelope(path: str, descriptor: int, size: int) -> _Envelope:
+    """Checks sizes and the header's checksum and version, without reading tensors."""
+    head = _read_at(descriptor, 0, _FIXED_END)
+    if head.startswith(_OLD_MAGIC):
+        raise BadFileError(
+            f"`{path}` was written by an eqx_batch before 0.2, in its own container "
+            "format; this eqx_batch reads safetensors files. Load it with the "
+            "eqx_batch that wrote it and `eb.save` it again."
+        )
+    if size < _LENGTH.size:
+        raise BadFileError(
+            f"`{path}` is not an eqx_batch file: it has {size} bytes, fewer than any "
+            "safetensors file (empty, or cut short)."
+        )
+    (header_nbytes,) = _LENGTH.unpack_from(head)
+    if not _similar(head):
+        raise _check_foreign(path, descriptor, size, head, header_nbytes)
+    if size < _FIXED_END:
+        raise _corrupt(path, f"it is truncated to {size} bytes")
+    if header_nbytes > _MAX_HEADER or _LENGTH.size + header_nbytes > size:
+        raise _corrupt(
+            path,
+            f"its header claims {header_nbytes} bytes but the whole file has {size}"
+            if header_nbytes <= _MAX_HEADER
+            else f"its header claims {header_nbytes} bytes, more than safetensors' "
+            f"limit of {_MAX_HEADER}",
+        )
+    raw = bytearray(_read_at(descriptor, 0, _LENGTH.size + header_nbytes))
+    header_crc = _crc_digits(raw, _HEADER_CRC_AT)
+    data_crc = _crc_digits(raw, _DATA_CRC_AT)
+    raw[_HEADER_CRC_AT : _HEADER_CRC_AT + 8] = b"0" * 8
+    raw[_DATA_CRC_AT : _DATA_CRC_AT + 8] = b"0" * 8
+    if header_crc is None or data_crc is None or zlib.crc32(raw) != header_crc:
+        raise _corrupt(path, "the CRC-32 checksum of its header does not match it")
+    header = _parse_header(bytes(raw))
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or not all(
+        isinstance(v, str) for v in metadata.values()
+    ):
+        raise _malformed(path)
+    version = metadata.get(f"{_NAMESPACE}version")
+    if not isinstance(version, str) or not version.isdigit() or len(version) > 9:
+        raise _malformed(path)
+    if int(version) > _VERSION:
+        raise BadFileError(
+            f"`{path}` was written in eqx_batch file format version {version}, but "
+            f"this eqx_batch reads versions up to {_VERSION}. Upgrade eqx_batch to "
+            "load it."
+        )
+    if int(version) != _VERSION:
+        raise _malformed(path)
+    assert isinstance(header, dict)
+    data_start = _LENGTH.size + header_nbytes
+    claimed = _data_nbytes(header)
+    if claimed is None:
+        raise _malformed(path)
+    if claimed != size - data_start:
+        raise _corrupt(
+            path,
+            f"its header describes {claimed} bytes of tensor data but "
+            f"{size - data_start} follow it (truncated, or extended)",
+        )
+    return _Envelope(header, metadata, data_start, data_crc)
+
+
+def _data_nbytes(header: dict[str, Any]) -> int | None:
+    """The end of the last tensor the header describes; `None` if ill-formed."""
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_count(o) for o in offsets)
+        ):
+            return None
+        end = max(end, offsets[1])
+    return end
+
+
+def _malformed(path: str) -> BadFileError:
+    return BadFileError(
+        f"`{path}` has a malformed header, though its checksums match: it was not "
+        "written by `eb.save`."
+    )
+
+
+def _check_data(path: str, descriptor: int, envelope: _Envelope, size: int) -> None:
+    """Streams the tensor data through CRC-32, in bounded memory."""
+    crc = 0
+    offset = envelope.data_start
+    while offset < size:
+        chunk = os.pread(descriptor, min(_CHUNK, size - offset), offset)
+        if not chunk:
+            break
+        crc = zlib.crc32(chunk, crc)
+        offset += len(chunk)
+    if offset != size or crc != envelope.data_crc:
+        raise _corrupt(path, "the CRC-32 checksum of its tensor data does not match it")
+
+
+def _is_count(x: Any) -> bool:
+    return type(x) is int and x >= 0
 
 
 class _File:
-    """A checked file: its leaf records by path, and its payload."""
+    """An open, checked eqx_batch file: its leaf records and the tensors' reader."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = os.fspath(path)
-        self.data = pathlib.Path(path).read_bytes()
-        self._check_envelope()
-        self.records = self._parse_header()
-        self.paths = [record["path"] for record in self.records]
-
-    def _fail(self, problem: str, fix: str = "") -> BatchError:
-        message = f"`{self.path}` {problem}"
-        if fix:
-            message += f" {fix}"
-        return BatchError(message)
-
-    def _check_envelope(self) -> None:
-        data = self.data
-        if not data.startswith(_MAGIC):
-            raise self._fail(
-                f"is not an eqx_batch checkpoint (its first bytes are {data[:16]!r}).",
-                "Only files written by `eb.save` can be loaded.",
-            )
-        if len(data) < _PREFIX.size:
-            raise self._fail(f"is truncated: it has only {len(data)} bytes.")
-        _, version, header_nbytes = _PREFIX.unpack_from(data)
-        if version > _VERSION:
-            raise self._fail(
-                f"was written in checkpoint format version {version}, but this "
-                f"eqx_batch reads versions up to {_VERSION}.",
-                "Upgrade eqx_batch to load it.",
-            )
-        if version != _VERSION:
-            raise self._fail(f"has an unknown checkpoint format version, {version}.")
-        if len(data) < _PREFIX.size + _CRC.size:
-            raise self._fail(f"is truncated: it has only {len(data)} bytes.")
-        crc = zlib.crc32(memoryview(data)[: -_CRC.size])
-        if _CRC.pack(crc) != data[-_CRC.size :]:
-            raise self._fail(
-                "is corrupt or truncated: its CRC-32 checksum does not match its "
-                f"contents ({len(data)} bytes).",
-                "Load an earlier checkpoint.",
-            )
-        self.header_nbytes = header_nbytes
-        self.payload_start = _PREFIX.size + header_nbytes
-        self.payload_start += _padding(self.payload_start)
-
-    def _parse_header(self) -> list[dict]:
-        # The checksum guards against accidents, not against a crafted file: every field
-        # is checked before it is used.
-        raw = self.data[_PREFIX.size : _PREFIX.size + self.header_nbytes]
+    def __init__(self, path: str, reader: Any, metadata: dict[str, str]):
+        self.path = path
+        self.reader = reader
+        self.caller_metadata = {
+            k: v for k, v in metadata.items() if not k.startswith(_NAMESPACE)
+        }
         try:
-            header = json.loads(raw.decode())
-            records = header["leaves"]
-            payload_nbytes = header["payload_nbytes"]
-            if not isinstance(records, list) or not _is_count(payload_nbytes):
+            records = json.loads(metadata[f"{_NAMESPACE}leaves"])
+            if not isinstance(records, list):
                 raise TypeError
-            expected = self.payload_start + payload_nbytes + _CRC.size
-            if expected != len(self.data):
-                raise ValueError
+            tensors = set(reader.keys())
             for record in records:
-                self._check_record(record, payload_nbytes)
-        except (ValueError, TypeError, KeyError, RecursionError, UnicodeDecodeError):
-            raise self._fail(
-                "has a malformed header, though its checksum matches.",
-                "It was not written by `eb.save`.",
-            ) from None
-        return records
+                self._check_record(record, tensors)
+            if tensors:
+                raise ValueError
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            raise _malformed(path) from None
+        self.records: list[dict] = records
+        self.paths = [record["path"] for record in records]
 
-    def _check_record(self, record: Any, payload_nbytes: int) -> None:
+    def _check_record(self, record: Any, tensors: set[str]) -> None:
         if not isinstance(record, dict) or not isinstance(record["path"], str):
             raise TypeError
         kind = record["kind"]
         if kind in ("array", "key"):
-            shape, data_shape = record["shape"], record["data_shape"]
-            offset, nbytes = record["offset"], record["nbytes"]
-            if not all(_is_count(d) for d in [*shape, *data_shape, offset, nbytes]):
+            shape = record["shape"]
+            if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
                 raise TypeError
-            dtype = _numeric_dtype(record["dtype"])
-            if nbytes != math.prod(data_shape) * dtype.itemsize:
-                raise ValueError
-            if offset + nbytes > payload_nbytes:
-                raise ValueError
-            if kind == "array" and (
-                shape != data_shape or record["weak_type"] not in (True, False)
-            ):
-                raise ValueError
-            if kind == "key" and (
-                not isinstance(record["impl"], str) or data_shape[: len(shape)] != shape
+            tensors.remove(record["path"])
+            view = self.reader.get_slice(record["path"])
+            code, stored_shape = view.get_dtype(), list(view.get_shape())
+            if kind == "array":
+                dtype = _numeric_dtype(record["dtype"])
+                if (code, stored_shape) != _stored_as(dtype, shape):
+                    raise ValueError
+                if record["weak"] not in (True, False):
+                    raise TypeError
+            elif not (
+                isinstance(record["impl"], str)
+                and code == "U32"
+                and stored_shape[: len(shape)] == shape
             ):
                 raise ValueError
         elif kind == "complex":
-            if (
-                not all(isinstance(v, float) for v in record["value"])
-                or len(record["value"]) != 2
-            ):
+            value = record["value"]
+            if len(value) != 2 or not all(isinstance(v, float) for v in value):
                 raise TypeError
         elif kind in ("bool", "int", "float", "str"):
             if type(record["value"]).__name__ != kind:
@@ -411,138 +763,218 @@ class _File:
             raise ValueError
 
     def array(self, record: dict) -> np.ndarray:
-        """The array of an `array` or `key` record, read-only, without a copy."""
-        dtype = jnp.dtype(record["dtype"]).newbyteorder("<")
-        start = self.payload_start + record["offset"]
-        flat = np.frombuffer(
-            self.data, dtype=np.uint8, count=record["nbytes"], offset=start
-        )
-        return flat.view(dtype).reshape(record["data_shape"])
+        """The data of an `array` record (in its true dtype) or a `key` record."""
+        try:
+            data = self.reader.get_tensor(record["path"])
+        except MemoryError:
+            raise BatchError(
+                f"`{self.path}`: its leaf `{record['path']}`, of shape "
+                f"{tuple(record['shape'])}, does not fit in the memory this process "
+                "may use."
+            ) from None
+        if record["kind"] == "array":
+            dtype = jnp.dtype(record["dtype"])
+            if data.dtype != dtype:
+                data = data.view(dtype.newbyteorder("<")).reshape(record["shape"])
+        return data
 
 
-def _is_count(x: Any) -> bool:
-    return type(x) is int and x >= 0
+@contextlib.contextmanager
+def _opened(path: str | os.PathLike, *, read_data: bool = True) -> Iterator[_File]:
+    """`path` checked (with its data's checksum if `read_data`), open for reading."""
+    name = os.fspath(path)
+    descriptor, size = _open_regular(name)
+    try:
+        envelope = _check_envelope(name, descriptor, size)
+        if read_data:
+            _check_data(name, descriptor, envelope, size)
+        try:
+            reader = safetensors.safe_open(_descriptor_path(name, descriptor), "np")
+        except Exception as e:  # noqa: BLE001 - the parser's errors name no path
+            raise BadFileError(
+                f"`{name}` passed its checksums but safetensors cannot read it ({e}): "
+                "it was not written by `eb.save`."
+            ) from None
+        with reader:
+            yield _File(name, reader, envelope.metadata)
+    finally:
+        os.close(descriptor)
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The caller metadata of a file written by `write_tree`, without reading tensors.
+
+    The file is checked as by `read_tree` except for the checksum of the tensor data
+    (which would read it all). Raises `BadFileError` for a file that is not a sound
+    eqx_batch file, `OSError` if it cannot be opened.
+    """
+    name = os.fspath(path)
+    descriptor, size = _open_regular(name)
+    try:
+        metadata = _check_envelope(name, descriptor, size).metadata
+    finally:
+        os.close(descriptor)
+    return {k: v for k, v in metadata.items() if not k.startswith(_NAMESPACE)}
 
 
 # ------------------------------------------------------------------------------------
 # Loading into `like`.
 
 
-def _mismatch(
-    name: str, file: _File, record: dict, problem: str, fix: str
-) -> BatchError:
+class _Stored(NamedTuple):
+    """An array leaf read from a file, on the host, before it takes `like`'s type."""
+
+    data: np.ndarray  # key data for keys
+    weak: bool
+    impl: str | None  # the key implementation, for keys
+
+
+def _mismatch(name: str, file: _File, path: str, problem: str, fix: str) -> BatchError:
     return BatchError(
-        f"`{name}` does not match the leaf `{record['path']}` of the file "
-        f"`{file.path}`: {problem} {fix}"
+        f"`{name}` does not match the leaf `{path}` of the file `{file.path}`: "
+        f"{problem} {fix}"
     )
 
 
-def _place(x: Any, like_leaf: Any) -> jax.Array:
-    """`x` as a JAX array with the sharding of `like_leaf` if that was committed."""
-    sharding = getattr(like_leaf, "sharding", None)
-    if isinstance(like_leaf, jax.Array) and not like_leaf.committed:
-        sharding = None
-    return jnp.asarray(x) if sharding is None else jax.device_put(x, sharding)
+def _expected_kind(like_leaf: Any) -> str:
+    if _is_array_template(like_leaf):
+        return "key" if is_key(like_leaf) else "array"
+    return _SCALAR_KINDS.get(type(like_leaf), "object")
 
 
-def _restore_array(file: _File, record: dict, like_leaf: Any, name: str) -> Any:
-    like_key = is_key(like_leaf)
-    kind = "key" if like_key else "array"
+def _check_leaf(
+    file: _File, record: dict, like_leaf: Any, name: str, shape: tuple[int, ...]
+) -> None:
+    """Raises if `record`, of shape `shape` (a member's, between layouts), is not
+    what `like_leaf` stands for."""
+    kind = _expected_kind(like_leaf)
+    path = record["path"]
     if record["kind"] != kind:
+        shown = (
+            _describe(like_leaf)
+            if _is_array_template(like_leaf)
+            else f"{describe(like_leaf)} ({type(like_leaf).__name__})"
+        )
         raise _mismatch(
             name,
             file,
-            record,
-            f"`like` has {_KIND_PHRASES[kind]} there ({describe(like_leaf)}) but the "
-            f"file has {_KIND_PHRASES[record['kind']]}.",
+            path,
+            f"`like` has {_KIND_PHRASES[kind]} there ({shown}) but the file has "
+            f"{_KIND_PHRASES[record['kind']]}.",
             "Pass a `like` built the same way as the saved tree.",
         )
-    shape = tuple(record["shape"])
-    if shape != like_leaf.shape:
-        raise _mismatch(
-            name,
-            file,
-            record,
-            f"`like` has shape {like_leaf.shape} but the file has shape {shape}.",
-            "Build `like` with the sizes the saved tree had.",
-        )
-    data = file.array(record)
-    if like_key:
-        try:
-            key = jax.random.wrap_key_data(jnp.asarray(data), impl=record["impl"])
-        except (ValueError, TypeError, KeyError):
-            key = None
-        if key is None or key.dtype != like_leaf.dtype:
+    if kind in ("array", "key"):
+        if shape != tuple(like_leaf.shape):
             raise _mismatch(
                 name,
                 file,
-                record,
+                path,
+                f"`like` has shape {tuple(like_leaf.shape)} but the file has shape "
+                f"{shape}.",
+                "Build `like` with the sizes the saved tree had.",
+            )
+    if kind == "key":
+        try:
+            same = _key_dtype(record["impl"]) == like_leaf.dtype
+        except (ValueError, TypeError, KeyError):
+            same = False
+        if not same:
+            raise _mismatch(
+                name,
+                file,
+                path,
                 f"`like` has a key of type {like_leaf.dtype} but the file has a "
                 f"{record['impl']!r} key.",
                 "Create `like`'s keys with the same `impl`.",
             )
-        return _place(key, like_leaf)
     # By name: the byte order of `like` does not matter, only the values do.
-    if data.dtype.name != np.dtype(like_leaf.dtype).name:
+    if kind == "array" and record["dtype"] != np.dtype(like_leaf.dtype).name:
         raise _mismatch(
             name,
             file,
-            record,
-            f"`like` has dtype {like_leaf.dtype} but the file has dtype {data.dtype}.",
+            path,
+            f"`like` has dtype {like_leaf.dtype} but the file has dtype "
+            f"{record['dtype']}.",
             "Build `like` with the dtypes the saved tree had.",
         )
-    if isinstance(like_leaf, np.generic):
-        return data[()]
-    if isinstance(like_leaf, np.ndarray):
-        return data.copy()
-    restored = _place(data, like_leaf)
-    return _make_weak(restored) if record["weak_type"] else restored
-
-
-def _make_weak(x: jax.Array) -> Any:
-    # No public API makes a weak-typed array from data; this is the primitive that
-    # `jnp` itself uses, and it leaves the data alone. Weak types are worth keeping:
-    # they decide dtype promotion (a weak float32 scalar times bfloat16 is bfloat16).
-    return _convert_element_type(x, x.dtype, weak_type=True)
-
-
-def _restore_leaf(file: _File, record: dict, like_leaf: Any, name: str) -> Any:
-    if _is_array_template(like_leaf):
-        return _restore_array(file, record, like_leaf, name)
-    kind = _SCALAR_KINDS.get(type(like_leaf), "object")
-    if record["kind"] != kind:
+    if kind == "object" and record["name"] != _object_name(like_leaf):
         raise _mismatch(
             name,
             file,
-            record,
-            f"`like` has {describe(like_leaf)} ({type(like_leaf).__name__}) there but "
-            f"the file has {_KIND_PHRASES[record['kind']]}.",
-            "Pass a `like` built the same way as the saved tree.",
+            path,
+            f"`like` has {_object_name(like_leaf)} but the saved tree had "
+            f"{record['name']}.",
+            "Objects are not stored, only checked: `like` must hold the same one.",
+        )
+
+
+def _value(file: _File, record: dict, like_leaf: Any) -> Any:
+    """The file's value of a checked leaf: `_Stored` for arrays, else the value."""
+    kind = record["kind"]
+    if kind in ("array", "key"):
+        return _Stored(
+            file.array(record), record.get("weak", False), record.get("impl")
         )
     if kind == "object":
-        if record["name"] != _object_name(like_leaf):
-            raise _mismatch(
-                name,
-                file,
-                record,
-                f"`like` has {_object_name(like_leaf)} but the saved tree had "
-                f"{record['name']}.",
-                "Objects are not stored, only checked: `like` must hold the same one.",
-            )
         return like_leaf
     if kind == "complex":
         return complex(*record["value"])
     return record["value"]
 
 
-def _restore(file: _File, like: Tree, argname: str) -> Tree:
-    """`like` with every leaf replaced by the file's; the paths are known to match."""
+def _committed_sharding(like_leaf: Any) -> Any:
+    """The sharding to place a leaf like `like_leaf` with; `None` for the default."""
+    if isinstance(like_leaf, jax.Array):
+        return like_leaf.sharding if like_leaf.committed else None
+    return getattr(like_leaf, "sharding", None)
+
+
+def _materialise(values: list[Any], like_leaves: list[Any], on_host: bool) -> list:
+    """`values` with `_Stored` arrays turned into leaves of the types of `like`'s.
+
+    Arrays for the default device travel in one transfer; weak ones are made weak in
+    one program.
+    """
+    out = list(values)
+    to_place: list[int] = []
+    for i, (value, like_leaf) in enumerate(zip(values, like_leaves, strict=True)):
+        if not isinstance(value, _Stored):
+            continue
+        if isinstance(like_leaf, np.generic):
+            out[i] = value.data[()]
+        elif isinstance(like_leaf, np.ndarray) or on_host:
+            out[i] = np.array(value.data)
+        else:
+            to_place.append(i)
+    placed = jax.device_put([values[i].data for i in to_place]) if to_place else []
+    weak: list[int] = []
+    for i, data in zip(to_place, placed, strict=True):
+        value, sharding = values[i], _committed_sharding(like_leaves[i])
+        if value.impl is not None:
+            data = jax.random.wrap_key_data(data, impl=value.impl)
+        if sharding is not None:
+            data = jax.device_put(data, sharding)
+        out[i] = data
+        if value.weak:
+            weak.append(i)
+    for i, data in zip(weak, make_weak([out[i] for i in weak]), strict=True):
+        out[i] = data
+    return out
+
+
+def _restore(file: _File, like: Any, argname: str, on_host: bool) -> Any:
+    """`like` with every leaf replaced by the file's, whose paths match `like`'s."""
     leaves, treedef = jtu.tree_flatten_with_path(like)
-    restored = [
-        _restore_leaf(file, record, leaf, leaf_name(argname, path))
-        for (path, leaf), record in zip(leaves, file.records, strict=True)
+    like_leaves = [leaf for _, leaf in leaves]
+    for (path, leaf), record in zip(leaves, file.records, strict=True):
+        _check_leaf(
+            file, record, leaf, leaf_name(argname, path), tuple(record.get("shape", ()))
+        )
+    values = [
+        _value(file, record, leaf)
+        for leaf, record in zip(like_leaves, file.records, strict=True)
     ]
-    return jtu.tree_unflatten(treedef, restored)
+    return jtu.tree_unflatten(treedef, _materialise(values, like_leaves, on_host))
 
 
 def _paths(tree: Any) -> list[str]:
@@ -558,52 +990,121 @@ def _list_length(file_paths: list[str], member_paths: list[str]) -> int | None:
     return length if expected == file_paths else None
 
 
-def _with_types_of(tree: Tree, like: Tree) -> Tree:
-    """`tree` with NumPy/JAX leaf types made those of `like`: stacking and unstacking
-    may turn a NumPy scalar into a 0-d array, and `load` promises `like`'s types."""
-
-    def convert(x: Any, like_leaf: Any) -> Any:
-        if isinstance(like_leaf, np.generic):
-            return np.asarray(x)[()]
-        if isinstance(like_leaf, np.ndarray):
-            return np.asarray(x)
-        return x
-
-    return jtu.tree_map(convert, tree, like)
-
-
-def _load_stacked_into_list(file: _File, like: Any) -> Any:
+def _stacked_into_list(file: _File, like: Sequence, argname: str, on_host: bool) -> Any:
     count = len(like)
     for record in file.records:
         if record["kind"] in ("array", "key") and record["shape"][:1] != [count]:
             raise BatchError(
-                f"`like` is a list of {count} members but the file `{file.path}` holds "
-                f"one stacked tree whose leaf `{record['path']}` has shape "
+                f"`{argname}` is a list of {count} members but the file `{file.path}` "
+                f"holds one stacked tree whose leaf `{record['path']}` has shape "
                 f"{tuple(record['shape'])}: a stacked leaf needs {count} along its "
-                f"leading (member) axis. Pass a list of as many members as were saved."
+                "leading (member) axis. Pass a list of as many members as were saved."
             )
-    members = unstack(_restore(file, stack(list(like)), "like[*]"))
-    return type(like)(
-        _with_types_of(m, member) for m, member in zip(members, like, strict=True)
-    )
-
-
-def _load_list_into_stacked(file: _File, like: Any, length: int) -> Any:
-    count = batch_size(like)
-    if length != count:
-        path, leaf = next(
-            (path, leaf)
-            for path, leaf in jtu.tree_flatten_with_path(like)[0]
+    flat = [jtu.tree_flatten_with_path(member) for member in like]
+    for i, (leaves, _) in enumerate(flat):
+        for (path, leaf), record in zip(leaves, file.records, strict=True):
+            name = leaf_name(f"{argname}[{i}]", path)
+            _check_leaf(file, record, leaf, name, tuple(record.get("shape", ()))[1:])
+    first = [leaf for _, leaf in flat[0][0]]
+    stacked = [
+        _value(file, record, leaf)
+        for record, leaf in zip(file.records, first, strict=True)
+    ]
+    if on_host:
+        members = [
+            [
+                v._replace(data=v.data[i]) if isinstance(v, _Stored) else v
+                for v in stacked
+            ]
+            for i in range(count)
+        ]
+    else:
+        # Placed stacked and split on the devices: one transfer per leaf, not per
+        # member and leaf.
+        templates = [
+            jax.ShapeDtypeStruct((count, *np.shape(leaf)), leaf.dtype)
             if _is_array_template(leaf)
+            else leaf
+            for leaf in first
+        ]
+        placed = _materialise(stacked, templates, on_host=False)
+        members = [jtu.tree_leaves(m) for m in _unstack_leaves(placed, stacked)]
+    restored = [
+        jtu.tree_unflatten(
+            treedef,
+            _with_types_of(values, [leaf for _, leaf in leaves], on_host),
         )
-        raise BatchError(
-            f"the file `{file.path}` holds a list of {length} members but `like` is "
-            f"stacked with {count} members (`{leaf_name('like', path)}` has shape "
-            f"{np.shape(leaf)}). Pass a `like` stacked from as many members as were "
-            "saved."
+        for values, (leaves, treedef) in zip(members, flat, strict=True)
+    ]
+    return tuple(restored) if isinstance(like, tuple) else restored
+
+
+def _unstack_leaves(placed: list[Any], stored: list[Any]) -> list[list[Any]]:
+    """Member lists of leaves from stacked ones; other leaves are shared."""
+    axes = [0 if isinstance(s, _Stored) else None for s in stored]
+    return [list(member) for member in unstack(placed, axes=axes)]
+
+
+def _with_types_of(values: list[Any], like_leaves: list[Any], on_host: bool) -> list:
+    """`values` (a member's, split from stacked arrays) as `like_leaves`' types."""
+    out = []
+    for value, like_leaf in zip(values, like_leaves, strict=True):
+        if isinstance(value, _Stored):
+            value = _materialise([value], [like_leaf], on_host)[0]
+        elif isinstance(like_leaf, np.generic):
+            value = np.asarray(value)[()]
+        elif isinstance(like_leaf, np.ndarray):
+            value = np.asarray(value)
+        out.append(value)
+    return out
+
+
+def _list_into_stacked(
+    file: _File, like: Any, argname: str, length: int, on_host: bool
+) -> Any:
+    leaves, treedef = jtu.tree_flatten_with_path(like)
+    per_member = len(leaves)
+    for path, leaf in leaves:
+        if _is_array_template(leaf) and tuple(leaf.shape)[:1] != (length,):
+            raise BatchError(
+                f"the file `{file.path}` holds a list of {length} members but "
+                f"`{argname}` is stacked with {tuple(leaf.shape)[:1] or 'no'} members "
+                f"(`{leaf_name(argname, path)}` has shape {tuple(leaf.shape)}). Pass "
+                "a `like` stacked from as many members as were saved."
+            )
+    values = []
+    for j, (path, leaf) in enumerate(leaves):
+        name = leaf_name(argname, path)
+        records = [file.records[i * per_member + j] for i in range(length)]
+        member_like = (
+            jax.ShapeDtypeStruct(tuple(leaf.shape)[1:], leaf.dtype)
+            if _is_array_template(leaf)
+            else leaf
         )
-    stacked = stack(_restore(file, unstack(like), "unstack(like)"))
-    return _with_types_of(stacked, like)
+        for record in records:
+            _check_leaf(file, record, member_like, name, tuple(record.get("shape", ())))
+        member_values = [_value(file, record, leaf) for record in records]
+        first = member_values[0]
+        if isinstance(first, _Stored):
+            values.append(
+                _Stored(
+                    np.stack([v.data for v in member_values]),
+                    all(v.weak for v in member_values),
+                    first.impl,
+                )
+            )
+            continue
+        for record, value in zip(records, member_values, strict=True):
+            if type(value) is not type(first) or value != first:
+                raise BatchError(
+                    f"`{name}` is one value shared by all members of a stacked `like`, "
+                    f"but the members saved in `{file.path}` differ there: "
+                    f"`{records[0]['path']}` is {first!r} and `{record['path']}` is "
+                    f"{value!r}. Load the file into a list of members instead."
+                )
+        values.append(first)
+    like_leaves = [leaf for _, leaf in leaves]
+    return jtu.tree_unflatten(treedef, _materialise(values, like_leaves, on_host))
 
 
 def _structure_error(file: _File, like_paths: list[str]) -> BatchError:
@@ -623,63 +1124,108 @@ def _structure_error(file: _File, like_paths: list[str]) -> BatchError:
     )
 
 
+def _load_into(file: _File, like: Any, argname: str, on_host: bool) -> Any:
+    like_paths = _paths(like)
+    if file.paths == like_paths:
+        return _restore(file, like, argname, on_host)
+    if (
+        type(like) in (list, tuple)
+        and like
+        and all(_paths(member) == file.paths for member in like)
+    ):
+        return _stacked_into_list(file, like, argname, on_host)
+    length = _list_length(file.paths, like_paths)
+    if length is not None:
+        return _list_into_stacked(file, like, argname, length, on_host)
+    raise _structure_error(file, like_paths)
+
+
+def read_tree(
+    path: str | os.PathLike,
+    like: Any,
+    *,
+    argname: str = "like",
+    on_host: bool = False,
+) -> tuple[Any, dict[str, str]]:
+    """`eb.load`, returning the caller metadata of `write_tree` too.
+
+    `argname` names `like` in error messages. With `on_host=True` nothing is placed on
+    a device or compiled: numeric array leaves come back as NumPy arrays (weak types,
+    which NumPy lacks, are dropped: `make_weak` restores them), and typed-key leaves
+    as their raw key data, a NumPy `uint32` array of shape `like_leaf.shape + (2,)`
+    for the default implementation, whose implementation was checked against `like`
+    (wrap it with `jax.random.wrap_key_data(data, impl=...)`).
+
+    Raises `BadFileError` (a `BatchError`) if the file is not a sound eqx_batch file,
+    a plain `BatchError` if it does not fit `like`, `OSError` if it cannot be opened.
+    """
+    with _opened(path) as file:
+        tree = _load_into(file, like, argname, on_host)
+        return tree, file.caller_metadata
+
+
 def load(path: str | os.PathLike, like: Tree) -> Tree:
     """Loads a pytree saved by `eb.save`, checked leaf by leaf against `like`.
 
     A checkpoint is only useful if it loads into the model you have now, and a file
-    from elsewhere must not be able to run code. `load` checks the file's magic bytes,
-    version and checksum, then checks every leaf against `like` (structure,
-    shapes, dtypes, PRNG key implementations, the names of functions) before
-    returning anything. Nothing is unpickled.
+    from elsewhere must not be able to run code. `load` refuses anything but a regular
+    file, checks the sizes the file's header claims against its actual size before
+    reading anything else (so a hostile file cannot make it allocate more than the
+    file holds), then the file's CRC-32 checksums (before its version field, so damage
+    reads as damage), then every leaf against `like` (structure, shapes, dtypes, PRNG
+    key implementations, the names of functions) before returning anything. Nothing
+    is unpickled.
 
-    Stacked and unstacked checkpoints read each other: a file saved from a stacked
-    tree (every array with a leading member axis, as `eb.stack` makes it) loads into a
-    list of members when `like` is a list, and a file saved from a list of members
+    Stacked and unstacked files read each other: a file saved from a stacked tree
+    (every array with a leading member axis, as `eb.stack` makes it) loads into a list
+    (or tuple) of members when `like` is one, and a file saved from a list of members
     loads into a stacked `like`.
+
+    `like` need not hold any values: `jax.ShapeDtypeStruct` leaves, as
+    `eqx.filter_eval_shape` gives them, say what to load without initialising
+    anything, in either layout: a stacked file loads into
+    `[eqx.filter_eval_shape(make, k) for k in keys]`, and a list file into
+    `eqx.filter_eval_shape(make_stacked, keys)`.
 
     **Arguments:**
 
     - `path`: a file written by `eb.save`.
     - `like`: a pytree with the structure of the saved one, such as a freshly
-        constructed model. Its array leaves may be JAX or NumPy arrays or
-        `jax.ShapeDtypeStruct`s (e.g. from `eqx.filter_eval_shape`), so nothing needs
-        to be initialised just to be overwritten.
+        constructed model, or a list of members for a stacked file (and the other way
+        round). Its array leaves may be JAX or NumPy arrays or `jax.ShapeDtypeStruct`s.
 
     **Returns:**
 
     A pytree with the structure of `like` holding the file's values. Leaves have the
-    types of `like`'s: JAX arrays (on `like`'s devices when it was placed on them) for
-    JAX arrays and `ShapeDtypeStruct`s, NumPy arrays for NumPy arrays, typed PRNG keys
-    for keys. Python scalars are the saved values; other objects (functions) are
-    `like`'s own.
+    types of `like`'s: JAX arrays (on `like`'s devices when it was placed on them, or
+    with a `ShapeDtypeStruct`'s sharding) for JAX arrays and `ShapeDtypeStruct`s,
+    with the saved weak types; NumPy arrays for NumPy arrays; typed PRNG keys for
+    keys. Python scalars are the saved values; other objects (functions) are `like`'s
+    own.
 
     **Raises:**
 
-    `BatchError` if the file is not an eqx_batch checkpoint, is truncated or corrupt
-    (checksum mismatch), or comes from a newer format version; if `like`'s structure
-    differs from the saved tree's (listing the leaves only one of them has); if a leaf
-    differs in kind, shape, dtype, key implementation or function name (naming the leaf
-    and both values); or, between stacked and list checkpoints, if the member counts
-    differ (naming the leaf and both counts). `OSError` (e.g. `FileNotFoundError`) if
-    the file cannot be read.
+    `BatchError` if `path` is not a regular file (a FIFO, a device), is not an
+    eqx_batch file (junk, or a safetensors file written by another tool, which the
+    message says how to use), is corrupt or truncated (a checksum or a size does not
+    match), or comes from a newer format version; if `like`'s structure differs from
+    the saved tree's (listing the leaves only one of them has); if a leaf differs in
+    kind, shape, dtype, key implementation or function name (naming the leaf and both
+    values); or, between stacked and list files, if the member counts differ (naming
+    the leaf and both counts). `OSError` (e.g. `FileNotFoundError`) if the file cannot
+    be opened.
 
     !!! Example
 
         ```python
-        members = [eqx.nn.Linear(2, 3, key=k) for k in jr.split(jr.key(0), 4)]
-        eb.save("ensemble.eqx", eb.stack(members))
-        stacked = eb.load("ensemble.eqx", like=eb.stack(members))
-        as_list = eb.load("ensemble.eqx", like=members)  # a list of 4 Linear layers
+        def make(key):
+            return eqx.nn.Linear(2, 3, key=key)
+
+        keys = jr.split(jr.key(0), 4)
+        eb.save("ensemble.safetensors", eb.stack([make(k) for k in keys]))
+        # A list of 4 Linear layers, from shapes only: nothing is initialised.
+        shapes = [eqx.filter_eval_shape(make, k) for k in keys]
+        as_list = eb.load("ensemble.safetensors", like=shapes)
         ```
     """
-    file = _File(path)
-    like_paths = _paths(like)
-    members: Any = like
-    if file.paths == like_paths:
-        return _restore(file, like, "like")
-    if type(like) in (list, tuple) and like and file.paths == _paths(members[0]):
-        return _load_stacked_into_list(file, like)
-    length = _list_length(file.paths, like_paths)
-    if length is not None:
-        return _load_list_into_stacked(file, like, length)
-    raise _structure_error(file, like_paths)
+    return read_tree(path, like)[0]
