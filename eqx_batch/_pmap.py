@@ -35,7 +35,10 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ._errors import BatchError
+from ._bind import bind_arguments, MappedCall
+from ._errors import BatchError, bullet_list, describe, leaf_name
+from ._outputs import join_output, split_output
+from ._sizes import check_axis_size
 from ._tree import (
     _is_none,
     axis_sizes,
@@ -44,7 +47,7 @@ from ._tree import (
     mapped_leaves,
     resolve_axes,
 )
-from ._vmap import _join_output, _Mapped, _split_output, _Static, bind_call, filter_vmap
+from ._vmap import bind_call, filter_vmap
 
 
 MEMBER_AXIS_NAME = "members"
@@ -157,7 +160,10 @@ def shard(tree: Any, mesh: Mesh | None = None, *, axes: Any = eqx.if_array(0)) -
     return jtu.tree_unflatten(jtu.tree_structure(tree), placed)
 
 
-# ---------------------------------------------------------------------- filter_pmap
+# ------------------------------------------- jax.jit with non-array leaves as static
+# `jax.jit` dispatches asynchronously and caches on hashable static arguments; these
+# turn any pytree into (array leaves, one hashable static value) and back, and carry
+# non-array outputs out of the compiled function.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,17 +186,6 @@ class _Frozen:
         return jtu.tree_unflatten(self.treedef, self.leaves)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Everything about a `filter_pmap` call that is fixed at trace time."""
-
-    in_axes: _Frozen
-    out_axes: _Frozen
-    axis_name: Hashable
-    axis_size: int | None
-    mesh: Mesh
-
-
 _ARRAY = object()  # marks where an array leaf was taken out of the static tree
 
 
@@ -207,8 +202,30 @@ def _join(dynamic: Sequence[Any], static: _Frozen) -> Any:
     return jtu.tree_unflatten(static.treedef, leaves)
 
 
+class _StaticOutput(eqx.Module):
+    """The non-array part of a compiled function's output, returned as a static
+    field: `jax.jit` returns arrays only."""
+
+    value: Any = eqx.field(static=True)
+
+
+# ---------------------------------------------------------------------- filter_pmap
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeshMapping:
+    """How a `filter_pmap` call maps members onto devices, fixed at trace time: the
+    axis specs, the axis name and size, and the mesh."""
+
+    in_axes: _Frozen
+    out_axes: _Frozen
+    axis_name: Hashable
+    axis_size: int | None
+    mesh: Mesh
+
+
 def _one_per_device(
-    fun: Callable[..., Any], call: _Mapped, out_axes: Any, mesh: Mesh
+    fun: Callable[..., Any], call: MappedCall, out_axes: Any, mesh: Mesh
 ) -> Any:
     """`fun` per member with `jax.shard_map`, for exactly one member per device.
 
@@ -226,9 +243,9 @@ def _one_per_device(
         for i, array in zip(arrays, local, strict=True):
             axis = call.axes[i]
             own[i] = array if axis is None else jnp.squeeze(array, axis)
-        mapped, unmapped, static = _split_output(call.invoke(fun, own), out_axes)
+        mapped, unmapped, static = split_output(call.invoke(fun, own), out_axes)
         layout.append(static)
-        return [leaf[None] for leaf in mapped], unmapped
+        return [jnp.expand_dims(leaf, 0) for leaf in mapped], unmapped
 
     mapped, unmapped = jax.shard_map(
         per_device,
@@ -236,47 +253,60 @@ def _one_per_device(
         in_specs=specs,
         out_specs=(_member_spec(mesh, 0), PartitionSpec()),
     )(*[call.leaves[i] for i in arrays])
-    return _join_output(mapped, unmapped, layout[0])
+    return join_output(mapped, unmapped, layout[0])
 
 
-def _vmapped(fun: Callable[..., Any], call: _Mapped, plan: _Plan) -> Any:
+def _vmapped(
+    fun: Callable[..., Any], call: MappedCall, mapping: _MeshMapping, uneven: bool
+) -> Any:
     """`eb.filter_vmap(fun)` over all members, each device computing its own."""
-    # Pinning each mapped input to "split along its member axis" is what makes the
-    # partitioner give each device its own members rather than replicate the work.
-    placed = [
-        leaf
-        if axis is None
-        else jax.lax.with_sharding_constraint(
-            leaf, NamedSharding(plan.mesh, _member_spec(plan.mesh, axis))
-        )
-        for leaf, axis in zip(call.leaves, call.axes, strict=True)
-    ]
+    mesh = mapping.mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(leaf: Any, axis: int | None) -> Any:
+        if axis is None:
+            return leaf
+        # Pinning each mapped input to "split along its member axis" is what makes
+        # the partitioner give each device its own members rather than replicate
+        # the work.
+        split = NamedSharding(mesh, _member_spec(mesh, axis))
+        if uneven:
+            # Under `jax.grad` a constraint also applies to the cotangent. Pinning an
+            # uneven input to "replicated" first leaves its gradient replicated: an
+            # uneven split must not reach an outer `jax.jit`'s outputs, whose
+            # shardings some JAX versions cannot express and refuse.
+            leaf = jax.lax.with_sharding_constraint(leaf, replicated)
+        return jax.lax.with_sharding_constraint(leaf, split)
+
+    placed = [place(*pair) for pair in zip(call.leaves, call.axes, strict=True)]
     vmapped = filter_vmap(
         fun,
-        in_axes=plan.in_axes.tree,
-        out_axes=plan.out_axes.tree,
-        axis_name=plan.axis_name,
-        axis_size=plan.axis_size,
+        in_axes=mapping.in_axes.tree,
+        out_axes=mapping.out_axes.tree,
+        axis_name=mapping.axis_name,
+        axis_size=mapping.axis_size,
     )
     return call.invoke(vmapped, placed)
 
 
-def _run(plan: _Plan, static: _Frozen, dynamic: list[Any]) -> Any:
+def _run(mapping: _MeshMapping, static: _Frozen, dynamic: list[Any]) -> Any:
     fun, args, kwargs = _join(dynamic, static)
-    call, size = bind_call(fun, plan.in_axes.tree, plan.axis_size, args, kwargs)
-    mesh = plan.mesh
-    if size == mesh.size and isinstance(plan.axis_name, str | None):
+    call, size = bind_call(fun, mapping.in_axes.tree, mapping.axis_size, args, kwargs)
+    mesh = mapping.mesh
+    uneven = (size or 0) % mesh.size != 0
+    if size == mesh.size and isinstance(mapping.axis_name, str | None):
         mesh = _cached_mesh(
-            tuple(mesh.devices.flat), plan.axis_name or MEMBER_AXIS_NAME
+            tuple(mesh.devices.flat), mapping.axis_name or MEMBER_AXIS_NAME
         )
-        out = _one_per_device(fun, call, plan.out_axes.tree, mesh)
+        out = _one_per_device(fun, call, mapping.out_axes.tree, mesh)
     else:
-        out = _vmapped(fun, call, plan)
+        out = _vmapped(fun, call, mapping, uneven)
     # A jax.Array cannot be split unevenly, and every process must receive every
     # result: in both cases outputs are gathered onto every device instead.
-    replicate = jax.process_count() > 1 or (size or 0) % mesh.size != 0
+    replicate = jax.process_count() > 1 or uneven
     out_leaves, out_treedef = jtu.tree_flatten(out)
-    out_axes = out_treedef.flatten_up_to(resolve_axes(out, plan.out_axes.tree, "out"))
+    resolved = resolve_axes(out, mapping.out_axes.tree, "out")
+    out_axes = out_treedef.flatten_up_to(resolved)
 
     def place(leaf: Any, axis: int | None) -> Any:
         if not is_array(leaf):
@@ -287,14 +317,14 @@ def _run(plan: _Plan, static: _Frozen, dynamic: list[Any]) -> Any:
 
     out = jtu.tree_unflatten(out_treedef, map(place, out_leaves, out_axes))
     out_dynamic, out_static = eqx.partition(out, is_array)
-    return out_dynamic, _Static(out_static)
+    return out_dynamic, _StaticOutput(out_static)
 
 
 _JITTED = jax.jit(_run, static_argnums=(0, 1))
 _JITTED_DONATING = jax.jit(_run, static_argnums=(0, 1), donate_argnums=(2,))
 
 
-def _finish(out: tuple[Any, _Static]) -> Any:
+def _finish(out: tuple[Any, _StaticOutput]) -> Any:
     dynamic, static = out
     result = eqx.combine(dynamic, static.value)
     if jax.process_count() == 1:
@@ -326,16 +356,17 @@ class _PmapWrapper(eqx.Module):
         return self._fun
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        jitted, plan, static, dynamic = _prepare(self, args, kwargs)
-        return _dispatch(self, jitted, plan, static, dynamic)
+        jitted, mapping, static, dynamic = _prepare(self, args, kwargs)
+        return _dispatch(self, jitted, mapping, static, dynamic)
 
     def lower(self, /, *args: Any, **kwargs: Any) -> "Lowered":
         """Traces and lowers for these arguments: ahead-of-time compilation.
 
         `.compile()` on the result gives a callable taking the same arguments.
         """
-        jitted, plan, static, dynamic = _prepare(self, args, kwargs)
-        return Lowered(jitted.lower(plan, static, dynamic), static, self)
+        jitted, mapping, static, dynamic = _prepare(self, args, kwargs)
+        lowered = jitted.lower(mapping, static, dynamic)
+        return Lowered(lowered, static, _array_types(dynamic), self)
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         del owner
@@ -348,11 +379,11 @@ class _PmapWrapper(eqx.Module):
 # method object, which costs microseconds on every call.
 def _prepare(
     wrapper: _PmapWrapper, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, _Plan, _Frozen, list[Any]]:
+) -> tuple[Any, _MeshMapping, _Frozen, list[Any]]:
     # The mesh is looked up per call, not at decoration time: a function may be
     # decorated before `jax.distributed.initialize` makes other processes' devices
     # visible.
-    plan = _Plan(
+    mapping = _MeshMapping(
         in_axes=wrapper._in_axes,
         out_axes=wrapper._out_axes,
         axis_name=wrapper._axis_name,
@@ -361,7 +392,7 @@ def _prepare(
     )
     dynamic, static = _split((wrapper._fun, args, kwargs))
     jitted = _JITTED if wrapper._donate == "none" else _JITTED_DONATING
-    return jitted, plan, static, dynamic
+    return jitted, mapping, static, dynamic
 
 
 def _dispatch(wrapper: _PmapWrapper, run: Callable[..., Any], *inputs: Any) -> Any:
@@ -379,6 +410,7 @@ class Lowered(eqx.Module):
 
     lowered: jax.stages.Lowered = eqx.field(static=True)
     static: _Frozen = eqx.field(static=True)
+    types: tuple[tuple[tuple[int, ...], Any], ...] = eqx.field(static=True)
     wrapper: _PmapWrapper
 
     def as_text(self) -> str:
@@ -392,6 +424,7 @@ class Lowered(eqx.Module):
         return Compiled(
             self.lowered.compile(compiler_options=compiler_options),
             self.static,
+            self.types,
             self.wrapper,
         )
 
@@ -401,6 +434,7 @@ class Compiled(eqx.Module):
 
     compiled: jax.stages.Compiled = eqx.field(static=True)
     static: _Frozen = eqx.field(static=True)
+    types: tuple[tuple[tuple[int, ...], Any], ...] = eqx.field(static=True)
     wrapper: _PmapWrapper
 
     def as_text(self) -> str:
@@ -410,7 +444,7 @@ class Compiled(eqx.Module):
         return text
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        # Only the arguments: the plan (and its mesh) was fixed when this was lowered.
+        # Only the arguments: the mesh mapping was fixed when this was lowered.
         dynamic, static = _split((self.wrapper._fun, args, kwargs))
         if static != self.static:
             raise BatchError(
@@ -419,7 +453,48 @@ class Compiled(eqx.Module):
                 "Call `.lower(...)` again with these arguments, or call the "
                 "`eb.filter_pmap`-wrapped function, which compiles as needed."
             )
+        types = _array_types(dynamic)
+        if types != self.types:
+            raise BatchError(_retyped(self.wrapper._fun, args, kwargs, self.types))
         return _dispatch(self.wrapper, self.compiled, dynamic)
+
+
+def _array_types(arrays: list[Any]) -> tuple[tuple[tuple[int, ...], Any], ...]:
+    return tuple((np.shape(array), array.dtype) for array in arrays)
+
+
+def _retyped(
+    fun: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    lowered: tuple[tuple[tuple[int, ...], Any], ...],
+) -> str:
+    """The message for a compiled function called with arrays of other shapes or
+    dtypes than it was lowered for, naming each by argument and path."""
+    names = list(bind_arguments(fun, None, args, kwargs)[0])
+    lines = []
+    leaves = jtu.tree_flatten_with_path((fun, args, kwargs))[0]
+    arrays = [(path, leaf) for path, leaf in leaves if is_array(leaf)]
+    for (path, leaf), (shape, dtype) in zip(arrays, lowered, strict=True):
+        if (np.shape(leaf), leaf.dtype) == (shape, dtype):
+            continue
+        where, key, *rest = path
+        if where.idx == 0:
+            name = leaf_name("fun", (key, *rest))
+        elif where.idx == 1:
+            name = leaf_name(names[key.idx], tuple(rest))
+        else:
+            name = leaf_name(key.key, tuple(rest))
+        was = f"{dtype}[{','.join(map(str, shape))}]"
+        lines.append(f"`{name}`: lowered for {was}, called with {describe(leaf)}")
+    return (
+        "this compiled function is called with arrays of other shapes or dtypes than "
+        "it was lowered for (a compiled program is fixed to its member count and "
+        "shapes):\n"
+        + bullet_list(lines)
+        + "\nCall `.lower(...)` again with these arguments, or call the "
+        "`eb.filter_pmap`-wrapped function, which compiles as needed."
+    )
 
 
 @overload
@@ -537,6 +612,12 @@ def filter_pmap(
         raise BatchError(
             f"donate={donate!r} is not one of 'all', 'warn' and 'none'. Use 'all' to "
             "donate every array argument's buffer, 'none' to donate nothing."
+        )
+    axis_size = check_axis_size(axis_size)
+    if devices is not None and len(devices) == 0:
+        raise BatchError(
+            "devices is empty: there is no device to run members on. Pass at least "
+            "one device, or devices=None for every device of every process."
         )
     if fun is None:
         return ft.partial(

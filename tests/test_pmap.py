@@ -315,6 +315,56 @@ def test_compiled_rejects_other_static_arguments():
         compiled(jnp.arange(4.0), 3.0)
 
 
+def test_compiled_refuses_another_member_count_naming_the_argument():
+    f = eb.filter_pmap(lambda x, scale: x * scale, in_axes=(0, None))
+    compiled = f.lower(jnp.arange(5.0), jnp.ones(())).compile()
+    with pytest.raises(
+        eb.BatchError, match=r"`x`: lowered for float32\[5\], called with float32\[6\]"
+    ):
+        compiled(jnp.arange(6.0), jnp.ones(()))
+    with pytest.raises(eb.BatchError, match=r"`scale`: lowered for float32\[\]"):
+        compiled(jnp.arange(5.0), jnp.ones((), jnp.int32))
+    # The wrapped function itself compiles anew.
+    assert_trees_identical(f(jnp.arange(6.0), jnp.ones(())), jnp.arange(6.0))
+
+
+@pytest.mark.parametrize("members", [3, 4, 6])
+def test_python_scalar_output_is_broadcast_as_filter_vmap(members):
+    # 4 members run one per device under `shard_map`, the others under `vmap`.
+    def fun(x):
+        return x, 1, 0.5
+
+    ours = eb.filter_pmap(fun, out_axes=0)(jnp.arange(float(members)))
+    theirs = eqx.filter_vmap(fun, out_axes=0)(jnp.arange(float(members)))
+    assert_trees_identical(ours, theirs)
+    ours = eb.filter_pmap(lambda: 1, out_axes=0, axis_size=members)()
+    theirs = eqx.filter_vmap(lambda: 1, out_axes=0, axis_size=members)()
+    assert_trees_identical(ours, theirs)
+
+
+def test_dict_naming_a_parameter_left_at_its_default_is_refused():
+    def fun(x, y=1.0):
+        return x * y
+
+    with pytest.raises(eb.BatchError, match="`y`, which this call"):
+        eb.filter_pmap(fun, in_axes={"y": 0})(jnp.arange(4.0))
+    with pytest.raises(ValueError):
+        eqx.filter_pmap(fun, in_axes={"y": 0})(jnp.arange(4.0))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"devices": []}, "devices is empty"),
+        ({"axis_size": -1}, "axis_size=-1"),
+        ({"axis_size": 2.0}, "axis_size=2.0"),
+    ],
+)
+def test_error_bad_devices_or_axis_size(kwargs, message):
+    with pytest.raises(eb.BatchError, match=message):
+        eb.filter_pmap(lambda x: x, **kwargs)
+
+
 def test_error_sizes_disagree_names_path():
     model = stacked(4)
     with pytest.raises(eb.BatchError, match=r"model\.bias") as info:

@@ -12,7 +12,8 @@ from helpers import assert_trees_identical, tree_allclose
 from hypothesis import given, settings
 
 import eqx_batch as eb
-from eqx_batch._vmap import bind_arguments, check_mapped_sizes
+from eqx_batch._bind import bind_arguments
+from eqx_batch._sizes import check_mapped_sizes
 
 
 def _arange(*shape: int) -> jax.Array:
@@ -142,6 +143,19 @@ EQUINOX_CASES = [
     ),
     ("module and data mapped", _model_call, (_model(4), _arange(4, 2)), {}),
     ("module as fun", _model(1).layers[0].__class__, (_arange(3, 2), _arange(3)), {}),
+    # Python scalars are JAX values: a member axis broadcasts them, one per member.
+    (
+        "python scalar output, mapped",
+        lambda c: c,
+        (1,),
+        {"out_axes": 0, "axis_size": 5},
+    ),
+    (
+        "python scalars beside arrays",
+        lambda x: (x, 2.5, True, 1j),
+        (_arange(3, 2),),
+        {"out_axes": 0},
+    ),
 ]
 
 
@@ -342,12 +356,35 @@ def test_var_positional_and_var_keyword():
         eb.filter_vmap(f)(x, x, x[:2])
 
 
-def test_dict_may_name_defaulted_parameter():
+def test_dict_naming_a_parameter_left_at_its_default_is_refused():
     def f(x, key=None):
         return x if key is None else x + 1
 
     x = _arange(3)
-    assert_trees_identical(eb.filter_vmap(f, in_axes={"key": None})(x), x)
+    # As Equinox: whether the default would be mapped is ambiguous.
+    with pytest.raises(eb.BatchError, match=r"`key`, which this call to .* not pass"):
+        eb.filter_vmap(f, in_axes={"key": None})(x)
+    with pytest.raises(ValueError):
+        eqx.filter_vmap(f, in_axes={"key": None})(x)
+    # Passed, by position or keyword, it may be named.
+    assert_trees_identical(eb.filter_vmap(f, in_axes={"key": None})(x, None), x)
+    assert_trees_identical(eb.filter_vmap(f, in_axes={"key": None})(x, key=1.0), x + 1)
+    # A `*args` name with no entries in this call is refused the same way.
+    with pytest.raises(eb.BatchError, match="`rest`"):
+        eb.filter_vmap(lambda x, *rest: x, in_axes={"rest": None})(x)
+
+
+def test_python_scalar_output_chunked_is_broadcast():
+    ours = eb.filter_vmap(lambda x: (x, 1), chunk_size=2)(_arange(5))
+    assert_trees_identical(ours, eqx.filter_vmap(lambda x: (x, 1))(_arange(5)))
+
+
+@pytest.mark.parametrize("axis_size", [3, np.int64(3), True, 0])
+def test_axis_size_accepts_what_equinox_accepts(axis_size):
+    fun = lambda x: 2 * x  # noqa: E731
+    ours = eb.filter_vmap(fun, in_axes=None, axis_size=axis_size)(_arange(2))
+    theirs = eqx.filter_vmap(fun, in_axes=None, axis_size=axis_size)(_arange(2))
+    assert_trees_identical(ours, theirs)
 
 
 def test_call_that_does_not_fit_signature():
@@ -543,6 +580,39 @@ def test_error_axis_name_with_chunk():
     )
 
 
+@pytest.mark.parametrize("axis_size", [-1, 2.0, "3"])
+def test_error_bad_axis_size(axis_size):
+    # Refused when decorating, naming the argument, not deep inside JAX at the call.
+    with pytest.raises(eb.BatchError, match=rf"axis_size={axis_size!r}.*non-negative"):
+        eb.filter_vmap(jnp.sin, in_axes=None, axis_size=axis_size)
+
+
+def test_error_list_of_members_says_to_stack():
+    mlps = [eqx.nn.MLP(4, 4, 16, 2, key=jr.key(i)) for i in range(8)]
+    xs = _arange(8, 4)
+    with pytest.raises(eb.BatchError) as excinfo:
+        eb.filter_vmap(lambda model, x: model(x))(mlps, xs)
+    message = _message(excinfo)
+    assert "`model` is a list of 8 members of one structure (MLP)" in message
+    assert "`eb.stack(model)` makes it one stacked MLP" in message
+    # Sharing the list would fail in `fun` ('list' object is not callable): no such
+    # advice, and the advice given works.
+    assert "in_axes" not in message
+    out = eb.filter_vmap(lambda model, x: model(x))(eb.stack(mlps), xs)
+    assert out.shape == (8, 4)
+    # A list whose members each agree on a size of their own (an ambiguous call).
+    linears = [eqx.nn.Linear(3, 3, key=jr.key(i)) for i in range(8)]
+    with pytest.raises(eb.BatchError) as excinfo:
+        eb.filter_vmap(lambda model, x: model(x))(linears, _arange(8, 3))
+    message = _message(excinfo)
+    assert "`model` is a list of 8 members of one structure (Linear)" in message
+    assert "did you mean" not in message
+    # A tuple of unrelated arrays is no list of members.
+    with pytest.raises(eb.BatchError) as excinfo:
+        eb.filter_vmap(lambda pair, x: x)((_arange(6), _arange(7, 2)), _arange(5))
+    assert "members of one structure" not in _message(excinfo)
+
+
 @pytest.mark.parametrize("chunk_size", [0, -1, True, 2.0])
 def test_error_bad_chunk_size(chunk_size):
     with pytest.raises(eb.BatchError, match="chunk_size"):
@@ -643,10 +713,11 @@ def test_chunked_grad():
 
 def test_chunked_closure_over_tracer():
     @jax.jit
-    def outer(scale):
-        return eb.filter_vmap(lambda x: x * scale, chunk_size=2)(_arange(5))
+    def outer(x, scale):
+        return eb.filter_vmap(lambda x: x * scale, chunk_size=2)(x)
 
-    assert_trees_identical(outer(jnp.array(2.0)), _arange(5) * 2.0)
+    # `x` is an argument, not computed in the trace, where XLA may fold `/ 7 * 2`.
+    assert_trees_identical(outer(_arange(5), jnp.array(2.0)), _arange(5) * 2.0)
 
 
 def test_chunked_memory_follows_chunk():
