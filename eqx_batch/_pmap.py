@@ -569,14 +569,15 @@ def filter_pmap(
         output. Arrays with spec `None` must be the same for every member.
     - `axis_name`: a name for the member axis, for collectives such as
         `jax.lax.psum(x, axis_name)` inside `fun`.
-    - `axis_size`: the member count; needed only if no argument is mapped.
+    - `axis_size`: the member count, a non-negative int; needed only if no argument is
+        mapped.
     - `donate`: `"all"` donates every array argument's buffer (and silences warnings
         about the ones that could not be reused), `"warn"` does the same but keeps the
         warnings, `"none"` (the default) donates nothing. Only buffers already placed
         as the program wants them (e.g. a previous result, or `eb.shard`'s) can be
         reused; others are copied onto the devices first.
-    - `devices`: the devices to spread members over, in order. Defaults to all devices
-        of all processes.
+    - `devices`: the devices to spread members over, in order (at least one).
+        Defaults to all devices of all processes.
 
     **Returns:**
 
@@ -591,8 +592,10 @@ def filter_pmap(
         arguments, if a mapped leaf is not an array or lacks the member axis, or if
         `out_axes` maps a non-array output.
     - `eb.BatchError` (when wrapping) if `donate` is not one of `"all"`, `"warn"` and
-        `"none"`; (when calling a compiled function) if its non-array arguments differ
-        from those it was lowered with.
+        `"none"`, if `axis_size` is neither `None` nor a non-negative int, or if
+        `devices` is empty; (when calling a compiled function) if its non-array
+        arguments differ from those it was lowered with, or its arrays have other
+        shapes or dtypes (another member count), naming each such argument.
     - `TypeError` if a call does not fit `fun`'s signature, as calling `fun` would.
 
     !!! Example
