@@ -31,6 +31,12 @@ def per_member(
     `eqx.filter_grad` leaves for them) are dropped, so a whole `eqx.Module` can be
     passed as `params`.
 
+    Hyperparameters can differ between members: give a numeric hyperparameter of
+    `optax.inject_hyperparams` one value per member, an array of shape `(n,)`, and
+    member `i` trains with value `i`, as if alone with it (a learning-rate sweep
+    trained as one stacked model). Like every injected hyperparameter it lives in the
+    state, there of shape `(n,)`, where it can be changed between steps.
+
     **Arguments:**
 
     - `tx`: any optax `GradientTransformation` (with or without extra-args support), or
@@ -53,7 +59,9 @@ def per_member(
     trace time (so a jitted step pays nothing for them): `BatchError` if array leaves
     of `params`, `updates`, `state` or the extra arguments disagree on the number of
     members (each such leaf is named), if an array leaf has no member axis, or if
-    `state` was not made by `per_member(tx).init`.
+    `state` was not made by `per_member(tx).init`; from `init`, if an injected
+    hyperparameter is neither one value nor one value per member (it is named, with
+    its shape and the number of members), or is a schedule returning several values.
 
     !!! Example
 
@@ -104,10 +112,14 @@ def per_member(
     # take the spec itself, which Equinox resolves the same way.
     def init(params: Any) -> Any:
         arrays = eqx.filter(params, eqx.is_array)
-        common_size(_member_sizes(arrays, axes, "params"), fix=_FIX)
-        return eqx.filter_vmap(inner.init, in_axes=(axes,), out_axes=eqx.if_array(0))(
-            arrays
+        n = common_size(_member_sizes(arrays, axes, "params"), fix=_FIX)
+        shapes = eqx.filter_eval_shape(
+            eqx.filter_vmap(inner.init, in_axes=(axes,), out_axes=eqx.if_array(0)),
+            arrays,
         )
+        return eqx.filter_vmap(
+            inner.init, in_axes=(axes,), out_axes=_state_axes(shapes, n)
+        )(arrays)
 
     def update(
         updates: Any, state: Any, params: Any = None, **extra_args: Any
@@ -193,3 +205,63 @@ def _state_sizes(state: Any) -> list[tuple[str, int]]:
             "`tx.init(params)`."
         )
     return [(leaf_name("state", path), leaf.shape[0]) for path, leaf in arrays]
+
+
+def _state_axes(shapes: Any, n: int) -> Any:
+    """The member axis of each leaf of the state `init` makes, from its shapes.
+
+    Every leaf gains a leading member axis, except the hyperparameters of
+    `optax.inject_hyperparams` given one value per member: init closes over those, so
+    they come out whole, and are then the member axis themselves.
+    """
+    per_member = _per_member_hyperparams(shapes, n)
+    return jtu.tree_map_with_path(
+        lambda path, _: None if path in per_member else eqx.if_array(0), shapes
+    )
+
+
+def _per_member_hyperparams(shapes: Any, n: int) -> set[KeyPath]:
+    """Paths of the injected hyperparameters in `shapes` that hold one value per
+    member; raises for those that hold neither that nor one shared value."""
+    found = set()
+    for path, node in jtu.tree_flatten_with_path(shapes, is_leaf=_is_injected)[0]:
+        if not _is_injected(node):
+            continue
+        scheduled = getattr(node, "hyperparams_states", {})
+        for name, value in node.hyperparams.items():
+            # `shapes` comes from the vmapped init: a leading member axis, then the
+            # hyperparameter's own shape.
+            shape = tuple(value.shape[1:])
+            leaf_path = (*path, _HYPERPARAMS, jtu.DictKey(name))
+            where = f"hyperparameter `{name}` (`{leaf_name('state', leaf_path)}`)"
+            if len(value.shape) == 1:
+                continue
+            if name in scheduled:
+                raise BatchError(
+                    f"{where} is a schedule returning shape {shape}; per_member runs "
+                    "a schedule once per member, so it must return one value. Give "
+                    f"per-member values as an array of shape ({n},) instead."
+                )
+            if len(value.shape) > 2:
+                raise BatchError(
+                    f"{where} has shape {shape}, but a hyperparameter holds one value "
+                    f"per member, shape ({n},), or one value shared by all members, "
+                    "shape ()."
+                )
+            if value.shape[1] != n:
+                raise BatchError(
+                    f"{where} has {value.shape[1]} values, one per member, but "
+                    f"`params` has {n} members. Give one value per member, shape "
+                    f"({n},), or one value shared by all members."
+                )
+            found.add(leaf_path)
+    return found
+
+
+_HYPERPARAMS = jtu.GetAttrKey("hyperparams")
+
+
+def _is_injected(node: Any) -> bool:
+    return isinstance(
+        node, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    )

@@ -242,3 +242,108 @@ def test_extra_arg_disagrees_names_it():
 def test_not_a_transformation():
     with pytest.raises(eb.BatchError, match="not an optax transformation"):
         eb.per_member(lambda x: x)  # pyright: ignore[reportArgumentType]
+
+
+# Per-member hyperparameters: optax.inject_hyperparams given one value per member.
+
+LEARNING_RATES = jnp.array([1e-3, 1e-2, 1e-1])
+
+
+def injected_adam(learning_rate: Any) -> optax.GradientTransformationExtraArgs:
+    return optax.inject_hyperparams(optax.adam)(learning_rate=learning_rate, b1=0.8)
+
+
+def train_each_alone(models: Any, make_tx: Any, steps: int) -> Any:
+    """Member i trained on its own with `make_tx(i)`, restacked."""
+    return eb.stack(
+        [
+            train(member, make_tx(i), steps, Y[i])
+            for i, member in enumerate(eb.unstack(models))
+        ]
+    )
+
+
+def test_per_member_learning_rates_equal_training_each_alone():
+    models = make_models()
+    with jax.numpy_dtype_promotion("standard"):
+        swept = train(models, eb.per_member(injected_adam(LEARNING_RATES)), 5)
+        injected = train_each_alone(
+            models, lambda i: injected_adam(LEARNING_RATES[i]), 5
+        )
+        plain = train_each_alone(
+            models, lambda i: optax.adam(float(LEARNING_RATES[i]), b1=0.8), 5
+        )
+        shared = train(models, eb.per_member(injected_adam(1e-2)), 5)
+    assert tree_allclose(swept, injected, rtol=1e-5, atol=1e-7)
+    # Plain Adam computes with Python floats where the injected one holds float32.
+    assert tree_allclose(swept, plain, rtol=1e-4, atol=1e-5)
+    # Only member 1 has the shared rate.
+    for i, same in enumerate([False, True, False]):
+        assert tree_allclose(eb.index(swept, i), eb.index(shared, i)) == same
+
+
+def test_per_member_hyperparameters_live_in_the_state():
+    optim = eb.per_member(injected_adam(LEARNING_RATES))
+    params = {"w": jnp.ones((N, 2))}
+    state = cast(optax.InjectStatefulHyperparamsState, optim.init(params))
+    np.testing.assert_array_equal(state.hyperparams["learning_rate"], LEARNING_RATES)
+    # A shared value is copied to every member, as before.
+    np.testing.assert_allclose(state.hyperparams["b1"], [0.8] * N)
+    # Set per member between steps, like any injected hyperparameter.
+    state.hyperparams["learning_rate"] = jnp.array([0.0, 1.0, 0.0])
+    sgd = eb.per_member(optax.inject_hyperparams(optax.sgd)(learning_rate=jnp.ones(N)))
+    sgd_state = cast(optax.InjectStatefulHyperparamsState, sgd.init(params))
+    sgd_state.hyperparams["learning_rate"] = jnp.array([0.0, 1.0, 2.0])
+    updates = cast(dict, sgd.update(params, sgd_state)[0])
+    np.testing.assert_array_equal(
+        updates["w"], [[0.0, 0.0], [-1.0, -1.0], [-2.0, -2.0]]
+    )
+
+
+def test_per_member_hyperparameters_inside_chain_and_multisteps():
+    params = {"w": jnp.ones((N, 2))}
+    tx = optax.MultiSteps(
+        optax.chain(
+            optax.clip_by_global_norm(10.0),
+            optax.inject_hyperparams(optax.sgd)(learning_rate=LEARNING_RATES),
+        ),
+        every_k_schedule=1,
+    )
+    optim = eb.per_member(tx)
+    with jax.numpy_dtype_promotion("standard"):
+        updates = cast(dict, optim.update(params, optim.init(params), params)[0])
+    np.testing.assert_allclose(
+        updates["w"], -LEARNING_RATES[:, None] * jnp.ones((1, 2))
+    )
+
+
+def test_hyperparameter_of_wrong_length_names_it():
+    optim = eb.per_member(injected_adam(jnp.ones(N + 2)))
+    with pytest.raises(
+        eb.BatchError,
+        match=r"`learning_rate` \(`state\.hyperparams\['learning_rate'\]`\) has 5 "
+        r"values.*3 members",
+    ):
+        optim.init({"w": jnp.ones((N, 2))})
+
+
+def test_hyperparameter_of_two_axes_names_it():
+    tx = optax.chain(
+        optax.clip(1.0),
+        optax.inject_hyperparams(optax.sgd)(learning_rate=jnp.ones((N, 2))),
+    )
+    with pytest.raises(
+        eb.BatchError,
+        match=r"`learning_rate` \(`state\[1\]\.hyperparams\['learning_rate'\]`\) has "
+        r"shape \(3, 2\).*shape \(3,\)",
+    ):
+        eb.per_member(tx).init({"w": jnp.ones((N, 2))})
+
+
+def test_schedule_of_per_member_values_is_refused():
+    def schedule(count: jax.Array) -> jax.Array:
+        return LEARNING_RATES * 0.5 ** count.astype(jnp.float32)
+
+    optim = eb.per_member(optax.inject_hyperparams(optax.sgd)(learning_rate=schedule))
+    with pytest.raises(eb.BatchError, match=r"`learning_rate`.*schedule.*shape \(3,\)"):
+        optim.init({"w": jnp.ones((N, 2))})
