@@ -230,7 +230,7 @@ def _key_dtype(impl: str) -> Any:
     return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)
 def _weak_identity(specs: tuple[jax.ShapeDtypeStruct, ...]) -> Callable:
     return jax.jit(lambda *xs: xs).lower(*specs).compile()
 
@@ -704,29 +704,44 @@ def _is_count(x: Any) -> bool:
 
 
 class _File:
-    """An open, checked eqx_batch file: its leaf records and the tensors' reader."""
+    """A checked eqx_batch file: its leaf records, and its tensors on demand.
 
-    def __init__(self, path: str, reader: Any, metadata: dict[str, str]):
+    The records are checked against the header's tensor entries when the file is
+    opened; the data's checksum and the safetensors parser come in at the first
+    tensor read, after `like` has been checked (cheaper than streaming all the data,
+    and a hostile header's sizes never reach the parser's memory map).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        envelope: _Envelope,
+        open_tensors: Callable[[], Any],
+    ):
         self.path = path
-        self.reader = reader
+        self._open_tensors = open_tensors
+        self._reader: Any = None
+        metadata = envelope.metadata
         self.caller_metadata = {
             k: v for k, v in metadata.items() if not k.startswith(_NAMESPACE)
         }
+        entries = {k: v for k, v in envelope.header.items() if k != "__metadata__"}
         try:
             records = json.loads(metadata[f"{_NAMESPACE}leaves"])
             if not isinstance(records, list):
                 raise TypeError
-            tensors = set(reader.keys())
             for record in records:
-                self._check_record(record, tensors)
-            if tensors:
+                self._check_record(record, entries)
+            if entries:
                 raise ValueError
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             raise _malformed(path) from None
         self.records: list[dict] = records
         self.paths = [record["path"] for record in records]
 
-    def _check_record(self, record: Any, tensors: set[str]) -> None:
+    @staticmethod
+    def _check_record(record: Any, entries: dict[str, Any]) -> None:
+        """Checks a leaf record, and pops its tensor's entry from `entries`."""
         if not isinstance(record, dict) or not isinstance(record["path"], str):
             raise TypeError
         kind = record["kind"]
@@ -734,9 +749,8 @@ class _File:
             shape = record["shape"]
             if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
                 raise TypeError
-            tensors.remove(record["path"])
-            view = self.reader.get_slice(record["path"])
-            code, stored_shape = view.get_dtype(), list(view.get_shape())
+            entry = entries.pop(record["path"])
+            code, stored_shape = entry["dtype"], entry["shape"]
             if kind == "array":
                 dtype = _numeric_dtype(record["dtype"])
                 if (code, stored_shape) != _stored_as(dtype, shape):
@@ -746,9 +760,11 @@ class _File:
             elif not (
                 isinstance(record["impl"], str)
                 and code == "U32"
+                and isinstance(stored_shape, list)
                 and stored_shape[: len(shape)] == shape
             ):
                 raise ValueError
+            record["stored_shape"] = stored_shape
         elif kind == "complex":
             value = record["value"]
             if len(value) != 2 or not all(isinstance(v, float) for v in value):
@@ -764,14 +780,15 @@ class _File:
 
     def array(self, record: dict) -> np.ndarray:
         """The data of an `array` record (in its true dtype) or a `key` record."""
+        if self._reader is None:
+            self._reader = self._open_tensors()
         try:
-            data = self.reader.get_tensor(record["path"])
+            data = self._reader.get_tensor(record["path"])
         except MemoryError:
-            raise BatchError(
-                f"`{self.path}`: its leaf `{record['path']}`, of shape "
-                f"{tuple(record['shape'])}, does not fit in the memory this process "
-                "may use."
-            ) from None
+            raise _too_big(self.path, f"its leaf `{record['path']}`") from None
+        # The parser read the header too: it must have seen what the checks saw.
+        if list(data.shape) != record["stored_shape"]:
+            raise _malformed(self.path)
         if record["kind"] == "array":
             dtype = jnp.dtype(record["dtype"])
             if data.dtype != dtype:
@@ -779,26 +796,36 @@ class _File:
         return data
 
 
+def _too_big(path: str, what: str) -> BatchError:
+    return BatchError(
+        f"`{path}` is sound, but {what} does not fit in the memory this process may "
+        "use (see `ulimit -v` and the machine's free memory)."
+    )
+
+
 @contextlib.contextmanager
-def _opened(path: str | os.PathLike, *, read_data: bool = True) -> Iterator[_File]:
-    """`path` checked (with its data's checksum if `read_data`), open for reading."""
+def _opened(path: str | os.PathLike) -> Iterator[_File]:
+    """`path` checked but for its data's checksum, left to the first tensor read."""
     name = os.fspath(path)
     descriptor, size = _open_regular(name)
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(os.close, descriptor)
         envelope = _check_envelope(name, descriptor, size)
-        if read_data:
+
+        def open_tensors() -> Any:
             _check_data(name, descriptor, envelope, size)
-        try:
-            reader = safetensors.safe_open(_descriptor_path(name, descriptor), "np")
-        except Exception as e:  # noqa: BLE001 - the parser's errors name no path
-            raise BadFileError(
-                f"`{name}` passed its checksums but safetensors cannot read it ({e}): "
-                "it was not written by `eb.save`."
-            ) from None
-        with reader:
-            yield _File(name, reader, envelope.metadata)
-    finally:
-        os.close(descriptor)
+            try:
+                reader = safetensors.safe_open(_descriptor_path(name, descriptor), "np")
+            except Exception as e:  # noqa: BLE001 - the parser's errors name no path
+                if isinstance(e, MemoryError) or "os error 12" in str(e):
+                    raise _too_big(name, f"mapping its {size} bytes") from None
+                raise BadFileError(
+                    f"`{name}` passed its checksums but safetensors cannot read it "
+                    f"({e}): it was not written by `eb.save`."
+                ) from None
+            return stack.enter_context(reader)
+
+        yield _File(name, envelope, open_tensors)
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -1072,7 +1099,8 @@ def _list_into_stacked(
                 f"(`{leaf_name(argname, path)}` has shape {tuple(leaf.shape)}). Pass "
                 "a `like` stacked from as many members as were saved."
             )
-    values = []
+    # Every leaf is checked before any tensor is read.
+    columns = []
     for j, (path, leaf) in enumerate(leaves):
         name = leaf_name(argname, path)
         records = [file.records[i * per_member + j] for i in range(length)]
@@ -1083,28 +1111,40 @@ def _list_into_stacked(
         )
         for record in records:
             _check_leaf(file, record, member_like, name, tuple(record.get("shape", ())))
-        member_values = [_value(file, record, leaf) for record in records]
-        first = member_values[0]
-        if isinstance(first, _Stored):
-            values.append(
-                _Stored(
-                    np.stack([v.data for v in member_values]),
-                    all(v.weak for v in member_values),
-                    first.impl,
-                )
-            )
-            continue
-        for record, value in zip(records, member_values, strict=True):
-            if type(value) is not type(first) or value != first:
-                raise BatchError(
-                    f"`{name}` is one value shared by all members of a stacked `like`, "
-                    f"but the members saved in `{file.path}` differ there: "
-                    f"`{records[0]['path']}` is {first!r} and `{record['path']}` is "
-                    f"{value!r}. Load the file into a list of members instead."
-                )
-        values.append(first)
+        if not _is_array_template(leaf):
+            _check_shared(file, name, records, leaf)
+        columns.append(records)
+    values = [
+        _stacked_value(file, records, leaf)
+        for records, (_, leaf) in zip(columns, leaves, strict=True)
+    ]
     like_leaves = [leaf for _, leaf in leaves]
     return jtu.tree_unflatten(treedef, _materialise(values, like_leaves, on_host))
+
+
+def _check_shared(file: _File, name: str, records: list[dict], like_leaf: Any) -> None:
+    """Raises unless the members' values of a leaf a stacked `like` shares agree."""
+    values = [_value(file, record, like_leaf) for record in records]
+    first = values[0]
+    for record, value in zip(records, values, strict=True):
+        if type(value) is not type(first) or value != first:
+            raise BatchError(
+                f"`{name}` is one value shared by all members of a stacked `like`, "
+                f"but the members saved in `{file.path}` differ there: "
+                f"`{records[0]['path']}` is {first!r} and `{record['path']}` is "
+                f"{value!r}. Load the file into a list of members instead."
+            )
+
+
+def _stacked_value(file: _File, records: list[dict], like_leaf: Any) -> Any:
+    """The value of a stacked leaf from its members' records (checked)."""
+    values = [_value(file, record, like_leaf) for record in records]
+    first = values[0]
+    if not isinstance(first, _Stored):
+        return first
+    return _Stored(
+        np.stack([v.data for v in values]), all(v.weak for v in values), first.impl
+    )
 
 
 def _structure_error(file: _File, like_paths: list[str]) -> BatchError:
