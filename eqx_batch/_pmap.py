@@ -37,7 +37,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._bind import bind_arguments, MappedCall
 from ._errors import BatchError, bullet_list, describe, leaf_name
-from ._outputs import join_output, split_output
+from ._outputs import join_output, OutputLayout, split_output
 from ._sizes import check_axis_size
 from ._tree import (
     _is_none,
@@ -236,15 +236,15 @@ def _one_per_device(
     """
     arrays = [i for i, leaf in enumerate(call.leaves) if is_array(leaf)]
     specs = tuple(_member_spec(mesh, call.axes[i]) for i in arrays)
-    layout: list[Any] = []
+    layouts: list[OutputLayout] = []
 
     def per_device(*local: Any) -> tuple[list[Any], list[Any]]:
         own = list(call.leaves)
         for i, array in zip(arrays, local, strict=True):
             axis = call.axes[i]
             own[i] = array if axis is None else jnp.squeeze(array, axis)
-        mapped, unmapped, static = split_output(call.invoke(fun, own), out_axes)
-        layout.append(static)
+        mapped, unmapped, layout = split_output(call.invoke(fun, own), out_axes)
+        layouts.append(layout)
         return [jnp.expand_dims(leaf, 0) for leaf in mapped], unmapped
 
     mapped, unmapped = jax.shard_map(
@@ -253,7 +253,7 @@ def _one_per_device(
         in_specs=specs,
         out_specs=(_member_spec(mesh, 0), PartitionSpec()),
     )(*[call.leaves[i] for i in arrays])
-    return join_output(mapped, unmapped, layout[0])
+    return join_output(mapped, unmapped, layouts[0])
 
 
 def _vmapped(

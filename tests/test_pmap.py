@@ -273,7 +273,12 @@ def test_inside_jit_and_grad(members):
     def grad_vmap(model):
         return jnp.sum(g(model, x) ** 2)
 
-    assert tree_allclose(grad_ours(model), grad_vmap(model))
+    grads = grad_ours(model)
+    assert tree_allclose(grads, grad_vmap(model))
+    if members % 4:
+        # An uneven split never reaches the outer jit's outputs (some JAX versions
+        # cannot express it there): gradients come back replicated, like results.
+        assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(grads))
 
 
 @pytest.mark.parametrize("donate", ["all", "warn"])
