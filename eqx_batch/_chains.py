@@ -6,20 +6,17 @@ write, the progress bar and the segment offsets are plain scalar logic, and noth
 about one chain depends on how many others run beside it.
 """
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import functools as ft
-import hashlib
-import json
 import os
 import pathlib
-import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.extend
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.random as jr
@@ -27,11 +24,20 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from ._checkpoint import (
+    as_key_data,
+    as_keys_like,
+    Checkpoint,
+    DrawFile,
+    Restored,
+    RunIdentity,
+    Snapshot,
+)
+from ._dispatch import AsyncJit
 from ._errors import BatchError, bullet_list, describe, leaf_name
 from ._pmap import member_mesh, shard
 from ._progress import ProgressBar
-from ._serialise import load, save, write_tree
-from ._stack import _host, take
+from ._stack import take
 from ._tree import axis_sizes, common_size, is_array, is_key, mapped_leaves
 
 
@@ -138,12 +144,6 @@ def _chain_keys(key: Any, num_chains: int) -> tuple[jax.Array, bool]:
     return key, legacy
 
 
-def _step_name(step: Callable) -> str:
-    while isinstance(step, ft.partial):
-        step = step.func
-    return getattr(step, "__qualname__", None) or type(step).__qualname__
-
-
 def _per_chain(states: Any) -> Any:
     """Shape-dtype structs of one chain's state."""
     return jtu.tree_map(
@@ -152,10 +152,17 @@ def _per_chain(states: Any) -> Any:
     )
 
 
-def _check_step(
+class _TracedStep(NamedTuple):
+    """`step` traced on one chain: its program (for the run's identity) and output."""
+
+    program: jax.extend.core.ClosedJaxpr
+    output: Any  # the structure of its second output with `with_output`, else None
+
+
+def _trace_step(
     step: Callable, states: Any, key: jax.Array, legacy: bool, with_output: bool
-) -> Any:
-    """Traces `step` on one chain; returns the output structure (or None).
+) -> _TracedStep:
+    """Traces `step` on one chain.
 
     Raises if the new state's structure, shapes or dtypes differ from the state's:
     `lax.scan` would refuse too, but naming neither the step nor the leaf.
@@ -163,7 +170,11 @@ def _check_step(
     one_key = jax.ShapeDtypeStruct(
         (2,) if legacy else (), jnp.uint32 if legacy else key.dtype
     )
-    result = eqx.filter_eval_shape(step, _per_chain(states), one_key)
+    # Through a closure, so that the arrays of a partial are the program's constants.
+    program, dynamic, static = eqx.filter_make_jaxpr(lambda s, k: step(s, k))(
+        _per_chain(states), one_key
+    )
+    result = eqx.combine(dynamic, static)
     if with_output:
         if not isinstance(result, tuple) or len(result) != 2:
             raise BatchError(
@@ -190,7 +201,7 @@ def _check_step(
             + "\nIt must return every leaf with the shape and dtype it was given "
             "(cast with `.astype`)."
         )
-    return output
+    return _TracedStep(program, output)
 
 
 def _structure_change(before: tuple, after: tuple) -> str:
@@ -218,7 +229,7 @@ def _spec(x: Any) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Segment:
     """Everything about a segment that is fixed at trace time."""
 
     length: int
@@ -236,6 +247,15 @@ class _Plan:
     emit: int = 0
 
 
+class _ChainState(NamedTuple):
+    """Every chain between two steps: the array leaves of its state, key, NaN report."""
+
+    # JAX arrays on the devices, or NumPy arrays on the host before they are placed.
+    states: Any
+    keys: Any
+    first_bad: Any  # the first non-finite step, counted from 1; 0 while finite
+
+
 def _all_finite(state: Any) -> jax.Array:
     checks = [
         jnp.all(jnp.isfinite(x))
@@ -250,89 +270,81 @@ def _draws_before(step: int, burn_in: int, thin: int) -> int:
     return max(0, -(-(step - burn_in) // thin))
 
 
-def _segment(inputs: tuple, buffer: Any) -> tuple:
-    """Dispatches one segment and returns without waiting for it.
+def _segment(
+    segment: _Segment,
+    step: Callable,
+    shared: Any,
+    chains: _ChainState,
+    start: jax.Array,
+    progress: tuple | None,
+    buffer: Any,
+) -> tuple:
+    """Runs one segment; returns the chains, the trace buffer, the due step of the next
+    progress report (or None) and a copy of the draws around the segment's if
+    `segment.emit` (else None; see `_Segment.emit`).
 
-    `inputs` is `(plan, step, states, keys, first_bad, start, progress)`, where
-    `progress` is None or a `ProgressHandle` and the step its next report is due;
-    `buffer` (the trace) is donated and updated in place. Returns the new states, keys,
-    NaN report and buffer, the due step of the next report (or None), and a copy of the
-    draws around the segment's if `plan.emit` (else None; see `_Plan.emit`).
-
-    Unlike `eqx.filter_jit`, which waits for every call to finish (to report
-    `eqx.error_if` failures), this returns as soon as the segment is queued: the next
-    segment is dispatched while this one runs, and the checkpoint writer waits on the
-    results it needs, not the loop.
+    `shared` holds the non-array leaves of the state; `progress` is None or a
+    `ProgressHandle` and the step its next report is due.
     """
-    leaves, treedef = jtu.tree_flatten(inputs)
-    arrays = [x if is_array(x) else None for x in leaves]
-    others = tuple(None if is_array(x) else x for x in leaves)
-    dynamic, *results = _compiled_segment(arrays, buffer, (treedef, others))
-    static = eqx.filter(inputs[2], is_array, inverse=True)
-    return eqx.combine(dynamic, static), *results
-
-
-@ft.partial(jax.jit, static_argnums=(2,), donate_argnums=(1,))
-def _compiled_segment(arrays: list, buffer: Any, others: tuple) -> tuple:
-    """`_segment`'s work: `arrays` and `others` are the leaves of its `inputs`."""
-    treedef, other_leaves = others
-    leaves = [o if a is None else a for a, o in zip(arrays, other_leaves, strict=True)]
-    plan, step, states, keys, first_bad, start, progress = jtu.tree_unflatten(
-        treedef, leaves
-    )
-    static = eqx.filter(states, is_array, inverse=True)
 
     def one_chain(dynamic: Any, key: jax.Array) -> tuple:
         key, subkey = jr.split(key)
         result = step(
-            eqx.combine(dynamic, static),
-            jr.key_data(subkey) if plan.legacy else subkey,
+            eqx.combine(dynamic, shared),
+            jr.key_data(subkey) if segment.legacy else subkey,
         )
-        new, output = result if plan.with_output else (result, None)
+        new, output = result if segment.with_output else (result, None)
         new = eqx.filter(new, is_array)
         return new, key, _all_finite(new), output
 
     def body(carry: tuple, _: None) -> tuple:
-        dynamic, keys, first_bad, buffer, t, due = carry
+        (dynamic, keys, first_bad), buffer, t, due = carry
         dynamic, keys, finite, output = jax.vmap(one_chain)(dynamic, keys)
         first_bad = jnp.where((first_bad == 0) & ~finite, t + 1, first_bad)
-        if plan.record:
+        if segment.record:
             # A read-modify-write of one slot (clamped into range) rather than a
             # `lax.cond`, which XLA may turn into a copy of the whole buffer per step.
-            keep = (t >= plan.burn_in) & ((t - plan.burn_in) % plan.thin == 0)
-            slot = jnp.clip((t - plan.burn_in) // plan.thin, 0, plan.num_draws - 1)
+            keep = (t >= segment.burn_in) & ((t - segment.burn_in) % segment.thin == 0)
+            slot = jnp.clip(
+                (t - segment.burn_in) // segment.thin, 0, segment.num_draws - 1
+            )
 
             def write(draws: jax.Array, x: jax.Array) -> jax.Array:
                 old = lax.dynamic_index_in_dim(draws, slot, 1, keepdims=False)
                 new = jnp.where(keep, x, old)
                 return lax.dynamic_update_index_in_dim(draws, new, slot, 1)
 
-            recorded = output if plan.with_output else dynamic
+            recorded = output if segment.with_output else dynamic
             buffer = jtu.tree_map(write, buffer, recorded)
         if progress is not None:
             due = progress[0](t + 1, due)
-        return (dynamic, keys, first_bad, buffer, t + 1, due), None
+        return (_ChainState(dynamic, keys, first_bad), buffer, t + 1, due), None
 
     due = None if progress is None else progress[1]
-    carry = (eqx.filter(states, is_array), keys, first_bad, buffer, start, due)
-    (dynamic, keys, first_bad, buffer, _, due), _ = lax.scan(
-        body, carry, None, length=plan.length
+    (chains, buffer, _, due), _ = lax.scan(
+        body, (chains, buffer, start, due), None, length=segment.length
     )
     new_draws = None
-    if plan.emit:
+    if segment.emit:
         # In the same program as the loop: no extra dispatch, and XLA can overlap it.
-        first = jnp.maximum(0, -((plan.burn_in - start) // plan.thin))
+        first = jnp.maximum(0, -((segment.burn_in - start) // segment.thin))
         new_draws = jtu.tree_map(
-            lambda b: lax.dynamic_slice_in_dim(b, first, plan.emit, 1), buffer
+            lambda b: lax.dynamic_slice_in_dim(b, first, segment.emit, 1), buffer
         )
-    return dynamic, keys, first_bad, buffer, due, new_draws
+    return chains, buffer, due, new_draws
+
+
+# Dispatched without waiting: the next segment is queued while this one runs, and the
+# checkpoint writer waits on the results it needs, not the loop. The trace buffer is
+# donated and updated in place.
+_run_segment = AsyncJit(_segment, donate=(6,))
 
 
 @eqx.filter_jit(donate="all-except-first")
-def _put_draws(inputs: tuple, buffer: Any) -> Any:
-    draws, first = inputs
+def _put_draws(draws: Any, buffer: Any) -> Any:
+    """`buffer` with its first draws (along axis 1) replaced by `draws`."""
     return jtu.tree_map(
-        lambda b, d: lax.dynamic_update_slice_in_dim(b, d, first, 1), buffer, draws
+        lambda b, d: lax.dynamic_update_slice_in_dim(b, d, 0, 1), buffer, draws
     )
 
 
@@ -352,7 +364,13 @@ class _Placed:
         num_devices = member_mesh().size
         self.total = -(-num_chains // num_devices) * num_devices
 
-    def put(self, tree: Any) -> Any:
+    def put(self, tree: Any, like: Any) -> Any:
+        """`tree` (on the host or on devices) split over the devices.
+
+        Typed PRNG keys travel as raw data (they cannot go to other processes'
+        devices) and are keys again where `like` has keys.
+        """
+        tree = as_key_data(tree)
         if self.total != self.num_chains:
             extra = np.zeros(self.total - self.num_chains, int)
             tree = take(tree, np.r_[np.arange(self.num_chains), extra])
@@ -360,7 +378,7 @@ class _Placed:
             # Only host data (the same in every process) can be placed on the devices
             # of other processes.
             tree = jtu.tree_map(lambda x: np.asarray(x) if is_array(x) else x, tree)
-        return shard(tree)
+        return as_keys_like(shard(tree), like)
 
     def take(self, tree: Any) -> Any:
         """The real chains' rows, whole on every process."""
@@ -380,9 +398,10 @@ class _Placed:
         """Zeros shaped like `like` (one chain per row), created already split."""
         mesh = member_mesh()
         sharding = jax.sharding.NamedSharding(mesh, P(mesh.axis_names[0]))
-        leaves, treedef = jtu.tree_flatten(like)
+        leaves, treedef = jtu.tree_flatten(as_key_data(like))
         specs = tuple(((self.total, *x.shape[1:]), x.dtype) for x in leaves)
-        return jtu.tree_unflatten(treedef, _sharded_zeros(specs, sharding))
+        zeros = jtu.tree_unflatten(treedef, _sharded_zeros(specs, sharding))
+        return as_keys_like(zeros, like)
 
 
 @ft.partial(jax.jit, static_argnums=(1,))
@@ -400,139 +419,51 @@ def _sharded_zeros(specs: tuple, sharding: jax.sharding.Sharding) -> list[jax.Ar
 
 
 # ------------------------------------------------------------------------------------
-# Checkpoints: the run state (states, keys, NaN report, step count) rewritten
-# atomically after each segment, and one file per segment's draws, written once. The
-# trace is never rewritten, so a checkpoint costs the new draws plus the states.
+# Where a run starts: from `init`, or from its checkpoint.
 
 
-def _fingerprint(tree: Any) -> str:
-    """A SHA-256 digest of `tree`'s paths and values."""
-    digest = hashlib.sha256()
-    for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
-        digest.update(jtu.keystr(path).encode())
-        if is_array(leaf):
-            data = np.ascontiguousarray(_host(leaf))
-            digest.update(f"{data.dtype}{data.shape}".encode())
-            digest.update(data.tobytes())
+class _Start(NamedTuple):
+    steps_done: int
+    chains: _ChainState
+    buffer: Any  # the trace buffer, with the draws already made; None without trace
+
+
+def _start(
+    placed: _Placed,
+    init: _ChainState,
+    trace_like: Any,
+    restored: Restored | None,
+) -> _Start:
+    """The chains and trace buffer, placed, at the start or as checkpointed."""
+    if restored is None:
+        chains = placed.put(init, like=init)
+        buffer = None if trace_like is None else placed.zeros(trace_like)
+        return _Start(0, chains, buffer)
+    saved = _ChainState(restored.states, restored.keys, restored.first_bad)
+    chains = placed.put(saved, like=init)
+    buffer = None
+    if trace_like is not None:
+        leaf = jtu.tree_leaves(restored.draws)[0]
+        if leaf.shape[1] == jtu.tree_leaves(trace_like)[0].shape[1]:
+            # A finished run: the draws are the whole trace, placed once.
+            buffer = placed.put(restored.draws, like=trace_like)
         else:
-            digest.update(_stable_name(leaf).encode())
-    return digest.hexdigest()[:16]
+            buffer = placed.zeros(trace_like)
+            if leaf.shape[1]:
+                draws = placed.put(restored.draws, like=trace_like)
+                buffer = _put_draws(draws, buffer)
+    return _Start(restored.steps_done, chains, buffer)
 
 
-def _stable_name(x: Any) -> str:
-    """`repr` without the memory addresses that differ between processes."""
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(x))
-
-
-def _describe_run(
-    step: Callable,
-    init: Any,
-    keys: jax.Array,
-    num_steps: int,
-    thin: int,
-    burn_in: int,
-    with_output: bool,
-    trace: bool,
-) -> dict[str, Any]:
+def _state_like(init: _ChainState) -> dict[str, Any]:
+    """The structure of the run state that a checkpoint holds."""
     return {
-        "structure": _stable_name(jtu.tree_structure(init)),
-        "leaves": [
-            f"{jtu.keystr(path)}: "
-            + (describe(leaf) if is_array(leaf) else _stable_name(leaf))
-            for path, leaf in jtu.tree_flatten_with_path(init)[0]
-        ],
-        "init values": _fingerprint(init),
-        "keys": _fingerprint(keys),
-        "num_steps": num_steps,
-        "thin": thin,
-        "burn_in": burn_in,
-        "with_output": with_output,
-        "trace": trace,
-        "step": _step_name(step),
+        "states": jtu.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init.states
+        ),
+        "keys": jax.ShapeDtypeStruct(init.keys.shape, init.keys.dtype),
+        "first_bad": jax.ShapeDtypeStruct(init.first_bad.shape, init.first_bad.dtype),
     }
-
-
-@dataclasses.dataclass
-class _Checkpoint:
-    """Where a run's checkpoint lives, and what run it belongs to.
-
-    `path` holds the run's description, its progress (steps done and the files of the
-    draws so far) and its state (states, keys, NaN report). Each file is written
-    atomically by `eb.save`, the draws first, so whatever `path` names exists and is
-    whole.
-    """
-
-    path: pathlib.Path
-    run: dict[str, Any]
-
-    def draws_file(self, first: int, stop: int) -> str:
-        return f"{self.path.name}.draws-{first}-{stop}"
-
-    def write(
-        self,
-        steps_done: int,
-        state: dict[str, Any],
-        chunks: list[tuple[str, int, int]],
-        draws: Any,
-    ) -> None:
-        """Writes the new draws (if any), then the run state that commits them.
-
-        The draws are written once and read back only to resume, so they are dropped
-        from the OS cache once on disk (see `atomic_write`).
-        """
-        if draws is not None:
-            write_tree(self.path.with_name(chunks[-1][0]), draws, keep_cached=False)
-        progress = {"steps_done": steps_done, "chunks": chunks}
-        save(
-            self.path,
-            {"run": json.dumps(self.run), "progress": json.dumps(progress), **state},
-        )
-
-    def read(self, state_like: dict[str, Any], trace_like: Any) -> tuple | None:
-        """Steps done, run state, draw files and a draw loader; None if no checkpoint.
-
-        Raises if the checkpoint belongs to a different run.
-        """
-        if not self.path.exists():
-            return None
-        like = {"run": "", "progress": "", **state_like}
-        try:
-            saved = load(self.path, like)
-        except BatchError as e:
-            differs = (
-                "its saved state does not fit this call's `init` and `key` (another "
-                f"structure, shapes or number of chains). Loading it said: {e}"
-            )
-            raise self._refusal([differs]) from None
-        run = json.loads(saved.pop("run"))
-        differences = [
-            f"{name}: the checkpoint has {run.get(name)!r}, this call has {value!r}"
-            for name, value in self.run.items()
-            if run.get(name) != value
-        ]
-        if differences:
-            raise self._refusal(differences)
-        progress = json.loads(saved.pop("progress"))
-        chunks = [tuple(chunk) for chunk in progress["chunks"]]
-
-        def draws(name: str, first: int, stop: int) -> Any:
-            like = jtu.tree_map(
-                lambda x: jax.ShapeDtypeStruct(
-                    (x.shape[0], stop - first, *x.shape[2:]), x.dtype
-                ),
-                trace_like,
-            )
-            return load(self.path.with_name(name), like)
-
-        return progress["steps_done"], saved, chunks, draws
-
-    def _refusal(self, differences: list[str]) -> BatchError:
-        return BatchError(
-            f"`checkpoint` ({self.path}) was written by a different run:\n"
-            + bullet_list(differences)
-            + "\nPass another path, or delete the checkpoint's files to start this "
-            "run afresh."
-        )
 
 
 # ------------------------------------------------------------------------------------
@@ -591,14 +522,19 @@ def run_chains(
         loop (each update is one host callback): at most about 100 times per run,
         and, once the loop's speed is known, about every 0.1 s (as often as tqdm
         redraws), so a short run makes only a few callbacks.
-    - `checkpoint`: a file path. The run state is written there atomically (new draws
-        go to files named after it in the same folder), and a call with the same
-        arguments resumes from it, bit for bit; if the run finished, its result is
-        read back without recomputing. The checkpoint records the run (the structure,
-        shapes, dtypes and a fingerprint of `init`'s values, the keys, `num_steps`,
-        `thin`, `burn_in`, `with_output`, `trace` and `step`'s qualified name) and
-        refuses to resume another one. In a job of several processes, process 0
-        writes it and every process reads it (a folder they all see).
+    - `checkpoint`: a file path. The run state is written there atomically, new
+        draws to files named after it and the run in the same folder (all safetensors
+        files), and a call of the same run resumes from it, bit for bit; if the run
+        finished, its result is read back without recomputing. A run is identified by
+        the structure, shapes, dtypes and values of `init`, the keys, `num_steps`,
+        `thin`, `burn_in`, `with_output`, `trace`, and what `step` computes (a digest
+        of its traced program and of its constants' values, not its name); every
+        file records it, and a checkpoint of another run is refused. Before any step,
+        the folder is checked by creating a file in it, and the process that writes
+        takes a lock (`path.lock`, released by the operating system when the process
+        ends, killed or not), so a second live run on the same path is refused. In a
+        job of several processes, process 0 writes it and every process reads it (a
+        folder they all see).
     - `checkpoint_every`: write the checkpoint after every this many steps (while the
         next steps run). `None` writes it once, at the end.
 
@@ -614,8 +550,11 @@ def run_chains(
         dtype (naming the leaf), or does not return a pair with `with_output=True`;
         if `key` does not hold one key or one key per chain; if the array leaves of
         `init` disagree on the number of chains; if `num_steps`, `thin`, `burn_in` or
-        `checkpoint_every` are out of range; if `checkpoint` holds the checkpoint of
-        a different run (saying what differs).
+        `checkpoint_every` are out of range. For `checkpoint`: before any step, if
+        its folder is missing or cannot be written, or another live run holds it; if
+        it holds a checkpoint of a different run (saying what differs), a file that
+        is not a checkpoint, or a corrupt one; and, during the run, if writing it
+        fails (a full disk: the last good checkpoint is kept, to resume from).
 
     !!! Example
 
@@ -632,7 +571,7 @@ def run_chains(
         ```
     """
     _check_counts(num_steps, thin, burn_in)
-    _check_checkpoint(checkpoint, checkpoint_every)
+    _check_checkpoint_every(checkpoint, checkpoint_every)
     init_arrays, shared = eqx.partition(init, is_array)
     num_chains = _chain_count(init_arrays)
     keys, legacy = _chain_keys(key, num_chains)
@@ -640,44 +579,17 @@ def run_chains(
         # As a pytree, a partial's arrays (the data) are arguments of the compiled loop
         # rather than constants baked into it, so a new partial does not recompile.
         step = jtu.Partial(step.func, *step.args, **step.keywords)
-    output = _check_step(step, init, keys, legacy, with_output)
+    traced = _trace_step(step, init, keys, legacy, with_output)
     num_draws = _draws_before(num_steps, burn_in, thin)
     trace_like = None
     if trace:
-        recorded = output if with_output else _per_chain(init_arrays)
+        recorded = traced.output if with_output else _per_chain(init_arrays)
         trace_like = jtu.tree_map(
             lambda x: jax.ShapeDtypeStruct((num_chains, num_draws, *x.shape), x.dtype),
             recorded,
         )
-
-    store = None
-    saved = None
-    if checkpoint is not None:
-        run = _describe_run(
-            step, init, keys, num_steps, thin, burn_in, with_output, trace
-        )
-        store = _Checkpoint(pathlib.Path(checkpoint), run)
-        saved = store.read(_host_like(init, keys), trace_like)
-    steps_done, chunks = 0, []
-    states, first_bad = init, np.zeros(num_chains, np.int32)
-    read_draws = None
-    if saved is not None:
-        steps_done, loaded, chunks, read_draws = saved
-        states = eqx.combine(loaded["states"], shared)
-        keys = jr.wrap_key_data(loaded["keys"], impl=jr.key_impl(keys))
-        first_bad = loaded["first_bad"]
-
-    placed = _Placed(num_chains)
-    states, first_bad = placed.put(states), placed.put(first_bad)
-    # Placed as raw key data: typed keys cannot go to other processes' devices.
-    keys = jr.wrap_key_data(placed.put(jr.key_data(keys)), impl=jr.key_impl(keys))
-    buffer = None if trace_like is None else placed.zeros(trace_like)
-    if read_draws is not None and buffer is not None:
-        for name, first, stop in chunks:
-            draws = placed.put(read_draws(name, first, stop))
-            buffer = _put_draws((draws, first), buffer)
-
-    plan = _Plan(
+    initial = _ChainState(init_arrays, keys, np.zeros(num_chains, np.int32))
+    segment = _Segment(
         length=0,
         num_draws=num_draws,
         thin=thin,
@@ -686,76 +598,73 @@ def run_chains(
         record=trace and num_draws > 0,
         legacy=legacy,
     )
-    interval = checkpoint_every or max(num_steps - steps_done, 1)
-    pending: concurrent.futures.Future | None = None
+
     with contextlib.ExitStack() as stack:
+        store = restored = None
+        if checkpoint is not None:
+            counts = {
+                "num_steps": num_steps,
+                "thin": thin,
+                "burn_in": burn_in,
+                "with_output": with_output,
+                "trace": trace,
+            }
+            identity = RunIdentity.of(traced.program, init, keys, counts)
+            # In a job of several processes, process 0 writes for all of them.
+            writes = jax.process_index() == 0
+            store = Checkpoint(
+                pathlib.Path(checkpoint), identity, num_chains, writes=writes
+            )
+            stack.enter_context(store)
+            restored = store.restore(_state_like(initial), trace_like)
+        placed = _Placed(num_chains)
+        steps_done, chains, buffer = _start(placed, initial, trace_like, restored)
         bar = None
         if progress:
             handle = stack.enter_context(ProgressBar(num_steps, "run_chains")).handle
             bar = (handle, handle.start(steps_done))
-        writer = None
-        if store is not None and jax.process_index() == 0:
-            # In a job of several processes, process 0 writes for all of them.
-            writer = stack.enter_context(concurrent.futures.ThreadPoolExecutor(1))
+        interval = checkpoint_every or max(num_steps - steps_done, 1)
         while steps_done < num_steps:
             length = min(interval, num_steps - steps_done)
-            start = np.int32(steps_done)
             first = _draws_before(steps_done, burn_in, thin)
             stop = _draws_before(steps_done + length, burn_in, thin)
             emit = 0
-            if store is not None and plan.record and stop > first:
+            if store is not None and segment.record and stop > first:
                 emit = min(-(-length // thin), num_draws)
-            segment_plan = dataclasses.replace(plan, length=length, emit=emit)
-            states, keys, first_bad, buffer, due, new_draws = _segment(
-                (segment_plan, step, states, keys, first_bad, start, bar), buffer
+            chains, buffer, due, new_draws = _run_segment(
+                dataclasses.replace(segment, length=length, emit=emit),
+                step,
+                shared,
+                chains,
+                np.int32(steps_done),
+                bar,
+                buffer,
             )
             if bar is not None:
                 bar = (bar[0], due)
             steps_done += length
             if store is None:
                 continue
-            # Where the segment's draws lie in the emitted slice (see `_Plan.emit`).
-            offset = first - min(first, num_draws - emit)
-            new_range = (offset, offset + stop - first)
+            draw_file = None
             if emit:
-                chunks = [*chunks, (store.draws_file(first, stop), first, stop)]
-            snapshot = (eqx.filter(states, is_array), keys, first_bad, new_draws)
-            if jax.process_count() > 1:
-                snapshot = placed.whole(snapshot)
-            if writer is None:
-                continue
-            # Off a CPU, the copies to the host start as soon as the segment ends,
-            # rather than when the writer thread asks for them.
-            for leaf in jtu.tree_leaves(snapshot):
-                if not is_key(leaf):
-                    leaf.copy_to_host_async()
-            if pending is not None:
-                # At most one write in flight: a slow disk slows the run down rather
-                # than piling up copies of the draws.
-                pending.result()
-            pending = writer.submit(
-                _write_checkpoint,
-                store,
-                steps_done,
-                snapshot,
-                num_chains,
-                chunks,
-                new_range,
+                draw_file = DrawFile(store.draws_name(first, stop), first, stop)
+            # Where the segment's draws lie in the emitted slice (see `_Segment.emit`).
+            offset = first - min(first, num_draws - emit)
+            store.write(
+                _snapshot(placed, steps_done, chains, new_draws, draw_file, offset)
             )
-        if pending is not None:
-            pending.result()
 
     recorded = None if buffer is None else placed.take(buffer)
     if recorded is not None and not with_output:
         # Non-array leaves (an MLP's activation) are shared, so the trace has them too.
         recorded = eqx.combine(recorded, shared)
-    nonfinite_steps = np.asarray(placed.take(first_bad))
+    chains = placed.take(chains)
+    nonfinite_steps = np.asarray(chains.first_bad)
     bad_chains = np.flatnonzero(nonfinite_steps)
-    keys = placed.take(keys)
     return Chains(
-        final=placed.take(states),
+        final=eqx.combine(chains.states, shared),
         trace=recorded,
-        keys=jr.key_data(keys) if legacy else keys,
+        keys=jr.key_data(chains.keys) if legacy else chains.keys,
         nonfinite=NonFinite(
             chains=bad_chains.astype(np.int64),
             steps=nonfinite_steps[bad_chains].astype(np.int64),
@@ -763,7 +672,7 @@ def run_chains(
     )
 
 
-def _check_checkpoint(checkpoint: Any, checkpoint_every: Any) -> None:
+def _check_checkpoint_every(checkpoint: Any, checkpoint_every: Any) -> None:
     if checkpoint_every is None:
         return
     if checkpoint is None:
@@ -777,31 +686,24 @@ def _check_checkpoint(checkpoint: Any, checkpoint_every: Any) -> None:
         )
 
 
-def _host_like(init: Any, keys: jax.Array) -> dict[str, Any]:
-    """The structure of the run state that a checkpoint holds."""
-
-    def like(x: Any) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-    return {
-        "states": jtu.tree_map(like, eqx.filter(init, is_array)),
-        "keys": like(jr.key_data(keys)),
-        "first_bad": jax.ShapeDtypeStruct((len(keys),), np.int32),
-    }
-
-
-def _write_checkpoint(
-    store: _Checkpoint,
+def _snapshot(
+    placed: _Placed,
     steps_done: int,
-    arrays: tuple,
-    num_chains: int,
-    chunks: list[tuple[str, int, int]],
-    new_range: tuple[int, int],
-) -> None:
-    # Runs on the writer thread: each host copy waits for its segment to finish.
-    states, keys, first_bad, draws = jtu.tree_map(
-        lambda x: _host(x)[:num_chains], arrays
+    chains: _ChainState,
+    new_draws: Any,
+    draw_file: DrawFile | None,
+    offset: int,
+) -> Snapshot:
+    """What to checkpoint after `steps_done` steps."""
+    if jax.process_count() > 1:
+        # Every process takes part in gathering (a collective); process 0 writes.
+        chains, new_draws = placed.whole((chains, new_draws))
+    return Snapshot(
+        steps_done,
+        chains.states,
+        chains.keys,
+        chains.first_bad,
+        draws=new_draws,
+        draw_file=draw_file,
+        offset=offset,
     )
-    draws = jtu.tree_map(lambda x: x[:, slice(*new_range)], draws)
-    run_state = {"states": states, "keys": keys, "first_bad": first_bad}
-    store.write(steps_done, run_state, chunks, draws)

@@ -1,18 +1,24 @@
-"""The chains workload that `test_chains.py` runs in other processes.
+"""The chains workloads that the tests run in other processes.
 
-Run as a script, it runs `eb.run_chains` on the random-walk Metropolis workload and
-saves `final`, `trace` and `keys` with `eb.save`:
+Run as a script, it runs `eb.run_chains` on one workload and saves `final`, `trace`
+and `keys` with `eb.save`:
 
-    python chains_worker.py OUT NUM_CHAINS NUM_STEPS [CHECKPOINT CHECKPOINT_EVERY]
+    python chains_worker.py [--job] [--workload NAME] OUT NUM_CHAINS NUM_STEPS
+        [CHECKPOINT CHECKPOINT_EVERY [THIN]]
 
-The test suite runs it with a checkpoint and SIGKILLs it mid-run, runs it with another
-device count (set through `XLA_FLAGS` by the caller) to compare bits, and runs it as a
-job of several processes (`multiprocess_launch.launch`, with `--job` before the other
-arguments), where each process saves the results it got to `OUT.<process id>`.
+The workloads (`WORKLOADS`) are random-walk Metropolis on a dict of weights
+(`metropolis`, the default), a state that carries its own typed PRNG keys (`keys`), and
+an Equinox MLP whose activation is a function (`mlp`). The test suite runs the script
+with a checkpoint and SIGKILLs it mid-run, runs it with another device count (set
+through `XLA_FLAGS` by the caller) to compare bits, and runs it as a job of several
+processes (`multiprocess_launch`, with `--job` first), where each process saves the
+results it got to `OUT.<process id>`.
 """
 
 import sys
+from collections.abc import Callable
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -48,31 +54,91 @@ def make_init(num_chains: int) -> dict:
     return {"layer1": {"weights": start}, "layer2": {"weights": -start}}
 
 
+def key_step(state: dict, key: jax.Array) -> dict:
+    """A step whose state carries a typed PRNG key of its own, split every step."""
+    carried, own = jr.split(state["k"])
+    noise = jr.normal(own, state["x"].shape) + 0.1 * jr.normal(key, state["x"].shape)
+    return {"x": state["x"] + noise, "k": carried}
+
+
+def make_key_init(num_chains: int) -> dict:
+    start = jnp.linspace(-1.0, 1.0, num_chains * 2).reshape(num_chains, 2)
+    return {"x": start, "k": jr.split(jr.key(5), num_chains)}
+
+
+def mlp_step(model: eqx.nn.MLP, key: jax.Array) -> eqx.nn.MLP:
+    """Moves an MLP's weights by noise scaled with its output: uses its activation."""
+    params, static = eqx.partition(model, eqx.is_array)
+    scale = 0.01 * jnp.tanh(jnp.sum(model(jnp.ones(2))))
+    leaves, treedef = jtu.tree_flatten(params)
+    keys = jr.split(key, len(leaves))
+    moved = [
+        w + scale * jr.normal(k, w.shape) for w, k in zip(leaves, keys, strict=True)
+    ]
+    return eqx.combine(jtu.tree_unflatten(treedef, moved), static)
+
+
+def make_mlp_init(num_chains: int) -> eqx.nn.MLP:
+    def make(key: jax.Array) -> eqx.nn.MLP:
+        return eqx.nn.MLP(2, 2, 4, 1, activation=jax.nn.relu, key=key)
+
+    return eqx.filter_vmap(make)(jr.split(jr.key(0), num_chains))
+
+
+WORKLOADS: dict[str, tuple[Callable, Callable]] = {
+    "metropolis": (metropolis, make_init),
+    "keys": (key_step, make_key_init),
+    "mlp": (mlp_step, make_mlp_init),
+}
+
+
 def outputs(result: eb.Chains) -> dict:
     return {"final": result.final, "trace": result.trace, "keys": result.keys}
 
 
-def main(argv: list[str]) -> None:
-    if argv[0] == "--job":
-        from multiprocess_launch import initialize
-
-        process_id, _ = initialize()
-        main([f"{argv[1]}.{process_id}", *argv[2:]])
-        jax.distributed.shutdown()
-        return
-    out, num_chains, num_steps, *rest = argv
-    checkpoint = rest[0] if rest else None
-    checkpoint_every = int(rest[1]) if rest else None
-    init = make_init(int(num_chains))
-    result = eb.run_chains(
-        metropolis,
-        init,
+def run(
+    workload: str,
+    num_chains: int,
+    num_steps: int,
+    checkpoint: str | None = None,
+    checkpoint_every: int | None = None,
+    thin: int = 1,
+) -> eb.Chains:
+    """The run the script makes, for the tests to make it too."""
+    step, make = WORKLOADS[workload]
+    return eb.run_chains(
+        step,
+        make(num_chains),
         jr.key(0),
-        int(num_steps),
+        num_steps,
+        thin=thin,
         checkpoint=checkpoint,
         checkpoint_every=checkpoint_every,
     )
-    eb.save(out, outputs(result))
+
+
+def main(argv: list[str]) -> None:
+    job = argv[0] == "--job"
+    if job:
+        from multiprocess_launch import initialize
+
+        process_id, _ = initialize()
+        argv = argv[1:]
+    workload = "metropolis"
+    if argv[0] == "--workload":
+        workload, argv = argv[1], argv[2:]
+    out, num_chains, num_steps, *rest = argv
+    result = run(
+        workload,
+        int(num_chains),
+        int(num_steps),
+        checkpoint=rest[0] if rest else None,
+        checkpoint_every=int(rest[1]) if rest else None,
+        thin=int(rest[2]) if len(rest) > 2 else 1,
+    )
+    eb.save(f"{out}.{process_id}" if job else out, outputs(result))
+    if job:
+        jax.distributed.shutdown()
 
 
 if __name__ == "__main__":

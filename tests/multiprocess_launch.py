@@ -66,6 +66,112 @@ def _environment(
     return env
 
 
+class Job:
+    """A running job of local JAX processes, started by `Job.start`.
+
+    Use it as a context manager: leaving it kills and waits for any process still
+    running, so nothing is left behind even if the test fails.
+    """
+
+    def __init__(self, processes: list[subprocess.Popen], logs: list) -> None:
+        self.processes = processes
+        self._logs = logs
+
+    @classmethod
+    def start(
+        cls,
+        script: str | pathlib.Path,
+        args: Sequence[str] = (),
+        *,
+        num_processes: int = 2,
+        devices_per_process: int = 2,
+        timeout: float = 180.0,
+    ) -> "Job":
+        """Starts `python script *args` as `num_processes` processes of one JAX job."""
+        port = free_port()
+        logs = [tempfile.TemporaryFile(mode="w+") for _ in range(num_processes)]
+        job = cls([], logs)
+        try:
+            for process_id, log in enumerate(logs):
+                env = _environment(
+                    process_id, num_processes, devices_per_process, port, timeout
+                )
+                job.processes.append(
+                    subprocess.Popen(
+                        [sys.executable, str(script), *args],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                    )
+                )
+        except BaseException:
+            job.close()
+            raise
+        return job
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def running(self) -> bool:
+        return all(p.poll() is None for p in self.processes)
+
+    def kill(self) -> None:
+        """SIGKILLs every process still running and waits for all of them."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+        for process in self.processes:
+            process.wait()
+
+    def wait(self, timeout: float) -> list[Finished]:
+        """Waits for every process, at most `timeout` seconds in total.
+
+        If one fails, the others are killed rather than left waiting in a collective
+        for a peer that is gone. Returns each process's `Finished`, in process order;
+        raises `AssertionError` with every process's output if any process fails or
+        the job times out.
+        """
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        while any(p.poll() is None for p in self.processes):
+            if any(p.poll() not in (None, 0) for p in self.processes):
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
+        self.kill()
+        finished = self.finished()
+        if timed_out or any(f.returncode != 0 for f in finished):
+            report = "\n".join(
+                f"--- process {f.process_id} (exit code {f.returncode}) ---\n"
+                f"{f.output[-4000:]}"
+                for f in finished
+            )
+            reason = f"timed out after {timeout}s" if timed_out else "failed"
+            raise AssertionError(f"multi-process job {reason}:\n{report}")
+        return finished
+
+    def finished(self) -> list[Finished]:
+        """What each (ended) process left behind."""
+        finished = []
+        for process_id, (process, log) in enumerate(
+            zip(self.processes, self._logs, strict=True)
+        ):
+            log.seek(0)
+            finished.append(Finished(process_id, process.returncode, log.read()))
+        return finished
+
+    def close(self) -> None:
+        self.kill()
+        for log in self._logs:
+            log.close()
+
+
 def launch(
     script: str | pathlib.Path,
     args: Sequence[str] = (),
@@ -76,62 +182,16 @@ def launch(
 ) -> list[Finished]:
     """Runs `python script *args` as `num_processes` processes of one JAX job.
 
-    Waits for all of them, at most `timeout` seconds in total. If one fails, the others
-    are killed rather than left waiting in a collective for a peer that is gone.
-
-    Returns each process's `Finished`, in process order. Raises `AssertionError` with
-    every process's output if any process fails or the job times out.
+    Waits for all of them, at most `timeout` seconds in total (see `Job.wait`).
     """
-    port = free_port()
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(num_processes)]
-    processes: list[subprocess.Popen] = []
-    timed_out = False
-    try:
-        try:
-            for process_id, log in enumerate(logs):
-                env = _environment(
-                    process_id, num_processes, devices_per_process, port, timeout
-                )
-                processes.append(
-                    subprocess.Popen(
-                        [sys.executable, str(script), *args],
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                    )
-                )
-            deadline = time.monotonic() + timeout
-            while any(p.poll() is None for p in processes):
-                if any(p.poll() not in (None, 0) for p in processes):
-                    break
-                if time.monotonic() > deadline:
-                    timed_out = True
-                    break
-                time.sleep(0.05)
-        finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-            for process in processes:
-                process.wait()
-        finished = []
-        for process_id, process in enumerate(processes):
-            logs[process_id].seek(0)
-            output = logs[process_id].read()
-            finished.append(Finished(process_id, process.returncode, output))
-    finally:
-        for log in logs:
-            log.close()
-    if timed_out or any(f.returncode != 0 for f in finished):
-        report = "\n".join(
-            f"--- process {f.process_id} (exit code {f.returncode}) ---\n"
-            f"{f.output[-4000:]}"
-            for f in finished
-        )
-        reason = f"timed out after {timeout}s" if timed_out else "failed"
-        raise AssertionError(f"multi-process job {reason}:\n{report}")
-    return finished
+    with Job.start(
+        script,
+        args,
+        num_processes=num_processes,
+        devices_per_process=devices_per_process,
+        timeout=timeout,
+    ) as job:
+        return job.wait(timeout)
 
 
 def initialize() -> tuple[int, int]:

@@ -1,9 +1,11 @@
-"""`eb.run_chains` and `eb.Chains`: per-chain bits, checkpoints, a real kill, errors."""
+"""`eb.run_chains` and `eb.Chains`: per-chain bits, checkpoints, real kills, errors."""
 
+import contextlib
 import functools as ft
 import json
 import os
 import pathlib
+import random
 import shutil
 import signal
 import subprocess
@@ -18,7 +20,9 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from chains_worker import make_init, metropolis, outputs
+import safetensors
+import safetensors.numpy
+from chains_worker import make_init, metropolis, mlp_step, outputs, run as run_workload
 from helpers import assert_trees_identical, tree_allclose
 from multiprocess_launch import launch
 
@@ -112,38 +116,6 @@ def test_two_processes_give_the_same_bits(tmp_path):
     four = outputs(eb.run_chains(metropolis, make_init(6), jr.key(0), 20))
     for process_id in range(2):
         assert_trees_identical(eb.load(f"{out}.{process_id}", four), four)
-
-
-def test_two_processes_resume_and_checkpoint(tmp_path):
-    # A checkpoint stopped at step 10 of 20 (a finished 10-step run with `num_steps`
-    # rewritten), made by a zeroing step of the same name so that resuming it shows,
-    # is resumed by a job of 2 processes (process 0 writes the later checkpoints) and,
-    # from a copy, by this process: the same bits.
-    init = make_init(6)
-    job_dir, here_dir = tmp_path / "job", tmp_path / "here"
-    job_dir.mkdir()
-    path = job_dir / "run.ckpt"
-    eb.run_chains(_zeros_named_metropolis, init, jr.key(0), 10, checkpoint=path)
-    saved = _checkpoint(path, init)
-    saved["run"] = saved["run"].replace('"num_steps": 10', '"num_steps": 20')
-    eb.save(path, saved)
-    shutil.copytree(job_dir, here_dir)
-
-    out = tmp_path / "job.eqx"
-    launch(
-        WORKER, ["--job", str(out), "6", "20", str(path), "7"], devices_per_process=2
-    )
-    here = eb.run_chains(
-        metropolis, init, jr.key(0), 20, checkpoint=here_dir / "run.ckpt"
-    )
-    assert not jnp.any(here.trace["layer1"]["weights"][:, :10])
-    for process_id in range(2):
-        assert_trees_identical(
-            eb.load(f"{out}.{process_id}", outputs(here)), outputs(here)
-        )
-    assert _steps_done(path, init) == 20
-    again = eb.run_chains(metropolis, init, jr.key(0), 20, checkpoint=path)
-    assert_trees_identical(outputs(again), outputs(here))
 
 
 def test_matmul_step_is_allclose_to_running_alone():
@@ -251,19 +223,25 @@ def test_equinox_module_state(getkey):
 def test_trace_is_written_in_place():
     # The compiled loop updates the (donated) trace buffer in place: memory stays at the
     # trace's size, with no second copy of it.
-    from eqx_batch._chains import _compiled_segment, _Plan
+    from eqx_batch._chains import _ChainState, _run_segment, _Segment
 
     num_chains, num_steps = 8, 50
     init = make_init(num_chains)
     buffer = jtu.tree_map(lambda x: jnp.zeros((num_chains, num_steps, 3, 3)), init)
-    plan = _Plan(num_steps, num_steps, 1, 0, False, True, False)
-    keys = jr.split(jr.key(0), num_chains)
-    first_bad = jnp.zeros(num_chains, jnp.int32)
-    inputs = (plan, metropolis, init, keys, first_bad, jnp.asarray(0, jnp.int32), None)
-    leaves, treedef = jtu.tree_flatten(inputs)
-    arrays = [x if eqx.is_array(x) else None for x in leaves]
-    others = tuple(None if eqx.is_array(x) else x for x in leaves)
-    lowered: Any = _compiled_segment.lower(arrays, buffer, (treedef, others))
+    segment = _Segment(num_steps, num_steps, 1, 0, False, True, False)
+    chains = _ChainState(
+        init, jr.split(jr.key(0), num_chains), jnp.zeros(num_chains, jnp.int32)
+    )
+    start = jnp.asarray(0, jnp.int32)
+    lowered: Any = _run_segment.lower(
+        segment,
+        metropolis,
+        eqx.filter(init, eqx.is_array, inverse=True),
+        chains,
+        start,
+        None,
+        buffer,
+    )
     stats = lowered.compile().memory_analysis()
     trace_bytes = sum(x.nbytes for x in jtu.tree_leaves(buffer))
     assert stats.alias_size_in_bytes >= trace_bytes
@@ -283,6 +261,41 @@ def test_progress_bar_leaves_results_unchanged(capsys):
 # Checkpoints.
 
 
+def _progress(path: pathlib.Path) -> dict:
+    """A checkpoint's progress, read with safetensors alone."""
+    with safetensors.safe_open(path, "np") as file:
+        return json.loads(file.metadata()["run_chains.progress"])
+
+
+def _steps_done(path: pathlib.Path) -> int:
+    return _progress(path)["steps_done"]
+
+
+_STEPS_RUN: list[int] = []
+
+
+def _counted_metropolis(state: dict, key: jax.Array) -> dict:
+    """`metropolis`, telling the host each time it runs (to see what was recomputed)."""
+    jax.debug.callback(lambda: _STEPS_RUN.append(1))
+    return metropolis(state, key)
+
+
+def _compilations(run: Any) -> int:
+    """How many programs XLA compiles while `run()` runs."""
+    seen = []
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        run()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return len(seen)
+
+
 def test_checkpointed_run_equals_plain_run(tmp_path):
     init = make_init(5)
     plain = eb.run_chains(metropolis, init, jr.key(0), 20, thin=3, burn_in=4)
@@ -300,14 +313,18 @@ def test_checkpointed_run_equals_plain_run(tmp_path):
     assert_trees_identical(outputs(saved), outputs(plain))
     assert path.exists()
     assert not list(tmp_path.glob(".*.tmp"))
+    # Every file is a safetensors file that safetensors alone reads.
+    draws = safetensors.numpy.load_file(tmp_path / _progress(path)["draws"][0][0])
+    assert sorted(draws) == ["['layer1']['weights']", "['layer2']['weights']"]
 
 
 def test_finished_checkpoint_is_read_back_without_recomputing(tmp_path):
     init = make_init(6)
     path = tmp_path / "run.ckpt"
-    first = eb.run_chains(metropolis, init, jr.key(0), 20, checkpoint=path)
-
-    again = eb.run_chains(_zeros_named_metropolis, init, jr.key(0), 20, checkpoint=path)
+    first = eb.run_chains(_counted_metropolis, init, jr.key(0), 20, checkpoint=path)
+    _STEPS_RUN.clear()
+    again = eb.run_chains(_counted_metropolis, init, jr.key(0), 20, checkpoint=path)
+    assert not _STEPS_RUN
     assert_trees_identical(outputs(again), outputs(first))
     assert_trees_identical(again.nonfinite.chains, first.nonfinite.chains)
 
@@ -320,12 +337,29 @@ def test_draw_files_of_a_thinned_run_read_back_exactly(tmp_path):
     run = ft.partial(
         eb.run_chains, thin=3, burn_in=4, checkpoint=path, checkpoint_every=7
     )
-    first = run(metropolis, init, jr.key(0), 40)
-    chunks = json.loads(_checkpoint(path, init)["progress"])["chunks"]
+    first = run(_counted_metropolis, init, jr.key(0), 40)
     bounds = [[0, 1], [1, 4], [4, 6], [6, 8], [8, 11], [11, 12]]
-    assert [chunk[1:] for chunk in chunks] == bounds
-    again = run(_zeros_named_metropolis, init, jr.key(0), 40)
+    assert [entry[1:] for entry in _progress(path)["draws"]] == bounds
+    _STEPS_RUN.clear()
+    again = run(_counted_metropolis, init, jr.key(0), 40)
+    assert not _STEPS_RUN
     assert_trees_identical(outputs(again), outputs(first))
+
+
+def test_reading_back_compiles_the_same_whatever_the_number_of_draw_files(tmp_path):
+    init = make_init(5)
+    few, many = tmp_path / "few.ckpt", tmp_path / "many.ckpt"
+    eb.run_chains(metropolis, init, jr.key(0), 40, checkpoint=few, checkpoint_every=20)
+    eb.run_chains(metropolis, init, jr.key(0), 48, checkpoint=many, checkpoint_every=4)
+    assert len(_progress(few)["draws"]) == 2
+    assert len(_progress(many)["draws"]) == 12
+    read_few = _compilations(
+        lambda: eb.run_chains(metropolis, init, jr.key(0), 40, checkpoint=few)
+    )
+    read_many = _compilations(
+        lambda: eb.run_chains(metropolis, init, jr.key(0), 48, checkpoint=many)
+    )
+    assert read_many == read_few <= 4
 
 
 def test_progress_bar_across_checkpoint_segments(tmp_path, capsys):
@@ -345,77 +379,154 @@ def test_progress_bar_across_checkpoint_segments(tmp_path, capsys):
     assert "50/50" in capsys.readouterr().err
 
 
-def _zeros_named_metropolis(state: dict, key: jax.Array) -> dict:
-    return jtu.tree_map(jnp.zeros_like, state)
-
-
-# Same qualified name as the real step, other behaviour: shows what was recomputed.
-_zeros_named_metropolis.__qualname__ = "metropolis"
-
-
-def _checkpoint(path: pathlib.Path, init: Any) -> dict:
-    """The run state file of a checkpoint, as written (for the key `jr.key(0)`)."""
-    from eqx_batch._chains import _host_like
-
-    keys = jr.split(jr.key(0), eb.batch_size(init))
-    return eb.load(path, {"run": "", "progress": "", **_host_like(init, keys)})
-
-
-def _steps_done(path: pathlib.Path, init: Any) -> int:
-    return json.loads(_checkpoint(path, init)["progress"])["steps_done"]
-
-
-def test_kill_and_resume_gives_the_same_bits(tmp_path):
-    num_chains, num_steps, every = 16, 2000, 40
-    path = tmp_path / "run.ckpt"
-    out = tmp_path / "never.eqx"
-    worker = subprocess.Popen(
-        [sys.executable, str(WORKER), str(out), str(num_chains), str(num_steps)]
-        + [str(path), str(every)]
+def _start_worker(out: pathlib.Path, *args: Any, workload: str = "metropolis"):
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), "--workload", workload, str(out)]
+        + [str(a) for a in args]
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not path.exists():
-            assert worker.poll() is None, (
-                "the worker exited before its first checkpoint"
-            )
-            assert time.monotonic() < deadline, "no checkpoint appeared in 120 s"
-            time.sleep(0.01)
-        worker.send_signal(signal.SIGKILL)
-    finally:
-        worker.kill()
-        worker.wait()
-    assert worker.returncode == -signal.SIGKILL
-    init = make_init(num_chains)
-    steps_done = _steps_done(path, init)
-    assert 0 < steps_done < num_steps, "the kill did not land mid-run"
-    assert not out.exists()
 
-    resumed = eb.run_chains(
-        metropolis, init, jr.key(0), num_steps, checkpoint=path, checkpoint_every=every
-    )
-    plain = eb.run_chains(metropolis, init, jr.key(0), num_steps)
+
+def _wait_for(condition: Any, worker: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + 180
+    while not condition():
+        assert worker.poll() is None, f"the worker exited before {what}"
+        assert time.monotonic() < deadline, f"no {what} in 180 s"
+        time.sleep(0.0005)
+
+
+def _kill(worker: subprocess.Popen) -> None:
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait()
+
+
+def test_kills_at_random_moments_all_resume_bit_for_bit(tmp_path):
+    # Fault injection: a worker process running a checkpointed run is SIGKILLed by
+    # its pid at random moments, during a segment and during a write, and restarted
+    # each time; every restart resumes where the last checkpoint left off.
+    run = ("metropolis", 64, 20_000)
+    path, out = tmp_path / "run.ckpt", tmp_path / "out.eqx"
+    args = (*run[1:], path, 100, 10)
+    rng = random.Random(0)
+    steps_seen = []
+    kills_during_writes = 0
+    for attempt in range(8):
+        if attempt >= 4 and kills_during_writes:
+            break
+        worker = _start_worker(out, *args)
+        try:
+            _wait_for(path.exists, worker, "checkpoint")
+            before = _steps_done(path)
+            if attempt % 2 == 0:
+                # During a segment: a random moment after the run has resumed.
+                _wait_for(
+                    lambda done=before: _steps_done(path) > done, worker, "resuming"
+                )
+                time.sleep(rng.uniform(0.0, 0.3))
+                _kill(worker)
+            else:
+                # During a write: as soon as a new temporary file appears (those of
+                # earlier kills stay behind).
+                stale = set(tmp_path.glob(".*.tmp"))
+
+                def writing(stale: set = stale) -> bool:
+                    return bool(set(tmp_path.glob(".*.tmp")) - stale)
+
+                _wait_for(writing, worker, "write in progress")
+                _kill(worker)
+                kills_during_writes += writing()
+        finally:
+            if worker.poll() is None:
+                _kill(worker)
+        assert worker.returncode == -signal.SIGKILL, "the run ended before the kill"
+        steps_seen.append(_steps_done(path))
+        assert not out.exists()
+    assert kills_during_writes, "no kill landed while a file was being written"
+    assert 0 < steps_seen[0] and steps_seen == sorted(steps_seen)
+    assert steps_seen[-1] < run[2], "the kills did not land mid-run"
+
+    resumed = run_workload(*run, checkpoint=path, checkpoint_every=100, thin=10)
+    plain = run_workload(*run, thin=10)
     assert_trees_identical(outputs(resumed), outputs(plain))
-    assert _steps_done(path, init) == num_steps
+    assert _steps_done(path) == run[2]
 
 
-def test_resume_continues_from_the_checkpoint(tmp_path):
-    # Resuming with a step of the same name but other behaviour: draws up to the
-    # checkpoint come from the file, the rest from the new step.
-    init = make_init(6)
-    path = tmp_path / "run.ckpt"
-    done = eb.run_chains(metropolis, init, jr.key(0), 10, checkpoint=path)
-    # Turn the finished checkpoint of a 10-step run into one of a 20-step run stopped
-    # at step 10: same files, with `num_steps` rewritten.
-    saved = _checkpoint(path, init)
-    saved["run"] = saved["run"].replace('"num_steps": 10', '"num_steps": 20')
-    eb.save(path, saved)
+def test_typed_keys_in_the_state_checkpoint_and_resume(tmp_path):
+    # A state that carries its own typed keys: killed mid-run in another process, then
+    # resumed here, bit for bit; a second identical call reads the result back.
+    path, out = tmp_path / "run.ckpt", tmp_path / "out.eqx"
+    worker = _start_worker(out, 8, 4000, path, 20, workload="keys")
+    try:
+        _wait_for(lambda: path.exists() and _steps_done(path) >= 200, worker, "steps")
+        _kill(worker)
+    finally:
+        if worker.poll() is None:
+            _kill(worker)
+    assert 0 < _steps_done(path) < 4000
+    resumed = run_workload("keys", 8, 4000, checkpoint=path, checkpoint_every=20)
+    assert resumed.trace["k"].dtype == jr.key(0).dtype
+    plain = run_workload("keys", 8, 4000)
+    assert_trees_identical(outputs(resumed), outputs(plain))
+    assert_trees_identical(resumed.final, plain.final)
+    again = run_workload("keys", 8, 4000, checkpoint=path, checkpoint_every=20)
+    assert_trees_identical(again.final, plain.final)
 
-    resumed = eb.run_chains(
-        _zeros_named_metropolis, init, jr.key(0), 20, checkpoint=path
+
+def test_a_live_run_locks_its_checkpoint(tmp_path):
+    # Another process holds the checkpoint: refused at once, naming the path. Once
+    # that process is killed (SIGKILL), the lock is gone and the run resumes.
+    path, out = tmp_path / "run.ckpt", tmp_path / "out.eqx"
+    worker = _start_worker(out, 16, 20_000, path, 100, 100)
+    try:
+        _wait_for(path.exists, worker, "checkpoint")
+        init = make_init(16)
+        started = time.monotonic()
+        with pytest.raises(eb.BatchError, match="in use") as info:
+            eb.run_chains(metropolis, init, jr.key(0), 20_000, checkpoint=path)
+        assert str(path) in str(info.value)
+        assert f"process {worker.pid}" in str(info.value)
+        assert time.monotonic() - started < 30
+    finally:
+        _kill(worker)
+    resumed = run_workload("metropolis", 16, 20_000, path, 100, thin=100)
+    assert resumed.trace["layer1"]["weights"].shape == (16, 200, 3, 3)
+
+
+def test_mlp_run_resumes_in_another_process(tmp_path):
+    # The run's identity (an MLP holds functions; the step's program names them) is
+    # the same in a new process: its finished checkpoint is read back, not refused.
+    path, out = tmp_path / "run.ckpt", tmp_path / "out.eqx"
+    subprocess.run(
+        [sys.executable, str(WORKER), "--workload", "mlp", str(out), "3", "30"]
+        + [str(path), "10"],
+        check=True,
+        timeout=300,
     )
-    assert_trees_identical(jtu.tree_map(lambda x: x[:, :10], resumed.trace), done.trace)
-    assert not jnp.any(resumed.trace["layer1"]["weights"][:, 10:])
+    _STEPS_RUN.clear()
+    here = run_workload("mlp", 3, 30, checkpoint=path, checkpoint_every=10)
+    there = eb.load(out, outputs(here))
+    assert_trees_identical(outputs(here), there)
+
+
+def test_runs_never_share_draw_files(tmp_path):
+    # Two runs at one path differ only by their key: their draw files have other
+    # names, and a draw file of one put in place of the other's is refused.
+    init = make_init(2)
+    first, second = tmp_path / "a" / "run.ckpt", tmp_path / "b" / "run.ckpt"
+    first.parent.mkdir()
+    second.parent.mkdir()
+    run = ft.partial(eb.run_chains, metropolis, init, num_steps=10, checkpoint_every=5)
+    run(key=jr.key(0), checkpoint=first)
+    run(key=jr.key(1), checkpoint=second)
+    names_a = {p.name for p in first.parent.iterdir()}
+    names_b = {p.name for p in second.parent.iterdir()}
+    assert names_a & names_b == {"run.ckpt", "run.ckpt.lock"}
+    ours = first.with_name(_progress(first)["draws"][1][0])
+    theirs = second.with_name(_progress(second)["draws"][1][0])
+    shutil.copy(theirs, ours)
+    with pytest.raises(eb.BatchError, match="written by a different run") as info:
+        run(key=jr.key(0), checkpoint=first)
+    assert str(ours) in str(info.value)
+    assert "keys" in str(info.value)
 
 
 def test_checkpoint_of_another_run_is_refused(tmp_path):
@@ -425,42 +536,163 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
         eb.run_chains(metropolis, make_init(2), jr.key(0), 6, checkpoint=path)
     with pytest.raises(eb.BatchError, match="init values"):
         eb.run_chains(metropolis, _shifted(2), jr.key(0), 5, checkpoint=path)
-    with pytest.raises(
-        eb.BatchError, match=r"does not fit this call's `init`.*shape \(3,\)"
-    ):
+    with pytest.raises(eb.BatchError, match="init leaves"):
         eb.run_chains(metropolis, make_init(3), jr.key(0), 5, checkpoint=path)
     with pytest.raises(eb.BatchError, match="keys"):
         eb.run_chains(metropolis, make_init(2), jr.key(1), 5, checkpoint=path)
-    with pytest.raises(eb.BatchError, match="step: the checkpoint has 'metropolis'"):
-        eb.run_chains(_other_step, make_init(2), jr.key(0), 5, checkpoint=path)
+    # A step is what it computes: another name for the same computation resumes.
+    same = eb.run_chains(_other_step, make_init(2), jr.key(0), 5, checkpoint=path)
+    assert same.final["layer1"]["weights"].shape == (2, 3, 3)
 
 
-_DESCRIBE_MLP_RUN = """
-import equinox as eqx, jax.random as jr
-from eqx_batch._chains import _describe_run
-keys = jr.split(jr.key(0), 3)
-models = eqx.filter_vmap(lambda k: eqx.nn.MLP(2, 2, 4, 1, key=k))(keys)
-print(_describe_run(print, models, jr.split(jr.key(1), 3), 10, 1, 0, False, True))
-"""
+def test_a_step_that_computes_something_else_is_refused(tmp_path):
+    init = jnp.zeros((3, 2))
+
+    def scaled(state: jax.Array, key: jax.Array, scale: Any) -> jax.Array:
+        return state + scale * jr.normal(key, state.shape)
+
+    cases = [
+        (lambda s, k: s + 1.0, lambda s, k: s - 1.0, "step program"),
+        (ft.partial(scaled, scale=0.1), ft.partial(scaled, scale=100.0), "program"),
+        (
+            ft.partial(scaled, scale=jnp.full(2, 0.1)),
+            ft.partial(scaled, scale=jnp.full(2, 100.0)),
+            "step constants",
+        ),
+    ]
+    for i, (before, after, what) in enumerate(cases):
+        path = tmp_path / f"run{i}.ckpt"
+        eb.run_chains(before, init, jr.key(0), 5, checkpoint=path)
+        with pytest.raises(eb.BatchError, match=f"different run.*\n.*{what}"):
+            eb.run_chains(after, init, jr.key(0), 5, checkpoint=path)
 
 
-def test_run_description_is_the_same_in_another_process():
-    # An MLP holds functions (its activations), whose reprs carry memory addresses that
-    # differ per process; a resumed run in a new process must still match.
-    from eqx_batch._chains import _describe_run
+def test_a_state_holding_another_function_is_refused(tmp_path, getkey):
+    def make(activation: Any) -> eqx.nn.MLP:
+        keys = jr.split(jr.key(0), 2)
+        return eqx.filter_vmap(
+            lambda k: eqx.nn.MLP(2, 2, 4, 1, activation=activation, key=k)
+        )(keys)
 
-    models = eqx.filter_vmap(lambda k: eqx.nn.MLP(2, 2, 4, 1, key=k))(
-        jr.split(jr.key(0), 3)
+    path = tmp_path / "run.ckpt"
+    eb.run_chains(mlp_step, make(jax.nn.relu), jr.key(0), 3, checkpoint=path)
+    with pytest.raises(eb.BatchError, match="different run") as info:
+        eb.run_chains(mlp_step, make(jax.nn.relu6), jr.key(0), 3, checkpoint=path)
+    assert "relu6" in str(info.value)
+    assert "step program" in str(info.value)
+
+
+def test_files_that_are_not_this_checkpoint_are_named_for_what_they_are(tmp_path):
+    init = make_init(2)
+    path = tmp_path / "run.ckpt"
+    run = ft.partial(eb.run_chains, metropolis, init, jr.key(0), 5, checkpoint=path)
+    path.write_bytes(b"hello, this is not a checkpoint at all")
+    with pytest.raises(eb.BatchError, match="not an eqx_batch file") as info:
+        run()
+    assert "earlier checkpoint" not in str(info.value)
+    eb.save(path, {"weights": jnp.zeros(3)})
+    with pytest.raises(eb.BatchError, match="not a `run_chains` checkpoint"):
+        run()
+    path.unlink()
+    run()
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10  # a bit of the last tensor
+    path.write_bytes(bytes(data))
+    with pytest.raises(eb.BatchError, match="corrupt") as info:
+        run()
+    assert "earlier checkpoint" not in str(info.value)
+
+
+@contextlib.contextmanager
+def _mounted(folder: pathlib.Path, *options: str) -> Any:
+    """`folder` with a filesystem mounted on it (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a filesystem needs root")
+    result = subprocess.run(["mount", *options, str(folder)], capture_output=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount here: {result.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@contextlib.contextmanager
+def _read_only(folder: pathlib.Path) -> Any:
+    """`folder` made read-only for real: permission bits, or a read-only bind mount
+    as root (whom permission bits do not stop)."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield folder
+        finally:
+            folder.chmod(0o755)
+        return
+    with _mounted(folder, "--bind", str(folder)):
+        subprocess.run(
+            ["mount", "-o", "remount,bind,ro", str(folder)], check=True, timeout=30
+        )
+        yield folder
+
+
+@pytest.mark.parametrize("every", [None, 5])
+def test_a_checkpoint_that_cannot_be_written_is_found_before_any_work(tmp_path, every):
+    init = make_init(2)
+    (tmp_path / "a_file").write_text("")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    cases = [
+        (tmp_path / "missing" / "run.ckpt", "missing does not exist"),
+        (tmp_path / "a_file" / "run.ckpt", "a_file is a file, not a folder"),
+        (tmp_path, "is a folder"),
+        (read_only / "run.ckpt", "Read-only file system|Permission denied"),
+    ]
+    with _read_only(read_only):
+        for path, match in cases:
+            _STEPS_RUN.clear()
+            with pytest.raises(eb.BatchError, match=match) as info:
+                eb.run_chains(
+                    _counted_metropolis,
+                    init,
+                    jr.key(0),
+                    20,
+                    checkpoint=path,
+                    checkpoint_every=every,
+                )
+            assert str(path) in str(info.value)
+            assert not _STEPS_RUN, "steps ran before the error"
+
+
+def test_a_full_disk_keeps_the_last_good_checkpoint(tmp_path):
+    # A small tmpfs fills up mid-run: the error names the checkpoint, the last good
+    # checkpoint stays whole, and once there is room the run resumes bit for bit.
+    folder = tmp_path / "small"
+    folder.mkdir()
+    init = make_init(8)
+    plain = eb.run_chains(metropolis, init, jr.key(0), 200)
+    path = folder / "run.ckpt"
+    run = ft.partial(
+        eb.run_chains,
+        metropolis,
+        init,
+        jr.key(0),
+        200,
+        checkpoint=path,
+        checkpoint_every=20,
     )
-    here = _describe_run(print, models, jr.split(jr.key(1), 3), 10, 1, 0, False, True)
-    there = subprocess.run(
-        [sys.executable, "-c", _DESCRIBE_MLP_RUN],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
-    assert there.strip() == str(here)
+    with _mounted(folder, "-t", "tmpfs", "-o", "size=64k", "tmpfs"):
+        with pytest.raises(eb.BatchError, match="No space left") as info:
+            run()
+        message = str(info.value)
+        assert f"`checkpoint` ({path})" in message
+        kept = _steps_done(path)
+        assert 0 < kept < 200
+        assert f"the checkpoint of step {kept} is kept" in message
+        subprocess.run(
+            ["mount", "-o", "remount,size=4m", str(folder)], check=True, timeout=30
+        )
+        resumed = run()
+        assert_trees_identical(outputs(resumed), outputs(plain))
 
 
 def _other_step(state: dict, key: jax.Array) -> dict:
