@@ -1,0 +1,205 @@
+"""`Chains.to_arviz`: chains as ArviZ data, and ArviZ's diagnostics on them."""
+
+import functools as ft
+import os
+import subprocess
+import sys
+import textwrap
+
+import arviz_stats
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+import xarray as xr
+
+import eqx_batch as eb
+
+
+def noisy(state, key):
+    """A random walk on every array leaf of any state (one chain)."""
+    arrays, static = eqx.partition(state, eqx.is_array)
+    leaves, treedef = jax.tree.flatten(arrays)
+    keys = jr.split(key, len(leaves))
+    moved = [x + jr.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    return eqx.combine(treedef.unflatten(moved), static)
+
+
+def ar1(x, key, rho):
+    """An AR(1) step whose stationary distribution is the standard normal."""
+    return rho * x + jnp.sqrt(1.0 - rho**2) * jr.normal(key, x.shape)
+
+
+def test_matches_a_hand_built_datatree(getkey):
+    init = {
+        "w": {"layer1": jr.normal(getkey(), (4, 3, 2))},
+        "b": jnp.zeros(4),
+    }
+    result = eb.run_chains(noisy, init, getkey(), 12, thin=2)
+    data = result.to_arviz()
+
+    layer1 = np.asarray(result.trace["w"]["layer1"])
+    b = np.asarray(result.trace["b"])
+    assert layer1.shape == (4, 6, 3, 2) and b.shape == (4, 6)
+    d0, d1 = "['w']['layer1']_dim_0", "['w']['layer1']_dim_1"
+    posterior = xr.Dataset(
+        {
+            "['b']": (("chain", "draw"), b),
+            "['w']['layer1']": (("chain", "draw", d0, d1), layer1),
+        },
+        coords={
+            "chain": np.arange(4),
+            "draw": np.arange(6),
+            d0: np.arange(3),
+            d1: np.arange(2),
+        },
+    )
+    expected = xr.DataTree.from_dict({"posterior": posterior})
+    # Equal: the same groups, variables, dims, coords and values (not timestamps).
+    xr.testing.assert_equal(data, expected)
+    assert list(data.children) == ["posterior"]
+    assert data["posterior"]["['w']['layer1']"].dtype == np.float32
+    assert data["posterior"]["['w']['layer1']"].dims == ("chain", "draw", d0, d1)
+
+
+def test_variables_are_named_by_keystr_paths(getkey):
+    # An Equinox MLP: its activation functions are not arrays and are left out.
+    mlp = eb.ensemble(
+        eqx.nn.MLP, 3, in_size=2, out_size=1, width_size=4, depth=1, key=getkey()
+    )
+    result = eb.run_chains(noisy, mlp, getkey(), 5)
+    data = result.to_arviz()
+    leaves = {
+        jax.tree_util.keystr(path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(
+            eqx.filter(result.trace, eqx.is_array)
+        )[0]
+    }
+    assert list(leaves) == [
+        ".layers[0].weight",
+        ".layers[0].bias",
+        ".layers[1].weight",
+        ".layers[1].bias",
+    ]
+    assert set(data["posterior"].data_vars) == set(leaves)
+    for name, leaf in leaves.items():
+        variable = data["posterior"][name]
+        axes = tuple(f"{name}_dim_{axis}" for axis in range(leaf.ndim - 2))
+        assert variable.dims == ("chain", "draw", *axes)
+        np.testing.assert_array_equal(variable.values, leaf)
+
+
+def test_one_array_is_named_state(getkey):
+    result = eb.run_chains(noisy, jnp.zeros((2, 3)), getkey(), 4)
+    variable = result.to_arviz()["posterior"]["state"]
+    assert variable.dims == ("chain", "draw", "state_dim_0")
+    np.testing.assert_array_equal(variable.values, result.trace)
+
+
+def test_prng_keys_in_the_state_are_left_out(getkey):
+    def step(state, key):
+        carried, subkey = jr.split(state["key"])
+        return {"x": state["x"] + jr.normal(subkey), "key": carried}
+
+    init = {"x": jnp.zeros(3), "key": jr.split(getkey(), 3)}
+    data = eb.run_chains(step, init, getkey(), 4).to_arviz()
+    assert list(data["posterior"].data_vars) == ["['x']"]
+
+
+def test_outputs_are_a_group_of_their_own(getkey):
+    def step(x, key):
+        new = x + jr.normal(key, x.shape)
+        return new, {"norm": jnp.sqrt(jnp.sum(new**2)), "first": new[:2]}
+
+    result = eb.run_chains(step, jnp.zeros((3, 5)), getkey(), 8, with_output=True)
+    data = result.to_arviz()
+    assert list(data.children) == ["outputs"]
+    outputs = data["outputs"]
+    assert set(outputs.data_vars) == {"['first']", "['norm']"}
+    assert outputs["['norm']"].dims == ("chain", "draw")
+    assert outputs["['first']"].dims == ("chain", "draw", "['first']_dim_0")
+    np.testing.assert_array_equal(outputs["['norm']"].values, result.trace["norm"])
+    np.testing.assert_array_equal(outputs["['first']"].values, result.trace["first"])
+    # ArviZ's diagnostics read the group when told to.
+    rhat = arviz_stats.rhat(data, group="outputs")
+    assert rhat["['first']"].shape == (2,)
+
+    scalar = eb.run_chains(
+        lambda x, key: (x, jnp.sum(x)), jnp.ones((2, 3)), getkey(), 3, with_output=True
+    )
+    output = scalar.to_arviz()["outputs"]["output"]
+    assert output.dims == ("chain", "draw")
+    np.testing.assert_array_equal(output.values, np.full((2, 3), 3.0))
+
+
+def test_rhat_flags_chains_started_far_apart_until_they_converge():
+    # Four chains of an AR(1) with stationary distribution N(0, 1), started at +-20
+    # and +-10: a few steps in, they still sit apart; after a long burn-in, they mix.
+    init = jnp.array([[-20.0], [-10.0], [10.0], [20.0]])
+    step = ft.partial(ar1, rho=0.9)
+    early = eb.run_chains(step, init, jr.key(0), 20)
+    late = eb.run_chains(step, init, jr.key(0), 2200, burn_in=200)
+
+    early_rhat = float(arviz_stats.rhat(early.to_arviz())["state"][0])
+    late_rhat = float(arviz_stats.rhat(late.to_arviz())["state"][0])
+    assert early_rhat > 1.5
+    assert abs(late_rhat - 1.0) < 0.02
+
+    # The effective sample size of an AR(1): draws x (1 - rho) / (1 + rho).
+    ess = float(arviz_stats.ess(late.to_arviz())["state"][0])
+    expected = 4 * 2000 * (1 - 0.9) / (1 + 0.9)
+    assert 0.7 * expected < ess < 1.4 * expected
+
+
+def test_no_trace_is_an_error(getkey):
+    result = eb.run_chains(noisy, jnp.zeros((2, 3)), getkey(), 4, trace=False)
+    with pytest.raises(eb.BatchError, match=r"trace=False.*Run them with `trace=True`"):
+        result.to_arviz()
+
+
+def test_a_trace_of_keys_only_is_an_error(getkey):
+    def step(state, key):
+        return {"key": jr.split(state["key"])[0]}
+
+    result = eb.run_chains(step, {"key": jr.split(getkey(), 2)}, getkey(), 2)
+    with pytest.raises(eb.BatchError, match="holds no array to convert"):
+        result.to_arviz()
+
+
+def test_without_arviz_the_error_names_the_extra(tmp_path):
+    # A fresh interpreter where `import arviz_base` fails, as when it is not installed.
+    script = textwrap.dedent(
+        """
+        import sys
+
+        sys.modules["arviz_base"] = None
+
+        import jax.numpy as jnp
+        import jax.random as jr
+
+        import eqx_batch as eb
+
+        result = eb.run_chains(lambda x, key: x + 1.0, jnp.zeros(2), jr.key(0), 3)
+        try:
+            result.to_arviz()
+        except ImportError as error:
+            print(type(error).__name__, isinstance(error, ValueError))
+            print(error)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    completed = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env | {"PYTHONWARNINGS": "error"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    lines = completed.stdout.splitlines()
+    # An ImportError (an environment to fix), not a BatchError (bad input).
+    assert lines[0] == "ImportError False"
+    assert "pip install 'eqx_batch[arviz]'" in lines[1]
