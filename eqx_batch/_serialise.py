@@ -580,9 +580,10 @@ def _check_foreign(
     except Exception:  # noqa: BLE001 - any failure of the parser means "not a file of it"
         return _not_ours(path, head)
     return BadFileError(
-        f"`{path}` is a safetensors file with {count} tensors but not an eqx_batch "
-        "file: it lacks the metadata `eb.save` writes (the tree's structure, Python "
-        "scalars, key implementations, checksums), so it cannot be checked against "
+        f"`{path}` is a safetensors file ({count} tensor{'' if count == 1 else 's'}) "
+        "but not an eqx_batch file: it lacks the metadata `eb.save` writes (the "
+        "tree's structure, Python scalars, key implementations, checksums), so it "
+        "cannot be checked against "
         "`like`. Read its arrays with `safetensors.numpy.load_file`, put them into "
         "your tree (e.g. with `eqx.tree_at`), and `eb.save` that to get a file "
         "`eb.load` reads."

@@ -575,7 +575,7 @@ def test_foreign_files(tmp_path):
 def test_safetensors_file_of_another_tool(tmp_path):
     path = tmp_path / "model.safetensors"
     safetensors.numpy.save_file({"weight": np.ones((2, 3), np.float32)}, path)
-    with pytest.raises(BadFileError, match="safetensors file with 1 tensors") as info:
+    with pytest.raises(BadFileError, match=r"safetensors file \(1 tensor\)") as info:
         eb.load(path, like={"weight": jnp.zeros((2, 3))})
     message = str(info.value)
     assert "not an eqx_batch file" in message
