@@ -1,20 +1,23 @@
 """Stacking and unstacking pytrees along a member axis: `stack`, `unstack` and friends.
 
 Concrete arrays that live on the CPU are stacked and split through host NumPy (a view,
-not a copy) and the results are created directly by XLA's transfer, with the abstract
-value computed once per leaf. This runs no XLA program, so the first call is as fast as
-later ones and the number of compilations does not grow with the number of members.
-Tracers (inside `jax.jit`) use `jax.numpy`. Arrays on other platforms (GPU, TPU) are
-split by one compiled indexing program per leaf shape and stacked by `jnp.stack`, so
-that they never leave their device.
+not a copy). The pieces of a split become JAX arrays through one small compiled
+identity program per *structure*: it takes a chunk of `_CHUNK` member rows of every
+split leaf and returns them, so JAX's compiled-call path creates the arrays in bulk.
+Its cache key is the member shapes and dtypes, never the number of members, and
+compiling an identity is cheap. Stacking makes one array per leaf with
+`jax.device_put`. Weak-typed leaves go through `jax.numpy`, whose programs keep the
+weak type. Tracers (inside `jax.jit`) use `jax.numpy`. Arrays on other platforms (GPU,
+TPU) are split by one compiled indexing program per leaf shape and stacked by
+`jnp.stack`, so that they never leave their device.
 """
 
 import dataclasses
 import functools as ft
 import math
 import operator
-from collections.abc import Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
@@ -23,7 +26,6 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax._src.lib import xla_client
 
 from ._errors import BatchError, describe, KeyPath, leaf_name
 from ._tree import (
@@ -68,61 +70,137 @@ def _is_weak(x: Any) -> bool:
     return getattr(x, "weak_type", False)
 
 
-def _placement(x: jax.Array) -> Any:
-    """Where results derived from `x` go: its device if committed to one, else None."""
+class _Placement(NamedTuple):
+    """Where new arrays derived from a concrete array go."""
+
+    committed_to: jax.sharding.Sharding | None  # committed there, if not None
+    device: Any  # else uncommitted, on this device (None: the default device)
+
+
+def _placement(x: jax.Array) -> _Placement:
     sharding = x.sharding
     if x.committed and isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return sharding
-    return None
+        return _Placement(sharding, None)
+    # Uncommitted arrays stay where they are; pieces of an array sharded over several
+    # devices go, uncommitted, to the default device like `jnp` results.
+    devices = sharding.device_set
+    return _Placement(None, next(iter(devices)) if len(devices) == 1 else None)
 
 
-def _host(x: Any) -> np.ndarray:
+def host_array(x: Any) -> np.ndarray:
     """The raw bits of a concrete leaf as NumPy (key data for typed PRNG keys)."""
     if isinstance(x, jax.Array) and is_key(x):
         x = jax.random.key_data(x)
     return np.asarray(x)
 
 
+def _key_impl(x: Any) -> Any:
+    return jax.random.key_impl(x) if is_key(x) else None
+
+
+def _put(host: np.ndarray, like: jax.Array) -> jax.Array:
+    """A new JAX array holding `host`, placed and typed (weak, key) like `like`."""
+    placement = _placement(like)
+    if _is_weak(like):
+        return _weak_identity(host.shape, host.dtype, placement)(host)
+    if placement.committed_to is not None:
+        out = jax.device_put(host, placement.committed_to)
+    else:
+        with jax.default_device(placement.device):
+            out = jax.device_put(host)
+    impl = _key_impl(like)
+    return out if impl is None else jax.random.wrap_key_data(out, impl=impl)
+
+
+@ft.lru_cache(maxsize=256)
+def _weak_identity(shape: tuple[int, ...], dtype: Any, placement: _Placement) -> Any:
+    """An identity program whose result is weakly typed, compiled for `placement`.
+
+    `jax.device_put` makes strongly typed arrays, and a program's result is weak only
+    if its argument is; a program compiled for a weak argument makes any argument of
+    that shape and dtype a weak result, without a `jax.numpy` program per member count.
+    """
+    spec = jax.ShapeDtypeStruct(shape, dtype, weak_type=True)
+    if placement.committed_to is None:
+        program = jax.jit(_identity)
+    else:
+        program = jax.jit(_identity, out_shardings=placement.committed_to)
+    with jax.default_device(placement.device):
+        return program.lower(spec).compile()
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
 # ------------------------------------------------------------------------------------
-# Compiled per-leaf programs: cached by shape, dtype and axis, never by member count.
+# Compiled programs: cached by shapes, dtypes and axes, never by member count.
 
 
 @ft.partial(jax.jit, static_argnums=2)
 def _index_one(x: jax.Array, i: jax.Array, axis: int) -> jax.Array:
+    # Negative indices count from the end, as they do eagerly.
+    i = jnp.where(i < 0, i + x.shape[axis], i)
     return lax.dynamic_index_in_dim(x, i, axis, keepdims=False)
 
 
 @ft.partial(jax.jit, static_argnums=2)
 def _take_many(x: jax.Array, indices: jax.Array, axis: int) -> jax.Array:
+    indices = jnp.where(indices < 0, indices + x.shape[axis], indices)
     return jnp.take(x, indices, axis=axis, mode="clip")
 
 
-def _to_device(pieces: list[np.ndarray], like: jax.Array, weak: bool) -> list[Any]:
-    """New JAX arrays holding copies of `pieces`, placed and weak-typed like `like`.
+# Members per call of the rows program. Its compile time grows with the number of
+# arrays it returns, its per-call overhead shrinks with it; 8 members keep the first
+# call about as fast as a transfer per piece, and later calls faster.
+_CHUNK = 8
 
-    `jax.device_put` spends most of its time re-deriving the abstract value and
-    sharding of every piece; all pieces of a leaf share them, so they are computed once
-    and the pieces go straight to XLA's batched transfer. This is also the one way to
-    create a weak-typed array without running an XLA program.
+
+def _rows_identity(
+    columns: list[list[jax.Array]], key_impls: tuple[Any, ...]
+) -> list[list[jax.Array]]:
+    # Traced: the rows arrive as the program's arguments.
+    return [
+        column
+        if impl is None
+        else [jax.random.wrap_key_data(r, impl=impl) for r in column]
+        for column, impl in zip(columns, key_impls, strict=True)
+    ]
+
+
+@ft.cache
+def _rows_program(committed_to: jax.sharding.Sharding | None) -> Any:
+    if committed_to is None:
+        return jax.jit(_rows_identity, static_argnums=1)
+    return jax.jit(_rows_identity, static_argnums=1, out_shardings=committed_to)
+
+
+def _arrays_from_rows(
+    hosts: list[np.ndarray], key_impls: tuple[Any, ...], placement: _Placement
+) -> list[list[jax.Array]]:
+    """For each host array (member axis first), its rows as new JAX arrays.
+
+    `jax.device_put` of a list spends most of its time in Python, deriving the abstract
+    value and sharding of every piece. A compiled call takes its NumPy arguments and
+    makes its results in C++, so an identity program over `_CHUNK` rows of every leaf
+    (wrapping key data into typed keys) creates the pieces in bulk. The program is the
+    same for every chunk and every member count of this structure.
     """
-    if not pieces:
-        return []
-    placement = _placement(like)
-    committed = placement is not None
-    if placement is None:
-        # Uncommitted arrays stay where they are; pieces of an array sharded over
-        # several devices go, uncommitted, to the default device like `jnp` results.
-        devices = like.sharding.device_set
-        device = next(iter(devices)) if len(devices) == 1 else jax.devices()[0]
-        placement = jax.sharding.SingleDeviceSharding(device)
-    device = next(iter(placement.device_set))
-    aval = jax.core.ShapedArray(pieces[0].shape, pieces[0].dtype, weak_type=weak)
-    put, devices = xla_client.batched_device_put, [device]
-    out = [put(aval, placement, [piece], devices, committed) for piece in pieces]
-    if is_key(like):
-        impl = jax.random.key_impl(like)
-        out = [jax.random.wrap_key_data(data, impl=impl) for data in out]
-    return out
+    size = len(hosts[0])
+    columns: list[list[jax.Array]] = [[] for _ in hosts]
+    if size == 0:
+        return columns
+    program = _rows_program(placement.committed_to)
+    chunk = min(_CHUNK, size)
+    with jax.default_device(placement.device):
+        for start in range(0, size, chunk):
+            # The last chunk overlaps the one before instead of being shorter, so
+            # that it runs the same program.
+            first = min(start, size - chunk)
+            rows = [list(host[first : first + chunk]) for host in hosts]
+            for column, pieces in zip(columns, program(rows, key_impls), strict=True):
+                column.extend(pieces[start - first :])
+    return columns
 
 
 # ------------------------------------------------------------------------------------
@@ -142,7 +220,7 @@ def _same_value(a: Any, b: Any) -> bool:
             return False
         if _is_weak(a) != _is_weak(b):
             return False
-        return _host(a).tobytes() == _host(b).tobytes()
+        return host_array(a).tobytes() == host_array(b).tobytes()
     if isinstance(a, float):
         return (
             a == b
@@ -172,6 +250,16 @@ def _check_kept_once(column: list[Any], path: KeyPath, argname: str) -> None:
             continue
         here = leaf_name(f"{argname}[{i}]", path)
         there = leaf_name(f"{argname}[0]", path)
+        if is_array(leaf) and not is_array(first):
+            raise BatchError(
+                f"`{here}` is an array ({describe(leaf)}) but `{there}` is "
+                f"{_describe_leaf(first)} ({type(first).__name__}), not an array. "
+                "Member 0 decides a leaf's axis spec (`eqx.if_array(0)`, the default, "
+                "maps arrays only), so this leaf is kept once and must be equal across "
+                "members. To stack it, make it an array in every member, "
+                f"`jnp.asarray({_describe_leaf(first)})` in `{there}` too; to keep it "
+                "once, give every member the same non-array value."
+            )
         if is_array(first) or is_array(leaf):
             if (_is_tracer(first) or _is_tracer(leaf)) and type(first) is type(leaf):
                 raise BatchError(
@@ -317,6 +405,14 @@ def _check_column(
                 f"`{here}` has dtype {leaf.dtype} but `{there}` has dtype "
                 f"{first.dtype}. Cast the members to one dtype before stacking."
             )
+        if _is_weak(leaf) != _is_weak(first):
+            weak, strong = (here, there) if _is_weak(leaf) else (there, here)
+            raise BatchError(
+                f"`{weak}` is weakly typed ({describe(leaf)}, as made from a Python "
+                f"scalar) but `{strong}` is not. A stacked array has one weak type, "
+                "so unstacking could not give both back. Make every member's leaf "
+                f"strongly typed: `jnp.asarray(x, dtype=jnp.{leaf.dtype})`."
+            )
         shape, first_shape = list(np.shape(leaf)), list(np.shape(first))
         if axis is not None and len(shape) == len(first_shape):
             shape[axis] = first_shape[axis] = -1
@@ -334,14 +430,14 @@ def _join(column: list[Any], axis: int, new_axis: bool) -> Any:
     jnp_join = jnp.stack if new_axis else jnp.concatenate
     if all(_is_numpy(leaf) for leaf in column):
         return np_join(column, axis=axis)
-    if any(_is_tracer(leaf) for leaf in column):
-        return jnp_join([jnp.asarray(leaf) for leaf in column], axis=axis)
+    # `_check_column` has made sure that the weak types agree, so `_put` makes the
+    # result weak like member 0's leaf.
     jax_leaves = [leaf for leaf in column if isinstance(leaf, jax.Array)]
-    like = jax_leaves[0]
-    weak = all(_is_weak(leaf) for leaf in jax_leaves) and len(jax_leaves) == len(column)
-    if all(_on_cpu(leaf) for leaf in jax_leaves):
-        host = np_join([_host(leaf) for leaf in column], axis=axis)
-        return _to_device([host], like, weak)[0]
+    if not any(_is_tracer(leaf) for leaf in column) and all(
+        _on_cpu(leaf) for leaf in jax_leaves
+    ):
+        host = np_join([host_array(leaf) for leaf in column], axis=axis)
+        return _put(host, jax_leaves[0])
     return jnp_join([jnp.asarray(leaf) for leaf in column], axis=axis)
 
 
@@ -399,34 +495,82 @@ def _sizes(tree: Any, axes: Any, argname: str) -> tuple[list, int]:
     return leaves, size
 
 
-def _split(leaf: Any, axis: int, size: int) -> list[Any]:
-    """`leaf` cut into `size` pieces along `axis`, each without that axis."""
-    if _is_numpy(leaf):
-        # `np.array` keeps 0-d pieces ndarrays (iteration would give NumPy scalars).
-        return [np.array(piece) for piece in np.moveaxis(leaf, axis, 0)]
-    if _is_tracer(leaf):
-        return [lax.index_in_dim(leaf, i, axis, keepdims=False) for i in range(size)]
-    if _on_cpu(leaf):
-        pieces = list(np.moveaxis(_host(leaf), axis, 0))
-        return _to_device(pieces, leaf, _is_weak(leaf))
-    return [_index_one(leaf, i, axis) for i in range(size)]
+def _split_leaves(
+    leaves: list[tuple[KeyPath, Any, int | None]], size: int
+) -> list[list[Any]]:
+    """For each `(path, leaf, axis)` of `mapped_leaves`, its `size` member pieces.
+
+    A leaf with axis None is given to every member as it is.
+    """
+    columns: list[list[Any]] = []
+    # CPU leaves, by where their pieces go: their member rows (host views) and
+    # their positions in `columns`, split together by `_arrays_from_rows`.
+    by_placement: dict[_Placement, list[tuple[int, np.ndarray, Any]]] = {}
+    for _, leaf, axis in leaves:
+        if axis is None:
+            columns.append([leaf] * size)
+        elif _is_numpy(leaf):
+            # `np.array` keeps 0-d pieces ndarrays (iteration gives NumPy scalars).
+            columns.append([np.array(piece) for piece in np.moveaxis(leaf, axis, 0)])
+        elif _is_tracer(leaf):
+            pieces = [
+                lax.index_in_dim(leaf, i, axis, keepdims=False) for i in range(size)
+            ]
+            columns.append(pieces)
+        elif _on_cpu(leaf) and _is_weak(leaf):
+            # Rare (stacked Python scalars), so one program call per piece.
+            rows = np.moveaxis(host_array(leaf), axis, 0)
+            columns.append([_put(np.asarray(row), leaf) for row in rows])
+        elif _on_cpu(leaf):
+            rows = np.moveaxis(host_array(leaf), axis, 0)
+            group = by_placement.setdefault(_placement(leaf), [])
+            group.append((len(columns), rows, _key_impl(leaf)))
+            columns.append([])
+        else:
+            columns.append([_index_one(leaf, i, axis) for i in range(size)])
+    for placement, group in by_placement.items():
+        positions, hosts, key_impls = zip(*group, strict=True)
+        split = _arrays_from_rows(list(hosts), key_impls, placement)
+        for position, pieces in zip(positions, split, strict=True):
+            columns[position] = pieces
+    return columns
 
 
 def _select(leaf: Any, where: Any, axis: int) -> Any:
-    """`leaf` indexed along `axis` by an integer (dropping the axis) or a 1-d array."""
+    """`leaf` indexed along `axis` by an integer (dropping the axis) or a 1-d array.
+
+    Integers must be in range when concrete; traced ones wrap once if negative and
+    are then clamped.
+    """
     concrete = not _is_tracer(leaf) and not _is_tracer(where)
     if concrete and _is_numpy(leaf):
         # `np.array` keeps a 0-d result an ndarray rather than a NumPy scalar.
         return np.array(np.take(leaf, where, axis=axis))
     if concrete and _on_cpu(leaf):
-        picked = np.asarray(np.take(_host(leaf), where, axis=axis))
-        return _to_device([picked], leaf, _is_weak(leaf))[0]
+        return _put(np.asarray(np.take(host_array(leaf), where, axis=axis)), leaf)
     if np.ndim(where) == 0:
         return _index_one(jnp.asarray(leaf), where, axis)
     return _take_many(jnp.asarray(leaf), jnp.asarray(where), axis)
 
 
+def _is_bool(x: Any) -> bool:
+    return isinstance(x, (bool, np.bool_)) or getattr(x, "dtype", None) == np.bool_
+
+
+def _check_traced_index(i: Any, argname: str) -> None:
+    if not jnp.issubdtype(i.dtype, jnp.integer):
+        raise BatchError(
+            f"`{argname}` is a traced {describe(i)}; an index must be an integer "
+            "(bools are refused, not read as 0 and 1)."
+        )
+
+
 def _check_index(i: Any, size: int, argname: str) -> int:
+    if _is_bool(i):
+        raise BatchError(
+            f"`{argname}` is {i!r}, a bool; an index must be an integer (bools are "
+            "refused, not read as 0 and 1)."
+        )
     try:
         index_ = operator.index(i)
     except TypeError:
@@ -445,6 +589,31 @@ def _check_index(i: Any, size: int, argname: str) -> int:
 # Public API.
 
 
+def _members(trees: Any, verb: str) -> list[Any]:
+    """`trees` as a list of members, refusing what is one member or has no order."""
+    is_sequence = isinstance(trees, (Sequence, Iterator)) and not isinstance(
+        trees, (str, bytes)
+    )
+    namedtuple = isinstance(trees, tuple) and hasattr(trees, "_fields")
+    if is_sequence and not namedtuple:
+        return list(trees)
+    what = f"a {type(trees).__qualname__}"
+    if isinstance(trees, Mapping):
+        what += f" with keys {list(trees)[:5]}"
+    elif is_array(trees):
+        what = f"an array ({describe(trees)})"
+    raise BatchError(
+        f"`trees` is {what}, but {verb} takes a sequence of members: a list or tuple "
+        f"with one pytree per member, as in `eb.{verb}([a, b])`. To {verb} a "
+        f"single member, pass `[trees]`"
+        + (
+            "; to use the fields of this NamedTuple as members, `list(trees)`."
+            if namedtuple
+            else "."
+        )
+    )
+
+
 def stack(trees: Sequence[Tree], *, axes: Any = eqx.if_array(0)) -> Tree:
     """Stacks a sequence of pytrees into one pytree with a member axis.
 
@@ -457,8 +626,10 @@ def stack(trees: Sequence[Tree], *, axes: Any = eqx.if_array(0)) -> Tree:
 
     **Arguments:**
 
-    - `trees`: a non-empty sequence of pytrees with the same structure (Equinox
-        modules, dicts, lists, tuples, NamedTuples, nested).
+    - `trees`: a non-empty sequence (a list, a tuple, or an iterator) of members:
+        pytrees with the same structure (Equinox modules, dicts, lists, tuples,
+        NamedTuples, nested). One member on its own (a dict, a module, a NamedTuple,
+        an array) is refused rather than read as a sequence of its keys or fields.
     - `axes`: an axis spec, a pytree prefix of `trees[0]` of `None`, ints and callables
         such as `eqx.if_array(0)` (the default). An int is where the new member axis
         goes in the stacked leaf; `None` marks a leaf that is shared, kept once.
@@ -467,14 +638,19 @@ def stack(trees: Sequence[Tree], *, axes: Any = eqx.if_array(0)) -> Tree:
 
     One pytree of the same structure. Mapped array leaves are stacked along their member
     axis (NumPy leaves stay NumPy, JAX arrays stay JAX arrays on the same device, typed
-    PRNG keys stay typed keys); every other leaf is member 0's.
+    PRNG keys stay typed keys); every other leaf is member 0's. A stacked leaf is
+    weakly typed (as `jnp.asarray(1.0)` is) when every member's is, so that `unstack`
+    gives back exactly what was stacked.
 
     **Raises:**
 
-    `BatchError` if `trees` is empty; if the members differ in structure (naming the
-    first differing path); if a mapped leaf is not an array or differs in shape or dtype
-    across members; or if a leaf kept once differs across members (same type and value
-    are needed: two separately created lambdas are different objects).
+    `BatchError` if `trees` is not a sequence of members, or is empty; if the members
+    differ in structure (naming the first differing path); if a mapped leaf is not an
+    array, or differs in shape, dtype or weak type across members (a weakly typed
+    leaf in one member and a strongly typed one in another cannot both survive a
+    round trip, so the mix is refused); or if a leaf kept once differs across members
+    (same type and value are needed: two separately created lambdas are different
+    objects).
 
     !!! Example
 
@@ -484,7 +660,9 @@ def stack(trees: Sequence[Tree], *, axes: Any = eqx.if_array(0)) -> Tree:
         stacked.weight.shape  # (4, 3, 2)
         ```
     """
-    return _join_members(list(trees), axes, "trees", "stack", new_axis=True)
+    return _join_members(
+        _members(trees, "stack"), axes, "trees", "stack", new_axis=True
+    )
 
 
 def unstack(tree: Tree, *, axes: Any = eqx.if_array(0)) -> list[Tree]:
@@ -523,10 +701,7 @@ def unstack(tree: Tree, *, axes: Any = eqx.if_array(0)) -> list[Tree]:
     """
     leaves, size = _sizes(tree, axes, "tree")
     treedef = jtu.tree_structure(tree)
-    columns = [
-        [leaf] * size if axis is None else _split(leaf, axis, size)
-        for _, leaf, axis in leaves
-    ]
+    columns = _split_leaves(leaves, size)
     return [treedef.unflatten(member) for member in zip(*columns, strict=True)]
 
 
@@ -569,8 +744,9 @@ def index(tree: Tree, i: int, *, axes: Any = eqx.if_array(0)) -> Tree:
     **Arguments:**
 
     - `tree`: a stacked pytree.
-    - `i`: the member, an integer; negative values count from the end. A traced `i`
-        (inside `jax.jit`) cannot be checked and is clamped into range.
+    - `i`: the member, an integer (not a bool); negative values count from the end.
+        A traced `i` (inside `jax.jit`) cannot be range-checked: a negative one
+        counts from the end as well, and the result is clamped into range.
     - `axes`: an axis spec, as for `stack`.
 
     **Returns:**
@@ -580,8 +756,8 @@ def index(tree: Tree, i: int, *, axes: Any = eqx.if_array(0)) -> Tree:
 
     **Raises:**
 
-    `BatchError` if `i` is not an integer or is out of range, or for the reasons
-    `batch_size` raises.
+    `BatchError` if `i` is not an integer (a bool included) or is out of range, or
+    for the reasons `batch_size` raises.
 
     !!! Example
 
@@ -591,7 +767,9 @@ def index(tree: Tree, i: int, *, axes: Any = eqx.if_array(0)) -> Tree:
         ```
     """
     leaves, size = _sizes(tree, axes, "tree")
-    if not _is_tracer(i):
+    if _is_tracer(i):
+        _check_traced_index(i, "i")
+    else:
         i = _check_index(i, size, "i")
     out = [leaf if axis is None else _select(leaf, i, axis) for _, leaf, axis in leaves]
     return jtu.tree_unflatten(jtu.tree_structure(tree), out)
@@ -606,9 +784,10 @@ def take(tree: Tree, indices: Any, *, axes: Any = eqx.if_array(0)) -> Tree:
     **Arguments:**
 
     - `tree`: a stacked pytree.
-    - `indices`: a 1-d sequence or array of integers; negative values count from the
-        end. Traced indices (inside `jax.jit`) cannot be checked and are clamped into
-        range.
+    - `indices`: a 1-d sequence or array of integers (not bools); negative values
+        count from the end. Traced indices (inside `jax.jit`) cannot be
+        range-checked: negative ones count from the end as well, and the results are
+        clamped into range.
     - `axes`: an axis spec, as for `stack`.
 
     **Returns:**
@@ -617,8 +796,10 @@ def take(tree: Tree, indices: Any, *, axes: Any = eqx.if_array(0)) -> Tree:
 
     **Raises:**
 
-    `BatchError` if `indices` is not a 1-d array of integers, if an index is out of
-    range, or for the reasons `batch_size` raises.
+    `BatchError` if `indices` is not a 1-d array of integers or holds a bool, if an
+    index is out of range (checked in the indices' own dtype, so a `uint64` above
+    int64's range is out of range, not negative), or for the reasons `batch_size`
+    raises.
 
     !!! Example
 
@@ -632,22 +813,29 @@ def take(tree: Tree, indices: Any, *, axes: Any = eqx.if_array(0)) -> Tree:
     positions = indices if traced else np.asarray(indices)
     # An empty Python list becomes a float array; it selects nothing either way.
     empty = not traced and positions.size == 0
-    if positions.ndim != 1 or not (
-        jnp.issubdtype(positions.dtype, jnp.integer) or empty
+    # NumPy reads `[1, True]` as integers; a bool is refused wherever it is.
+    has_bool = isinstance(indices, (list, tuple)) and any(map(_is_bool, indices))
+    if (
+        positions.ndim != 1
+        or not (jnp.issubdtype(positions.dtype, jnp.integer) or empty)
+        or has_bool
     ):
         raise BatchError(
             f"`indices` is {describe(positions)}; it must be a 1-d sequence or array "
-            "of integers (use `eb.index` for a single member)."
+            "of integers, without bools (use `eb.index` for a single member)."
         )
     if not traced:
-        positions = positions.astype(np.int64)
-        bad = (positions < -size) | (positions >= size)
+        # Checked in the indices' own dtype: casting first would wrap a uint64 above
+        # int64's range to a negative index.
+        bad = positions >= size
+        if not jnp.issubdtype(positions.dtype, jnp.unsignedinteger):
+            bad |= positions < -size
         if bad.any():
             raise BatchError(
                 f"indices {positions[bad].tolist()} are out of range for {size} "
                 f"members (valid: {-size} to {size - 1})."
             )
-        positions = positions % max(size, 1)
+        positions = positions.astype(np.int64) % max(size, 1)
     out = [
         leaf if axis is None else _select(leaf, positions, axis)
         for _, leaf, axis in leaves
@@ -663,7 +851,8 @@ def concat(trees: Sequence[Tree], *, axes: Any = eqx.if_array(0)) -> Tree:
 
     **Arguments:**
 
-    - `trees`: a non-empty sequence of stacked pytrees with the same structure.
+    - `trees`: a non-empty sequence of stacked pytrees with the same structure (one
+        stacked pytree on its own is refused, as by `stack`).
     - `axes`: an axis spec, as for `stack`, here naming the existing member axis.
 
     **Returns:**
@@ -672,9 +861,10 @@ def concat(trees: Sequence[Tree], *, axes: Any = eqx.if_array(0)) -> Tree:
 
     **Raises:**
 
-    `BatchError` if `trees` is empty; if the trees differ in structure; if a tree's own
-    mapped leaves disagree on its member count; if a mapped leaf differs in dtype, or in
-    shape other than along the member axis; or if a leaf kept once differs.
+    `BatchError` if `trees` is not a sequence of stacked pytrees, or is empty; if the
+    trees differ in structure; if a tree's own mapped leaves disagree on its member
+    count; if a mapped leaf differs in dtype or weak type, or in shape other than along
+    the member axis; or if a leaf kept once differs.
 
     !!! Example
 
@@ -684,4 +874,5 @@ def concat(trees: Sequence[Tree], *, axes: Any = eqx.if_array(0)) -> Tree:
         eb.concat([a, b])["w"].shape  # (7, 3)
         ```
     """
-    return _join_members(list(trees), axes, "trees", "concat", new_axis=False)
+    members = _members(trees, "concat")
+    return _join_members(members, axes, "trees", "concat", new_axis=False)

@@ -27,18 +27,23 @@ def is_key(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _is_int(x: Any) -> TypeGuard[int]:
+def is_int(x: Any) -> TypeGuard[int]:
+    """Whether `x` is a Python `int` and not a `bool`."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+# The name `_vmap` and `_sizes` import; they move to `is_int`.
+_is_int = is_int
+
+
 def _resolve_subtree(spec: Any, subtree: Any, argname: str, path: KeyPath) -> Any:
-    if spec is None or _is_int(spec):
+    if spec is None or is_int(spec):
         return jtu.tree_map(lambda _: spec, subtree)
     if callable(spec):
 
         def call(leaf_path: KeyPath, leaf: Any) -> int | None:
             axis = spec(leaf)
-            if axis is not None and not _is_int(axis):
+            if axis is not None and not is_int(axis):
                 raise BatchError(
                     f"axis spec for `{leaf_name(argname, path + leaf_path)}` returned "
                     f"{axis!r}; a callable spec must return an int or None."

@@ -237,31 +237,44 @@ def _compiles(fn: Callable[[], Any]) -> int:
 
 @pytest.mark.parametrize("placement", ["default", "committed"])
 def test_compilations_do_not_grow_with_members(placement):
-    def fresh(n: int, width: int) -> Any:
+    def fresh(n: int) -> Any:
         # A width unused elsewhere, so no earlier test has compiled for these shapes.
         tree = {
-            "w": jnp.ones((n, width, 3)),
-            "b": jnp.ones((n, width), jnp.int32),
+            "w": jnp.ones((n, 17, 3)),
+            "b": jnp.ones((n, 17), jnp.int32),
             "k": jr.split(jr.key(0), n),
-            "weak": jnp.full((n, width), 2.0),
         }
         if placement == "committed":
             tree = jax.device_put(tree, jax.devices()[1])
         return jax.block_until_ready(tree)
 
-    counts = {}
-    for n, width in ((3, 17), (40, 19)):
-        tree = fresh(n, width)
+    def count(tree: Any) -> tuple[int, ...]:
+        n = eb.batch_size(tree)
         members = eb.unstack(tree)
-        counts[n] = (
-            _compiles(lambda t=tree: eb.unstack(t)),
-            _compiles(lambda m=members: eb.stack(m)),
-            _compiles(lambda t=tree, n=n: [eb.index(t, i) for i in range(n)]),
-            _compiles(lambda t=tree: eb.concat([t, t])),
+        return (
+            _compiles(lambda: eb.unstack(tree)),
+            _compiles(lambda: eb.stack(members)),
+            _compiles(lambda: [eb.index(tree, i) for i in range(n)]),
+            _compiles(lambda: eb.take(tree, [n - 1, 0])),
+            _compiles(lambda: eb.concat([tree, tree])),
         )
-    assert counts[3] == counts[40]
-    # Concrete CPU arrays go through host NumPy: no XLA program at all.
-    assert counts[40] == (0, 0, 0, 0)
+
+    # The first unstack of a structure compiles its one rows program, whatever the
+    # member count; stacking, indexing and concatenating CPU arrays compile nothing.
+    first = fresh(40)
+    assert _compiles(lambda: eb.unstack(first)) <= 1
+    assert count(first) == (0, 0, 0, 0, 0)
+    assert count(fresh(57)) == (0, 0, 0, 0, 0)
+    assert count(fresh(9)) == (0, 0, 0, 0, 0)
+
+
+def test_weak_leaves_compile_per_shape_not_per_call():
+    weak = jax.block_until_ready(jnp.full((5, 23), 2.0))
+    members = eb.unstack(weak)
+    eb.stack(members)
+    assert _compiles(lambda: eb.unstack(weak)) == 0
+    assert _compiles(lambda: eb.stack(members)) == 0
+    assert _compiles(lambda: [eb.index(weak, i) for i in range(5)]) == 0
 
 
 # ------------------------------------------------------------------------------------
@@ -555,6 +568,86 @@ def test_no_array_leaf():
     ):
         _raises("no array leaf", lambda fn=fn: fn({"a": 1.0, "b": "x"}))
     _raises("no array leaf", lambda: eb.unstack({"w": jnp.zeros(3)}, axes=None))
+
+
+def test_traced_negative_indices_count_from_the_end():
+    tree = {"w": jnp.arange(4.0)}
+    assert jax.jit(eb.take)(tree, jnp.array([-1]))["w"].tolist() == [3.0]
+    assert jax.jit(eb.take)(tree, jnp.array([-4, -1, 2]))["w"].tolist() == [0, 3, 2]
+    assert jax.jit(eb.index)(tree, jnp.array(-1))["w"] == 3.0
+    assert jax.jit(eb.index)(tree, jnp.array(-4))["w"] == 0.0
+    # Eagerly the same, on CPU, NumPy and weakly typed leaves.
+    for leaf in (jnp.arange(4.0), np.arange(4.0), jnp.full(4, 3.0)):
+        assert eb.take({"w": leaf}, jnp.array([-1]))["w"].tolist() == [leaf[-1]]
+        assert eb.index({"w": leaf}, -1)["w"] == leaf[-1]
+
+
+def test_uint64_indices_are_range_checked_before_casting():
+    tree = {"w": jnp.arange(3.0)}
+    huge = np.array([2**64 - 1], np.uint64)  # -1 if cast to int64 first
+    _raises("out of range", lambda: eb.take(tree, huge), str(2**64 - 1))
+    _raises("out of range", lambda: eb.take(tree, [2**63 + 5]))
+    _raises("out of range", lambda: eb.index(tree, np.uint64(2**64 - 1)))
+    assert eb.take(tree, np.array([2], np.uint64))["w"].tolist() == [2.0]
+    assert eb.index(tree, np.uint64(1))["w"] == 1.0
+
+
+@pytest.mark.parametrize("index", [True, False, np.bool_(True), np.array(True)])
+def test_bools_are_refused_as_indices(index):
+    tree = {"w": jnp.arange(3.0)}
+    _raises("bool", lambda: eb.index(tree, index))
+    _raises("integers", lambda: eb.take(tree, [index]))
+    _raises("integers", lambda: eb.take(tree, [1, index]))
+    with pytest.raises(eb.BatchError, match="integer"):
+        jax.jit(eb.index)(tree, jnp.asarray(index))
+
+
+@pytest.mark.parametrize(
+    "trees, words",
+    [
+        ({"w": jnp.ones(2)}, "a dict with keys ['w']"),
+        (jnp.ones((3, 2)), "an array"),
+        ("ab", "a str"),
+        (Pair(jnp.ones(2), jnp.ones(2)), "list(trees)"),
+        (eqx.nn.Linear(2, 2, key=jr.key(0)), "a Linear"),
+        ({jnp.ones(2).tobytes()}, "a set"),
+    ],
+)
+def test_stack_takes_a_sequence_of_members(trees, words):
+    for fn, verb in ((eb.stack, "stack"), (eb.concat, "concat")):
+        message = _raises(f"{verb} takes a sequence", lambda fn=fn: fn(trees))
+        assert words in message and "[trees]" in message
+
+
+def test_stack_accepts_tuples_and_iterators():
+    members = [{"w": jnp.full(2, float(i))} for i in range(3)]
+    expected = eb.stack(members)
+    assert_trees_identical(eb.stack(tuple(members)), expected)
+    assert_trees_identical(eb.stack(iter(members)), expected)
+    assert_trees_identical(eb.stack(m for m in members), expected)
+
+
+def test_weak_and_strong_members_are_refused():
+    mixed = [jnp.asarray(1.0), jnp.ones(())]
+    message = _raises("weakly typed", lambda: eb.stack(mixed), "trees[0]", "trees[1]")
+    assert "jnp.asarray(x, dtype=jnp.float32)" in message
+    _raises("weakly typed", lambda: eb.stack(mixed[::-1]))
+    _raises("weakly typed", lambda: eb.stack([np.float32(1.0), jnp.asarray(1.0)]))
+    _raises("weakly typed", lambda: eb.concat([jnp.full(2, 1.0), jnp.ones(2)]))
+    # The advised fix makes a round trip exact.
+    fixed = [jnp.asarray(x, dtype=jnp.float32) for x in mixed]
+    _assert_members_identical(eb.unstack(eb.stack(fixed)), fixed)
+    weak = [jnp.asarray(1.0), jnp.asarray(2.0)]
+    _assert_members_identical(eb.unstack(eb.stack(weak)), weak)
+
+
+def test_python_scalar_then_array_gets_advice_that_stacks():
+    members = [{"a": 1.0}, {"a": jnp.array(1.0)}]
+    message = _raises("kept once", lambda: eb.stack(members), "trees[1]['a']")
+    assert "`jnp.asarray(1.0)` in `trees[0]['a']`" in message
+    # Following the advice stacks the leaf.
+    advised = [{"a": jnp.asarray(1.0)}, {"a": jnp.array(1.0)}]
+    assert eb.stack(advised)["a"].tolist() == [1.0, 1.0]
 
 
 def test_index_out_of_range():
