@@ -370,7 +370,7 @@ class _Scan:
 
     def _works_as_one_layer(self, x: Any) -> bool:
         def apply_whole(layers: Any, x: Any, state: Any, xs: Any) -> None:
-            inputs = [x] + [state] * (state is not None)
+            inputs = [x] if state is None else [x, state]
             if xs is not None:
                 inputs.append(jax.tree.map(_first, xs))
             new_x = self._unpack(self.apply(layers, *inputs))[0]
