@@ -1,20 +1,29 @@
-"""`eb.filter_pmap` and `eb.shard` in a job of 2 processes with 2 CPU devices each.
+"""`eb.filter_pmap`, `eb.shard` and `eb.run_chains` in a job of 2 processes with 2 CPU
+devices each.
 
 The job's results must equal, bit for bit, the same computation in this (single)
 process over its 4 forced devices: the partitioned program is the same, only the
 devices live in different processes.
 """
 
+import json
 import os
 import pathlib
+import time
 
 import numpy as np
 import pytest
-from multiprocess_launch import launch
+import safetensors
+from chains_worker import outputs, run as run_chains_workload
+from helpers import assert_trees_identical
+from multiprocess_launch import Job, launch
 from multiprocess_worker import computation
+
+import eqx_batch as eb
 
 
 WORKER = pathlib.Path(__file__).parent / "multiprocess_worker.py"
+CHAINS_WORKER = pathlib.Path(__file__).parent / "chains_worker.py"
 
 
 def test_two_processes_match_one_process_bit_for_bit(tmp_path):
@@ -71,3 +80,42 @@ def test_launch_reaps_every_process(tmp_path, mode):
     # The one left waiting (or both, on timeout) was killed and waited for.
     for process_id in range(2):
         _assert_gone(tmp_path / f"pid{process_id}")
+
+
+def _progress(path: pathlib.Path) -> dict:
+    """A checkpoint's progress, read with safetensors alone."""
+    with safetensors.safe_open(path, "np") as file:
+        return json.loads(file.metadata()["run_chains.progress"])
+
+
+def _steps_done(path: pathlib.Path) -> int:
+    return _progress(path)["steps_done"]
+
+
+def test_two_processes_checkpoint_are_killed_and_resume(tmp_path):
+    # A job of 2 processes runs checkpointed chains (process 0 writes) and is
+    # SIGKILLed mid-run; a new job resumes from the checkpoint, and what each of its
+    # processes gets equals this one process's uninterrupted run, bit for bit.
+    num_chains, num_steps, every, thin = 16, 10_000, 200, 10
+    path, out = tmp_path / "run.ckpt", tmp_path / "job.eqx"
+    args = [str(out), str(num_chains), str(num_steps), str(path), str(every), str(thin)]
+    with Job.start(CHAINS_WORKER, ["--job", *args], timeout=480) as job:
+        deadline = time.monotonic() + 480
+        while not (path.exists() and _steps_done(path) >= 5 * every):
+            assert job.running(), job.finished()
+            assert time.monotonic() < deadline, "no checkpoint in 480 s"
+            time.sleep(0.001)
+        job.kill()
+    killed_at = _steps_done(path)
+    assert 0 < killed_at < num_steps, "the kill did not land mid-run"
+    first_draws = path.with_name(_progress(path)["draws"][0][0])
+    written = first_draws.stat().st_mtime_ns
+
+    # A generous timeout: each process compiles for a while on a busy machine.
+    launch(CHAINS_WORKER, ["--job", *args], timeout=480)
+    assert _steps_done(path) == num_steps
+    # Resumed, not restarted: the draws from before the kill were not written again.
+    assert first_draws.stat().st_mtime_ns == written
+    here = outputs(run_chains_workload("metropolis", num_chains, num_steps, thin=thin))
+    for process_id in range(2):
+        assert_trees_identical(eb.load(f"{out}.{process_id}", here), here)
