@@ -3,9 +3,12 @@
 `Stacked[Model, dims]` is a class whose metaclass implements `__instancecheck__` (and
 the `__instancecheck_str__` message hook read by beartype and jaxtyping), as jaxtyping's
 `Float[Array, "n"]` is. Its leading dims bind in jaxtyping's per-call memo, so they are
-checked against every other annotation of the call.
+checked against every other annotation of the call. That memo has no public reader, so
+the dims are bound the public way: by checking a jaxtyping array type,
+`Shaped[Any, dims]`, against the leading shape, and jaxtyping binds or compares them.
 """
 
+import contextvars
 import dataclasses
 import functools as ft
 import inspect
@@ -19,36 +22,18 @@ import jax.tree_util as jtu
 import jaxtyping
 from beartype import beartype
 from beartype.roar import BeartypeCallHintViolation
-from jaxtyping import AbstractArray, TypeCheckError
+from jaxtyping import AbstractArray, Shaped, TypeCheckError
 
 from ._errors import BatchError, KeyPath, leaf_name
 from ._tree import is_array
 
 
-# ------------------------------------------------------------------------------------
-# The one private access to jaxtyping.
-
-
-class _Memo(NamedTuple):
-    single: dict[str, int]
-    variadic: dict[str, tuple[bool, tuple[int, ...]]]
-    arguments: dict[str, Any]
-
-
-def _current_memo() -> _Memo:
-    """jaxtyping's dim bindings and call arguments for the innermost `jaxtyped` scope.
-
-    The dicts are jaxtyping's own, so writing to them binds dims for the rest of the
-    call. Outside any `jaxtyped` scope they are fresh and empty, and writes are lost.
-
-    jaxtyping has no public API to read these (`print_bindings` only prints), so this is
-    the one place that touches its private `_storage` module. `get_shape_memo` has this
-    form throughout jaxtyping 0.3.x, which `pyproject.toml` pins (`<0.4`).
-    """
-    from jaxtyping._storage import get_shape_memo
-
-    single, variadic, _, arguments = get_shape_memo()
-    return _Memo(single, variadic, arguments)
+# The arguments of the innermost call checked by `typecheck`, by name, so that a
+# message can name the argument a leaf belongs to. (jaxtyping records them too, but
+# only where its private storage can read them.)
+_ARGUMENTS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "eqx_batch_typecheck_arguments", default=None
+)
 
 
 # ------------------------------------------------------------------------------------
@@ -68,34 +53,37 @@ class _Instance(NamedTuple):
     fields: tuple[_Field, ...]
 
 
-class _Plan(NamedTuple):
-    """Everything the check needs from a tree's structure, computed once per treedef."""
+class _TreeLayout(NamedTuple):
+    """Where a tree structure's leaves are and which fields annotate them.
+
+    Computed once per treedef: everything a `Stacked` check needs from the structure.
+    """
 
     paths: tuple[KeyPath, ...]  # per leaf, in `tree_flatten` order
     instances: tuple[_Instance, ...]
 
 
-# Plans by treedef. A check that runs (each trace, or each eager call) then costs one C
-# flatten plus a few operations per array leaf, rather than a Python walk of the tree.
-_PLANS: dict[Any, _Plan] = {}
-_MAX_PLANS = 1024
+# Layouts by treedef. A check that runs (each trace, or each eager call) then costs one
+# C flatten plus a few operations per array leaf, rather than a Python walk of the tree.
+_LAYOUTS: dict[Any, _TreeLayout] = {}
+_MAX_LAYOUTS = 1024
 
 
-def _flatten(obj: Any) -> tuple[list[Any], _Plan]:
+def _flatten(obj: Any) -> tuple[list[Any], _TreeLayout]:
     leaves, treedef = jtu.tree_flatten(obj)
     try:
-        plan = _PLANS.get(treedef)
+        layout = _LAYOUTS.get(treedef)
     except TypeError:
-        # A static field holds something unhashable: plan without caching.
-        return leaves, _make_plan(obj)
-    if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[treedef] = _make_plan(obj)
-    return leaves, plan
+        # A static field holds something unhashable: lay out without caching.
+        return leaves, _make_layout(obj)
+    if layout is None:
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        layout = _LAYOUTS[treedef] = _make_layout(obj)
+    return leaves, layout
 
 
-def _make_plan(obj: Any) -> _Plan:
+def _make_layout(obj: Any) -> _TreeLayout:
     paths: list[KeyPath] = []
     instances: list[_Instance] = []
 
@@ -122,7 +110,7 @@ def _make_plan(obj: Any) -> _Plan:
             instances.append(_Instance(path, type(node), tuple(own)))
 
     walk(obj, ())
-    return _Plan(tuple(paths), tuple(instances))
+    return _TreeLayout(tuple(paths), tuple(instances))
 
 
 @ft.cache
@@ -178,23 +166,17 @@ def _is_array_type(hint: Any) -> bool:
 # The check.
 
 
-def _argument_name(obj: Any, arguments: dict[str, Any]) -> str:
-    # jaxtyping records the call's arguments; the checked value is one of them unless it
-    # is a return value (or is checked outside `jaxtyped`).
-    for name, value in arguments.items():
+def _argument_name(obj: Any) -> str:
+    # The checked value is one of the call's arguments unless it is a return value, or
+    # is checked outside `typecheck`: then its class stands in.
+    for name, value in (_ARGUMENTS.get() or {}).items():
         if value is obj:
             return name
     return type(obj).__qualname__
 
 
-def _bindings_str(single: dict[str, int]) -> str:
-    # jaxtyping keeps internal "~~delete~~..." entries in the memo; they are not dims.
-    shown = [f"{name}={size}" for name, size in single.items() if name[:2] != "~~"]
-    return ", ".join(shown) if shown else "none"
-
-
 class _MemberShape(NamedTuple):
-    """The shape and dtype of one member of a stacked leaf, as jaxtyping reads them."""
+    """A shape and dtype, as jaxtyping reads them from an array."""
 
     shape: tuple[int, ...]
     dtype: Any
@@ -238,6 +220,7 @@ class _StackedMeta(type):
     model: type
     dims: str
     parsed_dims: tuple[_Dim, ...]
+    leading: type[AbstractArray]  # `Shaped[Any, dims]`: binds the dims in jaxtyping
 
     def __repr__(cls) -> str:
         return f"eqx_batch.Stacked[{cls.model.__qualname__}, {cls.dims!r}]"
@@ -247,126 +230,140 @@ class _StackedMeta(type):
 
     def __instancecheck_str__(cls, obj: Any) -> str:
         """Empty if `obj` matches; else why not, naming the leaf and the dims."""
-        memo = _current_memo()
-        argname = _argument_name(obj, memo.arguments)
+        argname = _argument_name(obj)
         if not isinstance(obj, cls.model):
             return (
                 f"`{argname}` has type {type(obj).__qualname__}, not "
                 f"{cls.model.__qualname__} as {cls!r} expects."
             )
-        leaves, plan = _flatten(obj)
+        leaves, layout = _flatten(obj)
+        return _StackCheck(cls, argname, leaves, layout).run()
 
-        # Leading dims first bound by this value, and the leaf that bound each.
-        bound: dict[str, int] = {}
-        bound_by: dict[str, KeyPath] = {}
-        for index, leaf in enumerate(leaves):
-            if not is_array(leaf):
-                continue
-            message = cls._check_leading(
-                leaf, plan.paths[index], argname, memo, bound, bound_by
-            )
-            if message:
-                fields = [f for instance in plan.instances for f in instance.fields]
-                if _looks_unstacked(leaves, fields):
-                    message += " " + cls._unstacked_hint()
-                return message
+    def unstacked_hint(cls) -> str:
+        return (
+            "Field shapes fit their annotations without the leading dims, so this "
+            "looks like a single, unstacked model: stack the members (eb.stack) so "
+            f"that every array leaf gains the leading dims {cls.dims!r}."
+        )
 
+
+@dataclasses.dataclass
+class _StackCheck:
+    """One check of a value against a `Stacked` annotation, and what its steps share.
+
+    The steps, in order: every array leaf has the same leading shape, fitting the
+    fixed sizes; each module instance's fields fit their annotations per member; and
+    last, so that a failing check binds nothing, the leading shape binds (or is
+    compared with) the call's dims in jaxtyping's memo.
+    """
+
+    annotation: _StackedMeta
+    argname: str
+    leaves: list[Any]
+    layout: _TreeLayout
+    # The leading shape, and the first array leaf, which set it.
+    lead_shape: tuple[int, ...] | None = None
+    lead_leaf: int = -1
+
+    def run(self) -> str:
+        message = self.check_leading()
+        if message:
+            fields = [f for instance in self.layout.instances for f in instance.fields]
+            return self.with_hint(message, fields)
+        if self.lead_shape is None:
+            return ""  # No array leaf: nothing has leading dims.
         # Instances that have the same class and member shapes pass or fail together
         # (they start from the same bindings): a stack of 40 identical layers is
         # checked once.
         passed = set()
-        for instance in plan.instances:
+        for instance in self.layout.instances:
             signature = (instance.cls,) + tuple(
-                _member_signature(leaves[index], len(cls.parsed_dims))
+                _member_signature(self.leaves[index], len(self.lead_shape))
                 for index, _ in instance.fields
             )
             if signature in passed:
                 continue
-            message = cls._check_instance(
-                instance, leaves, plan.paths, argname, memo, bound
-            )
+            message = self.check_instance(instance)
             if message:
-                if _looks_unstacked(leaves, instance.fields):
-                    message += " " + cls._unstacked_hint()
-                return message
+                return self.with_hint(message, instance.fields)
             passed.add(signature)
-        memo.single.update(bound)
-        return ""
+        return self.check_call()
 
-    def _check_leading(
-        cls,
-        leaf: Any,
-        path: KeyPath,
-        argname: str,
-        memo: _Memo,
-        bound: dict[str, int],
-        bound_by: dict[str, KeyPath],
-    ) -> str:
-        shape = tuple(leaf.shape)
+    def with_hint(self, message: str, fields: Sequence[_Field]) -> str:
+        if _looks_unstacked(self.leaves, fields):
+            message += " " + self.annotation.unstacked_hint()
+        return message
+
+    def name(self, index: int) -> str:
+        return leaf_name(self.argname, self.layout.paths[index])
+
+    def check_leading(self) -> str:
+        """Every array leaf has at least the leading axes, and the same sizes there."""
+        cls = self.annotation
         lead = len(cls.parsed_dims)
-        if len(shape) < lead:
-            return (
-                f"`{leaf_name(argname, path)}` has shape {shape}, with fewer axes than "
-                f"the leading member dims {cls.dims!r} of {cls!r}: it looks unstacked. "
-                "Stack the members so that every array leaf gains those leading axes "
-                "(eb.stack)."
-            )
-        for axis in range(lead):
-            dim, size = cls.parsed_dims[axis], shape[axis]
-            if dim.name is None:
-                expected = dim.size
-            elif dim.name in bound:
-                expected = bound[dim.name]
-            elif dim.name in memo.single:
-                expected = memo.single[dim.name]
-            else:
-                bound[dim.name] = size
-                bound_by[dim.name] = path
+        for index, leaf in enumerate(self.leaves):
+            if not is_array(leaf):
                 continue
-            if size == expected:
-                continue
-            message = (
-                f"`{leaf_name(argname, path)}` has shape {shape}: axis {axis} is "
-                f"{size}, but {cls!r} expects "
-            )
-            if dim.name is None:
-                return message + f"it to be {expected}."
-            if dim.name in bound:
+            shape = tuple(leaf.shape)
+            if len(shape) < lead:
+                return (
+                    f"`{self.name(index)}` has shape {shape}, with fewer axes than the "
+                    f"leading member dims {cls.dims!r} of {cls!r}: it looks unstacked. "
+                    "Stack the members so that every array leaf gains those leading "
+                    "axes (eb.stack)."
+                )
+            if self.lead_shape is None:
+                self.lead_shape, self.lead_leaf = shape[:lead], index
+            for axis, dim in enumerate(cls.parsed_dims):
+                size = shape[axis]
+                expected = dim.size if dim.name is None else self.lead_shape[axis]
+                if size == expected:
+                    continue
+                message = (
+                    f"`{self.name(index)}` has shape {shape}: axis {axis} is {size}, "
+                    f"but {cls!r} expects "
+                )
+                if dim.name is None:
+                    return message + f"it to be {expected}."
                 return message + (
                     f"{dim.name}={expected}, as bound by "
-                    f"`{leaf_name(argname, bound_by[dim.name])}`. Every array leaf of "
-                    "a stacked model needs the same leading dims."
+                    f"`{self.name(self.lead_leaf)}`. Every array leaf of a stacked "
+                    "model needs the same leading dims."
                 )
-            return message + (
-                f"{dim.name}={expected}, as bound earlier in the call (current "
-                f"bindings: {_bindings_str(memo.single)})."
-            )
         return ""
 
-    def _check_instance(
-        cls,
-        instance: _Instance,
-        leaves: list[Any],
-        paths: tuple[KeyPath, ...],
-        argname: str,
-        memo: _Memo,
-        bound: dict[str, int],
-    ) -> str:
+    def lead_member_shape(self) -> _MemberShape:
+        return _MemberShape(self.lead_shape or (), self.leaves[self.lead_leaf].dtype)
+
+    def check_call(self) -> str:
+        """Binds the leading dims in the call's scope, or says how they disagree."""
+        reason = self.annotation.leading.__instancecheck_str__(  # pyright: ignore
+            self.lead_member_shape()
+        )
+        if not reason:
+            return ""
+        leaf = self.leaves[self.lead_leaf]
+        message = (
+            f"`{self.name(self.lead_leaf)}` has shape {tuple(leaf.shape)}, whose "
+            f"leading dims {self.annotation.dims!r} disagree with the dims bound "
+            f"earlier in the call: {reason}."
+        )
+        return self.with_hint(
+            message, [f for instance in self.layout.instances for f in instance.fields]
+        )
+
+    def check_instance(self, instance: _Instance) -> str:
         """Checks per-member shapes against field annotations in one fresh scope.
 
-        The scope starts from the call's bindings (including the leading dims just
-        bound), so a field dim that shares a name with the call must agree with it;
-        names first bound here are forgotten when this instance is done, so each
-        instance (each layer) binds its own.
+        The scope starts from the leading dims, so a field dim named like one of them
+        must agree with it. Field dims bind in this scope only, so each instance (each
+        layer) binds its own, and none of them binds the call's.
         """
-        lead = len(cls.parsed_dims)
+        lead = len(self.annotation.parsed_dims)
         with jaxtyping.jaxtyped("context"):
-            scope = _current_memo()
-            scope.single.update(memo.single)
-            scope.single.update(bound)
-            scope.variadic.update(memo.variadic)
+            isinstance(self.lead_member_shape(), self.annotation.leading)
             for index, field_types in instance.fields:
-                leaf = leaves[index]
+                leaf = self.leaves[index]
                 if not is_array(leaf):
                     continue
                 member = _MemberShape(tuple(leaf.shape[lead:]), leaf.dtype)
@@ -385,44 +382,33 @@ class _StackedMeta(type):
                         break
                     reasons.append(reason)
                 else:
-                    return cls._field_message(
-                        instance,
-                        paths[index],
-                        leaf,
-                        field_types,
-                        reasons,
-                        argname,
-                        scope,
-                    )
+                    return self.field_message(instance, index, field_types, reasons)
         return ""
 
-    def _field_message(
-        cls,
+    def field_message(
+        self,
         instance: _Instance,
-        path: KeyPath,
-        leaf: Any,
+        index: int,
         field_types: tuple[type[AbstractArray], ...],
         reasons: list[str],
-        argname: str,
-        scope: _Memo,
     ) -> str:
+        cls = self.annotation
         lead = len(cls.parsed_dims)
-        field = path[-1].name  # pyright: ignore[reportAttributeAccessIssue]
+        leaf = self.leaves[index]
+        field = self.layout.paths[index][-1].name
         annotation = " | ".join(t.__name__ for t in field_types)
         owner = instance.cls.__qualname__
-        return (
-            f"`{leaf_name(argname, path)}` has shape {tuple(leaf.shape)}, so each "
-            f"member's {field} has shape {tuple(leaf.shape[lead:])}, which does not "
-            f"match {owner}.{field}: {annotation}: {'; '.join(reasons)}. Bindings in "
-            f"this {owner} instance (`{leaf_name(argname, instance.path)}`): "
-            f"{_bindings_str(scope.single)}."
+        bindings = ", ".join(
+            f"{dim.name}={size}"
+            for dim, size in zip(cls.parsed_dims, self.lead_shape or (), strict=True)
+            if dim.name is not None
         )
-
-    def _unstacked_hint(cls) -> str:
         return (
-            "Field shapes fit their annotations without the leading dims, so this "
-            "looks like a single, unstacked model: stack the members (eb.stack) so "
-            f"that every array leaf gains the leading dims {cls.dims!r}."
+            f"`{self.name(index)}` has shape {tuple(leaf.shape)}, so each member's "
+            f"{field} has shape {tuple(leaf.shape[lead:])}, which does not match "
+            f"{owner}.{field}: {annotation}: {'; '.join(reasons)}. This {owner} "
+            f"instance (`{leaf_name(self.argname, instance.path)}`) is checked in a "
+            f"scope of its own, starting from the leading dims ({bindings or 'none'})."
         )
 
 
@@ -456,12 +442,14 @@ class _Stacked:
     with the rest of the call, like the names in `Float[Array, "n b 4"]`.
 
     Each module instance (each `eqx.Module` or NamedTuple in the tree) is checked in a
-    scope of its own. The scope starts from the bindings the call has made so far
-    (arguments are checked in order), so a field dim named like an already-bound dim of
-    the call must agree with it. The names an instance binds itself are forgotten when
-    it is done: two layers of one class each bind their own `out` and `in`, and field
-    dims never bind the call's. Name field dims differently from the call's dims unless
-    they are meant to be equal.
+    scope of its own, which starts from the leading dims: a field dim named like a
+    leading dim must agree with it. The names an instance binds itself are forgotten
+    when it is done: two layers of one class each bind their own `out` and `in`, and
+    field dims neither bind nor see the call's other dims (`in` of a field is not
+    compared with `in` of another argument).
+
+    A stack of stacks, `Stacked[Stacked[Model, "n"], "m"]`, is the same annotation as
+    `Stacked[Model, "m n"]`: a `Model` whose array leaves lead with `(m, n)`.
 
     An unstacked model is rejected wherever shapes can tell: when a field annotation
     leaves no room for the leading dims, or when another argument has bound them.
@@ -482,7 +470,7 @@ class _Stacked:
     - `Model`: the class of the stacked model: an `eqx.Module` subclass, `dict`,
         `tuple`, a NamedTuple, or any pytree class.
     - `dims`: the leading member dims, separated by spaces: names and fixed sizes,
-        such as `"n"`, `"chains 4"` or `"layers"`.
+        such as `"n"`, `"chains 4"` or `"m n"` (a grid).
 
     **Returns:**
 
@@ -492,8 +480,8 @@ class _Stacked:
 
     `eb.BatchError` if `Model` is not a class or `dims` is not a string of names and
     sizes. A value that does not match fails `isinstance`; under a typechecker the
-    violation's message names the leaf path, its shape and the expected dims with their
-    current bindings.
+    violation's message names the leaf path (under `eb.typecheck`, after the
+    argument's name; elsewhere after the class's), its shape and the expected dims.
 
     !!! Example
 
@@ -523,6 +511,10 @@ class _Stacked:
                 f"eb.Stacked[Model, 'n']; got {item!r}."
             )
         model, dims = item
+        if isinstance(model, _StackedMeta) and isinstance(dims, str):
+            # A stack of stacks is one model with both dims, outer first: the leaves
+            # of `Stacked[Stacked[Linear, "n"], "m"]` have leading axes (m, n).
+            return _make_stacked(model.model, " ".join(dims.split() + [model.dims]))
         if not inspect.isclass(model):
             raise BatchError(
                 f"eb.Stacked[{model!r}, ...]: the model must be a class (such as an "
@@ -547,6 +539,7 @@ def _make_stacked(model: type, dims: str) -> type:
             "model": model,
             "dims": dims,
             "parsed_dims": _parse_dims(dims),
+            "leading": Shaped[Any, dims],
             "__module__": "eqx_batch",
             "__doc__": f"An instance of {model.__qualname__} stacked along {dims!r}.",
         },
@@ -619,10 +612,16 @@ def _with_reason(checked: Any) -> Any:
     if not inspect.isfunction(checked):
         # A classmethod, staticmethod or property that jaxtyped wrapped in place.
         return checked
+    signature = inspect.signature(checked)
 
     @ft.wraps(checked)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
+        try:
+            arguments = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            arguments = {}  # jaxtyped reports the bad call.
+        token = _ARGUMENTS.set(arguments)
         try:
             return checked(*args, **kwargs)
         except TypeCheckError as e:
@@ -631,6 +630,8 @@ def _with_reason(checked: Any) -> Any:
             if reason is None or reason in str(e):
                 raise
             raise TypeCheckError(f"{e}\nReason: {reason}") from e
+        finally:
+            _ARGUMENTS.reset(token)
 
     return wrapper
 
