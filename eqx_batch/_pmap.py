@@ -39,14 +39,7 @@ from ._bind import bind_arguments, MappedCall
 from ._errors import BatchError, bullet_list, describe, leaf_name
 from ._outputs import join_output, OutputLayout, split_output
 from ._sizes import check_axis_size
-from ._tree import (
-    _is_none,
-    axis_sizes,
-    common_size,
-    is_array,
-    mapped_leaves,
-    resolve_axes,
-)
+from ._tree import axis_sizes, common_size, is_array, mapped_leaves, resolve_axes
 from ._vmap import bind_call, filter_vmap
 
 
@@ -178,7 +171,7 @@ class _Frozen:
 
     @classmethod
     def of(cls, tree: Any) -> "_Frozen":
-        leaves, treedef = jtu.tree_flatten(tree, is_leaf=_is_none)
+        leaves, treedef = jtu.tree_flatten(tree, is_leaf=lambda leaf: leaf is None)
         return cls(treedef, tuple(leaves))
 
     @property

@@ -19,7 +19,7 @@ import numpy as np
 
 from ._bind import DEFAULT_AXIS, LeavesByArgument
 from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
-from ._tree import _is_int, is_array, mapped_leaves
+from ._tree import is_array, is_int, mapped_leaves
 
 
 def check_axis_size(axis_size: Any) -> int | None:
@@ -325,7 +325,7 @@ def _suggest_in_axes(
 
 def _render_spec(spec: Any, value: Any) -> str | None:
     """How to write `spec` for `value` in a suggested `in_axes`, if it can be."""
-    if spec is None or _is_int(spec):
+    if spec is None or is_int(spec):
         return repr(spec)
     if isinstance(spec, eqx.if_array):
         leaves = jtu.tree_leaves(value)

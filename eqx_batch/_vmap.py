@@ -19,7 +19,7 @@ from ._bind import bind_arguments, MappedCall
 from ._errors import BatchError, leaf_name
 from ._outputs import join_output, OutputLayout, split_output
 from ._sizes import check_axis_size, mapped_size
-from ._tree import _is_int
+from ._tree import is_int
 
 
 def bind_call(
@@ -308,7 +308,7 @@ def filter_vmap(
             axis_size=axis_size,
             chunk_size=chunk_size,
         )
-    if chunk_size is not None and (not _is_int(chunk_size) or chunk_size < 1):
+    if chunk_size is not None and (not is_int(chunk_size) or chunk_size < 1):
         raise BatchError(
             f"chunk_size={chunk_size!r}; it must be a positive int (members mapped at "
             "a time), or None to map all members at once."
