@@ -119,6 +119,7 @@ def run(
 
 def main(argv: list[str]) -> None:
     job = argv[0] == "--job"
+    process_id = 0
     if job:
         from multiprocess_launch import initialize
 

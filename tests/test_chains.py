@@ -284,7 +284,7 @@ def _compilations(run: Any) -> int:
     """How many programs XLA compiles while `run()` runs."""
     seen = []
 
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
+    def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
             seen.append(event)
 
