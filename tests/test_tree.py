@@ -13,10 +13,18 @@ from eqx_batch._errors import bullet_list, describe, leaf_name
 from eqx_batch._tree import (
     common_size,
     is_array,
+    is_int,
     mapped_leaves,
     normalise_axis,
     resolve_axes,
 )
+
+
+def test_is_int_refuses_bools():
+    assert is_int(3) and is_int(-1)
+    assert not is_int(True) and not is_int(np.bool_(True)) and not is_int(1.0)
+    with pytest.raises(eb.BatchError, match="int or None"):
+        resolve_axes({"a": jnp.ones(2)}, lambda leaf: True, "tree")
 
 
 def test_batch_error_is_a_value_error():
