@@ -107,7 +107,7 @@ def main() -> None:
     stacked = make_stacked(MEMBERS)
     members = make_members(stacked)
     for operation, argument, target in (
-        ("unstack", stacked, 0.65),
+        ("unstack", stacked, 1.0),
         ("stack", members, 1.0),
     ):
         ours_fn, base_fn = (

@@ -6,10 +6,11 @@ identity program per *structure*: it takes a chunk of `_CHUNK` member rows of ev
 split leaf and returns them, so JAX's compiled-call path creates the arrays in bulk.
 Its cache key is the member shapes and dtypes, never the number of members, and
 compiling an identity is cheap. Stacking makes one array per leaf with
-`jax.device_put`. Weak-typed leaves go through `jax.numpy`, whose programs keep the
-weak type. Tracers (inside `jax.jit`) use `jax.numpy`. Arrays on other platforms (GPU,
-TPU) are split by one compiled indexing program per leaf shape and stacked by
-`jnp.stack`, so that they never leave their device.
+`jax.device_put`. `jax.device_put` makes strongly typed arrays, so weakly typed leaves
+(stacked Python scalars) pass through an identity program compiled for a weak argument,
+whose result is weak. Tracers (inside `jax.jit`) use `jax.numpy`. Arrays on other
+platforms (GPU, TPU) are split by one compiled indexing program per leaf shape and
+stacked by `jnp.stack`, so that they never leave their device.
 """
 
 import dataclasses
@@ -98,6 +99,11 @@ def _key_impl(x: Any) -> Any:
     return jax.random.key_impl(x) if is_key(x) else None
 
 
+# ------------------------------------------------------------------------------------
+# New arrays from host data. Compiled programs here and below are cached by shapes,
+# dtypes and axes.
+
+
 def _put(host: np.ndarray, like: jax.Array) -> jax.Array:
     """A new JAX array holding `host`, placed and typed (weak, key) like `like`."""
     placement = _placement(like)
@@ -116,9 +122,10 @@ def _put(host: np.ndarray, like: jax.Array) -> jax.Array:
 def _weak_identity(shape: tuple[int, ...], dtype: Any, placement: _Placement) -> Any:
     """An identity program whose result is weakly typed, compiled for `placement`.
 
-    `jax.device_put` makes strongly typed arrays, and a program's result is weak only
-    if its argument is; a program compiled for a weak argument makes any argument of
-    that shape and dtype a weak result, without a `jax.numpy` program per member count.
+    A program's result is weak only if its argument is. Compiled ahead of time for a
+    weak argument, it accepts a strongly typed one of the same shape and dtype (a NumPy
+    array included) and returns it weak: one program per shape, where `jnp.stack`
+    would compile one per member count.
     """
     spec = jax.ShapeDtypeStruct(shape, dtype, weak_type=True)
     if placement.committed_to is None:
@@ -131,10 +138,6 @@ def _weak_identity(shape: tuple[int, ...], dtype: Any, placement: _Placement) ->
 
 def _identity(x: Any) -> Any:
     return x
-
-
-# ------------------------------------------------------------------------------------
-# Compiled programs: cached by shapes, dtypes and axes, never by member count.
 
 
 @ft.partial(jax.jit, static_argnums=2)
