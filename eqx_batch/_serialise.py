@@ -1128,7 +1128,9 @@ def _check_shared(file: _File, name: str, records: list[dict], like_leaf: Any) -
     values = [_value(file, record, like_leaf) for record in records]
     first = values[0]
     for record, value in zip(records, values, strict=True):
-        if type(value) is not type(first) or value != first:
+        # NaN, a float that differs from itself, is the same NaN in every member.
+        same = value == first or (value != value and first != first)
+        if type(value) is not type(first) or not same:
             raise BatchError(
                 f"`{name}` is one value shared by all members of a stacked `like`, "
                 f"but the members saved in `{file.path}` differ there: "

@@ -137,6 +137,14 @@ def test_weak_types_come_back(tmp_path):
     assert not loaded["strong"].weak_type
     assert (loaded["scale"] * jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16
     assert_trees_identical(loaded, tree)
+    # Between layouts too.
+    stacked = {"steps": tree["steps"], "strong": tree["strong"]}
+    eb.save(path, stacked)
+    member = {"steps": jnp.asarray(0), "strong": jnp.ones(())}
+    members = eb.load(path, like=[member, member])
+    assert members[0]["steps"].weak_type and not members[1]["strong"].weak_type
+    eb.save(path, members)
+    assert_trees_identical(eb.load(path, like=stacked), stacked)
 
 
 def test_leaf_types_follow_like(getkey, tmp_path):
