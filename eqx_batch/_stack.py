@@ -617,7 +617,9 @@ def _members(trees: Any, verb: str) -> list[Any]:
     )
 
 
-def stack(trees: Sequence[Tree], *, axes: Any = eqx.if_array(0)) -> Tree:
+def stack(
+    trees: Sequence[Tree] | Iterator[Tree], *, axes: Any = eqx.if_array(0)
+) -> Tree:
     """Stacks a sequence of pytrees into one pytree with a member axis.
 
     Ensembles, populations and Markov chains are most efficient as one pytree whose
@@ -846,7 +848,9 @@ def take(tree: Tree, indices: Any, *, axes: Any = eqx.if_array(0)) -> Tree:
     return jtu.tree_unflatten(jtu.tree_structure(tree), out)
 
 
-def concat(trees: Sequence[Tree], *, axes: Any = eqx.if_array(0)) -> Tree:
+def concat(
+    trees: Sequence[Tree] | Iterator[Tree], *, axes: Any = eqx.if_array(0)
+) -> Tree:
     """Joins stacked pytrees along their member axis.
 
     Combines populations or ensembles built separately (e.g. on different hosts, or in

@@ -361,6 +361,7 @@ class _StackCheck:
         """
         lead = len(self.annotation.parsed_dims)
         with jaxtyping.jaxtyped("context"):
+            # Binds the leading dims in the fresh scope, where nothing can disagree.
             isinstance(self.lead_member_shape(), self.annotation.leading)
             for index, field_types in instance.fields:
                 leaf = self.leaves[index]
