@@ -1,6 +1,9 @@
 """Developer tasks. Every session installs what it needs from pyproject.toml."""
 
+import os
 import pathlib
+import shutil
+import subprocess
 import sys
 
 import nox
@@ -11,12 +14,60 @@ nox.options.sessions = ["tests", "lint", "typecheck"]
 
 ROOT = pathlib.Path(__file__).parent
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+# The supported Pythons, newest first; the last is pyproject's requires-python.
+SUPPORTED = ("3.13", "3.12", "3.11")
 
 
-@nox.session(python=PYTHON)
+def find_python(version: str) -> str | None:
+    """The path of a working `python<version>` on PATH or under pyenv, or None.
+
+    pyenv keeps every installed version under `$PYENV_ROOT/versions/` but puts only the
+    selected ones on PATH; its shim for any other version is on PATH and exits with an
+    error, so each candidate is run once before it is chosen.
+    """
+    name = f"python{version}"
+    pyenv_root = pathlib.Path(os.environ.get("PYENV_ROOT", "~/.pyenv")).expanduser()
+    installed = sorted(
+        pyenv_root.glob(f"versions/{version}.*/bin/{name}"),
+        key=lambda exe: [int(n) for n in exe.parts[-3].split(".") if n.isdigit()],
+        reverse=True,
+    )
+    for exe in [shutil.which(name), *map(str, installed)]:
+        if exe and subprocess.run([exe, "-c", ""], capture_output=True).returncode == 0:
+            return exe
+    return None
+
+
+# `tests` runs on the newest supported Python this machine has (nox's own if it has
+# none of them), so that `nox -s tests` always runs the suite; `tests_lowest` needs the
+# oldest, and a machine without it reports a missing interpreter.
+NEWEST = next(filter(None, map(find_python, SUPPORTED)), sys.executable)
+OLDEST = find_python(SUPPORTED[-1]) or SUPPORTED[-1]
+# Printed by both test sessions, so that a log shows which versions were tested.
+VERSIONS = (
+    "import importlib.metadata as m, sys; print('Python', sys.version.split()[0]);"
+    "print(*(f'{d} {m.version(d)}' for d in ["
+    "'jax', 'jaxlib', 'equinox', 'jaxtyping', 'beartype', 'optax', 'numpy', 'tqdm',"
+    "'pytest', 'hypothesis', 'matplotlib']), sep=', ')"
+)
+
+
+@nox.session(python=NEWEST)
 def tests(session: nox.Session) -> None:
-    """Run the test suite (4 forced host CPU devices, warnings as errors)."""
+    """The test suite on the newest Python and newest versions of every dependency."""
     session.install("-e", ".[test]")
+    session.run("python", "-c", VERSIONS, silent=False)
+    session.run("pytest", "-m", "not examples", *session.posargs)
+
+
+@nox.session(python=OLDEST, venv_backend="uv")
+def tests_lowest(session: nox.Session) -> None:
+    """The test suite on the oldest Python, every dependency at its lower bound.
+
+    uv resolves the lowest versions (`pip install uv`); pip has no such resolution.
+    """
+    session.install("--resolution", "lowest-direct", "-e", ".[test]")
+    session.run("python", "-c", VERSIONS, silent=False)
     session.run("pytest", "-m", "not examples", *session.posargs)
 
 
