@@ -686,20 +686,6 @@ def _malformed(path: str) -> BadFileError:
     )
 
 
-def _check_data(path: str, descriptor: int, envelope: _Envelope, size: int) -> None:
-    """Streams the tensor data through CRC-32, in bounded memory."""
-    crc = 0
-    offset = envelope.data_start
-    while offset < size:
-        chunk = os.pread(descriptor, min(_CHUNK, size - offset), offset)
-        if not chunk:
-            break
-        crc = zlib.crc32(chunk, crc)
-        offset += len(chunk)
-    if offset != size or crc != envelope.data_crc:
-        raise _corrupt(path, "the CRC-32 checksum of its tensor data does not match it")
-
-
 def _is_count(x: Any) -> bool:
     return type(x) is int and x >= 0
 
@@ -717,11 +703,11 @@ class _File:
         self,
         path: str,
         envelope: _Envelope,
-        open_tensors: Callable[[], Any],
+        read_tensors: Callable[[], dict[str, np.ndarray]],
     ):
         self.path = path
-        self._open_tensors = open_tensors
-        self._reader: Any = None
+        self._read_tensors = read_tensors
+        self._tensors: dict[str, np.ndarray] | None = None
         metadata = envelope.metadata
         self.caller_metadata = {
             k: v for k, v in metadata.items() if not k.startswith(_NAMESPACE)
@@ -781,12 +767,9 @@ class _File:
 
     def array(self, record: dict) -> np.ndarray:
         """The data of an `array` record (in its true dtype) or a `key` record."""
-        if self._reader is None:
-            self._reader = self._open_tensors()
-        try:
-            data = self._reader.get_tensor(record["path"])
-        except MemoryError:
-            raise _too_big(self.path, f"its leaf `{record['path']}`") from None
+        if self._tensors is None:
+            self._tensors = self._read_tensors()
+        data = self._tensors[record["path"]]
         # The parser read the header too: it must have seen what the checks saw.
         if list(data.shape) != record["stored_shape"]:
             raise _malformed(self.path)
@@ -809,24 +792,45 @@ def _opened(path: str | os.PathLike) -> Iterator[_File]:
     """`path` checked but for its data's checksum, left to the first tensor read."""
     name = os.fspath(path)
     descriptor, size = _open_regular(name)
-    with contextlib.ExitStack() as stack:
-        stack.callback(os.close, descriptor)
+    try:
         envelope = _check_envelope(name, descriptor, size)
+        yield _File(
+            name,
+            envelope,
+            functools.partial(_read_tensors, name, descriptor, envelope, size),
+        )
+    finally:
+        os.close(descriptor)
 
-        def open_tensors() -> Any:
-            _check_data(name, descriptor, envelope, size)
+
+def _read_tensors(
+    path: str, descriptor: int, envelope: _Envelope, size: int
+) -> dict[str, np.ndarray]:
+    """Every tensor, read by the safetensors parser, and checked against the data's
+    checksum. Every tensor is needed: a file's leaves all map to `like`'s."""
+    try:
+        reader = safetensors.safe_open(_descriptor_path(path, descriptor), "np")
+    except Exception as e:  # noqa: BLE001 - the parser's errors name no path
+        if isinstance(e, MemoryError) or "os error 12" in str(e):
+            raise _too_big(path, f"mapping its {size} bytes") from None
+        raise BadFileError(
+            f"`{path}` passed its checksums but safetensors cannot read it ({e}): it "
+            "was not written by `eb.save`."
+        ) from None
+    entries = {k: v for k, v in envelope.header.items() if k != "__metadata__"}
+    tensors = {}
+    crc = 0
+    with reader:
+        # In the order of the data, so that the checksums add up as the file's bytes.
+        for name in sorted(entries, key=lambda n: entries[n]["data_offsets"]):
             try:
-                reader = safetensors.safe_open(_descriptor_path(name, descriptor), "np")
-            except Exception as e:  # noqa: BLE001 - the parser's errors name no path
-                if isinstance(e, MemoryError) or "os error 12" in str(e):
-                    raise _too_big(name, f"mapping its {size} bytes") from None
-                raise BadFileError(
-                    f"`{name}` passed its checksums but safetensors cannot read it "
-                    f"({e}): it was not written by `eb.save`."
-                ) from None
-            return stack.enter_context(reader)
-
-        yield _File(name, envelope, open_tensors)
+                tensors[name] = reader.get_tensor(name)
+            except MemoryError:
+                raise _too_big(path, f"its tensor `{name}`") from None
+            crc = zlib.crc32(_raw(tensors[name]), crc)
+    if crc != envelope.data_crc:
+        raise _corrupt(path, "the CRC-32 checksum of its tensor data does not match it")
+    return tensors
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
