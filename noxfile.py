@@ -43,12 +43,13 @@ def find_python(version: str) -> str | None:
 # oldest, and a machine without it reports a missing interpreter.
 NEWEST = next(filter(None, map(find_python, SUPPORTED)), sys.executable)
 OLDEST = find_python(SUPPORTED[-1]) or SUPPORTED[-1]
-# Printed by both test sessions, so that a log shows which versions were tested.
+# Both test sessions print what they installed, so that a log shows what was tested.
+TESTED = ("jax", "jaxlib", "equinox", "jaxtyping", "beartype", "optax", "numpy")
+TESTED += ("safetensors", "tqdm", "pytest", "hypothesis", "matplotlib")
 VERSIONS = (
-    "import importlib.metadata as m, sys; print('Python', sys.version.split()[0]);"
-    "print(*(f'{d} {m.version(d)}' for d in ["
-    "'jax', 'jaxlib', 'equinox', 'jaxtyping', 'beartype', 'optax', 'numpy', 'tqdm',"
-    "'pytest', 'hypothesis', 'matplotlib']), sep=', ')"
+    "import importlib.metadata as m, platform; print('Python',"
+    f" platform.python_version(), *(f'{{d}} {{m.version(d)}}' for d in {TESTED!r}),"
+    " sep=', ')"
 )
 
 
