@@ -47,8 +47,8 @@ OLDEST = find_python(SUPPORTED[-1]) or SUPPORTED[-1]
 TESTED = ("jax", "jaxlib", "equinox", "jaxtyping", "beartype", "optax", "numpy")
 TESTED += ("safetensors", "tqdm", "pytest", "hypothesis", "matplotlib")
 VERSIONS = (
-    "import importlib.metadata as m, platform; print('Python',"
-    f" platform.python_version(), *(f'{{d}} {{m.version(d)}}' for d in {TESTED!r}),"
+    "import importlib.metadata as m, platform; print('Python '"
+    f" + platform.python_version(), *(f'{{d}} {{m.version(d)}}' for d in {TESTED!r}),"
     " sep=', ')"
 )
 
