@@ -32,10 +32,6 @@ def is_int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-# The name `_vmap` and `_sizes` import; they move to `is_int`.
-_is_int = is_int
-
-
 def _resolve_subtree(spec: Any, subtree: Any, argname: str, path: KeyPath) -> Any:
     if spec is None or is_int(spec):
         return jtu.tree_map(lambda _: spec, subtree)
