@@ -49,7 +49,7 @@ import jax.tree_util as jtu
 import numpy as np
 import safetensors
 
-from ._errors import BatchError, bullet_list, describe, leaf_name
+from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
 from ._stack import unstack
 from ._tree import is_array, is_key
 
@@ -728,7 +728,11 @@ class _File:
 
     @staticmethod
     def _check_record(record: Any, entries: dict[str, Any]) -> None:
-        """Checks a leaf record, and pops its tensor's entry from `entries`."""
+        """Checks a leaf record, and pops its tensor's entry from `entries`.
+
+        Adds what the checks parsed to an array record: `numpy_dtype` (the dtype the
+        file names) and `stored_shape` (the tensor's shape in the file).
+        """
         if not isinstance(record, dict) or not isinstance(record["path"], str):
             raise TypeError
         kind = record["kind"]
@@ -742,6 +746,7 @@ class _File:
                 dtype = _numeric_dtype(record["dtype"])
                 if (code, stored_shape) != _stored_as(dtype, shape):
                     raise ValueError
+                record["numpy_dtype"] = dtype
                 if record["weak"] not in (True, False):
                     raise TypeError
             elif not (
@@ -774,7 +779,7 @@ class _File:
         if list(data.shape) != record["stored_shape"]:
             raise _malformed(self.path)
         if record["kind"] == "array":
-            dtype = jnp.dtype(record["dtype"])
+            dtype = record["numpy_dtype"]
             if data.dtype != dtype:
                 data = data.view(dtype.newbyteorder("<")).reshape(record["shape"])
         return data
@@ -861,13 +866,6 @@ class _Stored(NamedTuple):
     impl: str | None  # the key implementation, for keys
 
 
-def _mismatch(name: str, file: _File, path: str, problem: str, fix: str) -> BatchError:
-    return BatchError(
-        f"`{name}` does not match the leaf `{path}` of the file `{file.path}`: "
-        f"{problem} {fix}"
-    )
-
-
 def _expected_kind(like_leaf: Any) -> str:
     if _is_array_template(like_leaf):
         return "key" if is_key(like_leaf) else "array"
@@ -875,69 +873,68 @@ def _expected_kind(like_leaf: Any) -> str:
 
 
 def _check_leaf(
-    file: _File, record: dict, like_leaf: Any, name: str, shape: tuple[int, ...]
+    file: _File,
+    record: dict,
+    like_leaf: Any,
+    where: tuple[str, KeyPath],
+    shape: tuple[int, ...],
 ) -> None:
     """Raises if `record`, of shape `shape` (a member's, between layouts), is not
-    what `like_leaf` stands for."""
+    what `like_leaf`, at `leaf_name(*where)`, stands for."""
+    problem = _leaf_problem(record, like_leaf, shape)
+    if problem is not None:
+        raise BatchError(
+            f"`{leaf_name(*where)}` does not match the leaf `{record['path']}` of the "
+            f"file `{file.path}`: {problem}"
+        )
+
+
+def _leaf_problem(record: dict, like_leaf: Any, shape: tuple[int, ...]) -> str | None:
+    """What differs between a leaf record and `like_leaf`, with the fix; or `None`."""
     kind = _expected_kind(like_leaf)
-    path = record["path"]
     if record["kind"] != kind:
         shown = (
             _describe(like_leaf)
             if _is_array_template(like_leaf)
             else f"{describe(like_leaf)} ({type(like_leaf).__name__})"
         )
-        raise _mismatch(
-            name,
-            file,
-            path,
+        return (
             f"`like` has {_KIND_PHRASES[kind]} there ({shown}) but the file has "
-            f"{_KIND_PHRASES[record['kind']]}.",
-            "Pass a `like` built the same way as the saved tree.",
+            f"{_KIND_PHRASES[record['kind']]}. Pass a `like` built the same way as the "
+            "saved tree."
         )
-    if kind in ("array", "key"):
-        if shape != tuple(like_leaf.shape):
-            raise _mismatch(
-                name,
-                file,
-                path,
-                f"`like` has shape {tuple(like_leaf.shape)} but the file has shape "
-                f"{shape}.",
-                "Build `like` with the sizes the saved tree had.",
-            )
+    if kind in ("array", "key") and shape != tuple(like_leaf.shape):
+        return (
+            f"`like` has shape {tuple(like_leaf.shape)} but the file has shape "
+            f"{shape}. Build `like` with the sizes the saved tree had."
+        )
     if kind == "key":
         try:
             same = _key_dtype(record["impl"]) == like_leaf.dtype
         except (ValueError, TypeError, KeyError):
             same = False
         if not same:
-            raise _mismatch(
-                name,
-                file,
-                path,
+            return (
                 f"`like` has a key of type {like_leaf.dtype} but the file has a "
-                f"{record['impl']!r} key.",
-                "Create `like`'s keys with the same `impl`.",
+                f"{record['impl']!r} key. Create `like`'s keys with the same `impl`."
             )
     # By name: the byte order of `like` does not matter, only the values do.
-    if kind == "array" and record["dtype"] != np.dtype(like_leaf.dtype).name:
-        raise _mismatch(
-            name,
-            file,
-            path,
+    if (
+        kind == "array"
+        and like_leaf.dtype != record["numpy_dtype"]
+        and np.dtype(like_leaf.dtype).name != record["dtype"]
+    ):
+        return (
             f"`like` has dtype {like_leaf.dtype} but the file has dtype "
-            f"{record['dtype']}.",
-            "Build `like` with the dtypes the saved tree had.",
+            f"{record['dtype']}. Build `like` with the dtypes the saved tree had."
         )
     if kind == "object" and record["name"] != _object_name(like_leaf):
-        raise _mismatch(
-            name,
-            file,
-            path,
+        return (
             f"`like` has {_object_name(like_leaf)} but the saved tree had "
-            f"{record['name']}.",
-            "Objects are not stored, only checked: `like` must hold the same one.",
+            f"{record['name']}. Objects are not stored, only checked: `like` must "
+            "hold the same one."
         )
+    return None
 
 
 def _value(file: _File, record: dict, like_leaf: Any) -> Any:
@@ -999,9 +996,7 @@ def _restore(file: _File, like: Any, argname: str, on_host: bool) -> Any:
     leaves, treedef = jtu.tree_flatten_with_path(like)
     like_leaves = [leaf for _, leaf in leaves]
     for (path, leaf), record in zip(leaves, file.records, strict=True):
-        _check_leaf(
-            file, record, leaf, leaf_name(argname, path), tuple(record.get("shape", ()))
-        )
+        _check_leaf(file, record, leaf, (argname, path), tuple(record.get("shape", ())))
     values = [
         _value(file, record, leaf)
         for leaf, record in zip(like_leaves, file.records, strict=True)
@@ -1022,7 +1017,14 @@ def _list_length(file_paths: list[str], member_paths: list[str]) -> int | None:
     return length if expected == file_paths else None
 
 
-def _stacked_into_list(file: _File, like: Sequence, argname: str, on_host: bool) -> Any:
+def _stacked_into_list(
+    file: _File,
+    like: Sequence,
+    flat: list[tuple[list[Any], Any]],
+    argname: str,
+    on_host: bool,
+) -> Any:
+    """Loads a stacked file into `like`, a list of members flattened to `flat`."""
     count = len(like)
     for record in file.records:
         if record["kind"] in ("array", "key") and record["shape"][:1] != [count]:
@@ -1032,12 +1034,14 @@ def _stacked_into_list(file: _File, like: Sequence, argname: str, on_host: bool)
                 f"{tuple(record['shape'])}: a stacked leaf needs {count} along its "
                 "leading (member) axis. Pass a list of as many members as were saved."
             )
-    flat = [jtu.tree_flatten_with_path(member) for member in like]
+    key_paths = [path for path, _ in jtu.tree_flatten_with_path(like[0])[0]]
+    shapes = [tuple(record.get("shape", ()))[1:] for record in file.records]
     for i, (leaves, _) in enumerate(flat):
-        for (path, leaf), record in zip(leaves, file.records, strict=True):
-            name = leaf_name(f"{argname}[{i}]", path)
-            _check_leaf(file, record, leaf, name, tuple(record.get("shape", ()))[1:])
-    first = [leaf for _, leaf in flat[0][0]]
+        for path, leaf, record, shape in zip(
+            key_paths, leaves, file.records, shapes, strict=True
+        ):
+            _check_leaf(file, record, leaf, (f"{argname}[{i}]", path), shape)
+    first = flat[0][0]
     stacked = [
         _value(file, record, leaf)
         for record, leaf in zip(file.records, first, strict=True)
@@ -1060,12 +1064,9 @@ def _stacked_into_list(file: _File, like: Sequence, argname: str, on_host: bool)
             for leaf in first
         ]
         placed = _materialise(stacked, templates, on_host=False)
-        members = [jtu.tree_leaves(m) for m in _unstack_leaves(placed, stacked)]
+        members = _unstack_leaves(placed, stacked)
     restored = [
-        jtu.tree_unflatten(
-            treedef,
-            _with_types_of(values, [leaf for _, leaf in leaves], on_host),
-        )
+        jtu.tree_unflatten(treedef, _with_types_of(values, leaves, on_host))
         for values, (leaves, treedef) in zip(members, flat, strict=True)
     ]
     return tuple(restored) if isinstance(like, tuple) else restored
@@ -1115,7 +1116,8 @@ def _list_into_stacked(
             else leaf
         )
         for record in records:
-            _check_leaf(file, record, member_like, name, tuple(record.get("shape", ())))
+            shape = tuple(record.get("shape", ()))
+            _check_leaf(file, record, member_like, (argname, path), shape)
         if not _is_array_template(leaf):
             _check_shared(file, name, records, leaf)
         columns.append(records)
@@ -1172,15 +1174,20 @@ def _structure_error(file: _File, like_paths: list[str]) -> BatchError:
 
 
 def _load_into(file: _File, like: Any, argname: str, on_host: bool) -> Any:
-    like_paths = _paths(like)
-    if file.paths == like_paths:
-        return _restore(file, like, argname, on_host)
+    # Only a file without leaves could fit both `like` and `like[0]`: it fits `like`.
     if (
         type(like) in (list, tuple)
         and like
-        and all(_paths(member) == file.paths for member in like)
+        and file.paths
+        and _paths(like[0]) == file.paths
     ):
-        return _stacked_into_list(file, like, argname, on_host)
+        # Members of one structure have the same paths: compare them once.
+        flat = [jtu.tree_flatten(member) for member in like]
+        if all(treedef == flat[0][1] for _, treedef in flat):
+            return _stacked_into_list(file, like, flat, argname, on_host)
+    like_paths = _paths(like)
+    if file.paths == like_paths:
+        return _restore(file, like, argname, on_host)
     length = _list_length(file.paths, like_paths)
     if length is not None:
         return _list_into_stacked(file, like, argname, length, on_host)

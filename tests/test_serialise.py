@@ -198,6 +198,14 @@ def test_a_single_array_is_the_tensor_named_by_the_empty_path(tmp_path):
     assert_trees_identical(eb.load(path, like=jnp.zeros(3)), jnp.arange(3.0))
 
 
+def test_trees_without_leaves_round_trip(tmp_path):
+    path = tmp_path / "empty.safetensors"
+    for tree in ([[]], [{}, {}], {"a": []}, None):
+        eb.save(path, tree)
+        assert eb.load(path, like=tree) == tree
+        assert safetensors.numpy.load_file(path) == {}
+
+
 def test_save_replaces_previous_file(getkey, tmp_path):
     path = tmp_path / "tree.safetensors"
     first, second = jr.normal(getkey(), (3,)), jr.normal(getkey(), (3,))
