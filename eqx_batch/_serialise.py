@@ -583,10 +583,9 @@ def _check_foreign(
         f"`{path}` is a safetensors file ({count} tensor{'' if count == 1 else 's'}) "
         "but not an eqx_batch file: it lacks the metadata `eb.save` writes (the "
         "tree's structure, Python scalars, key implementations, checksums), so it "
-        "cannot be checked against "
-        "`like`. Read its arrays with `safetensors.numpy.load_file`, put them into "
-        "your tree (e.g. with `eqx.tree_at`), and `eb.save` that to get a file "
-        "`eb.load` reads."
+        "cannot be checked against `like`. Read its arrays with "
+        "`safetensors.numpy.load_file`, put them into your tree (e.g. with "
+        "`eqx.tree_at`), and `eb.save` that to get a file `eb.load` reads."
     )
 
 
@@ -602,8 +601,8 @@ def _check_envelope(path: str, descriptor: int, size: int) -> _Envelope:
     head = _read_at(descriptor, 0, _FIXED_END)
     if head.startswith(_OLD_MAGIC):
         raise BadFileError(
-            f"`{path}` was written by an eqx_batch before 0.2, in its own container "
-            "format; this eqx_batch reads safetensors files. Load it with the "
+            f"`{path}` was written by an earlier eqx_batch, in the container format "
+            "it used before its files became safetensors files. Load it with the "
             "eqx_batch that wrote it and `eb.save` it again."
         )
     if size < _LENGTH.size:

@@ -601,7 +601,7 @@ def test_safetensors_file_of_another_tool(tmp_path):
 def test_file_of_the_former_container_format(tmp_path):
     path = tmp_path / "old.eqx"
     path.write_bytes(b"\x89EQXBATCH\r\n\x1a\n" + bytes(100))
-    with pytest.raises(BadFileError, match="own container format") as info:
+    with pytest.raises(BadFileError, match="container format it used before") as info:
         eb.load(path, like=jnp.zeros(3))
     assert "`eb.save` it again" in str(info.value)
 
