@@ -18,6 +18,7 @@ chains' keys, the counts, and what `step` computes: a digest of its traced progr
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -339,6 +340,23 @@ class Checkpoint:
         os.ftruncate(descriptor, 0)
         os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
         self._lock = descriptor
+        self._remove_torn_writes()
+
+    def _remove_torn_writes(self) -> None:
+        """Removes the temporary files of writes that a killed run left behind.
+
+        Only the holder of the lock writes this checkpoint's files, so every temporary
+        file of theirs (`atomic_write` names them `.<file>.<16 hex digits>.tmp`) that
+        exists now belongs to a run that is gone.
+        """
+        name = re.escape(self.path.name)
+        torn = re.compile(
+            rf"\.{name}(\.[0-9a-f]{{16}}\.draws-\d+-\d+)?\.[0-9a-f]{{16}}\.tmp"
+        )
+        for entry in os.scandir(self.path.parent):
+            if torn.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
 
     # -- reading back ----------------------------------------------------------------
 

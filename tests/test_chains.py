@@ -448,6 +448,8 @@ def test_kills_at_random_moments_all_resume_bit_for_bit(tmp_path):
     plain = run_workload(*run, thin=10)
     assert_trees_identical(outputs(resumed), outputs(plain))
     assert _steps_done(path) == run[2]
+    # The resume removed the temporary files that the kills left behind.
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_typed_keys_in_the_state_checkpoint_and_resume(tmp_path):
