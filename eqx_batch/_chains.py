@@ -625,14 +625,11 @@ def run_chains(
             bar = (handle, handle.start(steps_done))
         interval = checkpoint_every or max(num_steps - steps_done, 1)
         while steps_done < num_steps:
-            length = min(interval, num_steps - steps_done)
-            first = _draws_before(steps_done, burn_in, thin)
-            stop = _draws_before(steps_done + length, burn_in, thin)
-            emit = 0
-            if store is not None and segment.record and stop > first:
-                emit = min(-(-length // thin), num_draws)
+            window = _Window.of(
+                segment, steps_done, min(interval, num_steps - steps_done), store
+            )
             chains, buffer, due, new_draws = _run_segment(
-                dataclasses.replace(segment, length=length, emit=emit),
+                dataclasses.replace(segment, length=window.length, emit=window.emit),
                 step,
                 shared,
                 chains,
@@ -642,17 +639,9 @@ def run_chains(
             )
             if bar is not None:
                 bar = (bar[0], due)
-            steps_done += length
-            if store is None:
-                continue
-            draw_file = None
-            if emit:
-                draw_file = DrawFile(store.draws_name(first, stop), first, stop)
-            # Where the segment's draws lie in the emitted slice (see `_Segment.emit`).
-            offset = first - min(first, num_draws - emit)
-            store.write(
-                _snapshot(placed, steps_done, chains, new_draws, draw_file, offset)
-            )
+            steps_done += window.length
+            if store is not None:
+                store.write(_snapshot(placed, steps_done, chains, new_draws, window))
 
     recorded = None if buffer is None else placed.take(buffer)
     if recorded is not None and not with_output:
@@ -686,13 +675,37 @@ def _check_checkpoint_every(checkpoint: Any, checkpoint_every: Any) -> None:
         )
 
 
+class _Window(NamedTuple):
+    """One segment's steps and, when checkpointing, where its new draws lie."""
+
+    length: int
+    emit: int  # see `_Segment.emit`
+    draw_file: DrawFile | None  # the file for the segment's draws, if it records any
+    offset: int  # where they start in the emitted slice
+
+    @classmethod
+    def of(
+        cls, segment: _Segment, start: int, length: int, store: Checkpoint | None
+    ) -> "_Window":
+        if store is None or not segment.record:
+            return cls(length, 0, None, 0)
+        first = _draws_before(start, segment.burn_in, segment.thin)
+        stop = _draws_before(start + length, segment.burn_in, segment.thin)
+        if stop == first:
+            return cls(length, 0, None, 0)
+        emit = min(-(-length // segment.thin), segment.num_draws)
+        draw_file = DrawFile(store.draws_name(first, stop), first, stop)
+        return cls(
+            length, emit, draw_file, first - min(first, segment.num_draws - emit)
+        )
+
+
 def _snapshot(
     placed: _Placed,
     steps_done: int,
     chains: _ChainState,
     new_draws: Any,
-    draw_file: DrawFile | None,
-    offset: int,
+    window: _Window,
 ) -> Snapshot:
     """What to checkpoint after `steps_done` steps."""
     if jax.process_count() > 1:
@@ -704,6 +717,6 @@ def _snapshot(
         chains.keys,
         chains.first_bad,
         draws=new_draws,
-        draw_file=draw_file,
-        offset=offset,
+        draw_file=window.draw_file,
+        offset=window.offset,
     )
