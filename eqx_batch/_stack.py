@@ -18,7 +18,7 @@ import functools as ft
 import math
 import operator
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, overload, TypeVar
 
 import equinox as eqx
 import jax
@@ -245,14 +245,14 @@ def _describe_leaf(x: Any) -> str:
     return describe(x)
 
 
-def _check_kept_once(column: list[Any], path: KeyPath, argname: str) -> None:
+def _check_kept_once(column: list[Any], path: KeyPath, layout: "_Layout") -> None:
     """Raises unless every member holds the same non-stacked leaf."""
     first = column[0]
     for i, leaf in enumerate(column[1:], start=1):
         if _same_value(first, leaf):
             continue
-        here = leaf_name(f"{argname}[{i}]", path)
-        there = leaf_name(f"{argname}[0]", path)
+        here = leaf_name(layout.member(i), path)
+        there = leaf_name(layout.member(0), path)
         if is_array(leaf) and not is_array(first):
             raise BatchError(
                 f"`{here}` is an array ({describe(leaf)}) but `{there}` is "
@@ -357,10 +357,14 @@ def _first_difference(a: Any, b: Any, path: KeyPath) -> tuple[KeyPath, str, str]
     return path, _node_summary(treedef_a), _node_summary(treedef_b)
 
 
-def _flatten_members(trees: Sequence[Any], argname: str, verb: str) -> tuple[Any, list]:
+def _flatten_members(
+    trees: Sequence[Any], layout: "_Layout", verb: str
+) -> tuple[Any, list]:
     """Flattens every member, raising at the first that differs from `trees[0]`."""
     if len(trees) == 0:
-        raise BatchError(f"`{argname}` is empty: {verb} needs at least one member.")
+        raise BatchError(
+            f"`{layout.argname}` is empty: {verb} needs at least one member."
+        )
     treedef = jtu.tree_structure(trees[0])
     columns_by_member = []
     for i, tree in enumerate(trees):
@@ -368,8 +372,8 @@ def _flatten_members(trees: Sequence[Any], argname: str, verb: str) -> tuple[Any
         if member_treedef != treedef:
             path, first, other = _first_difference(trees[0], tree, ())
             raise BatchError(
-                f"`{leaf_name(f'{argname}[{i}]', path)}` is {other} but "
-                f"`{leaf_name(f'{argname}[0]', path)}` is {first}. "
+                f"`{leaf_name(layout.member(i), path)}` is {other} but "
+                f"`{leaf_name(layout.member(0), path)}` is {first}. "
                 + _SAME_STRUCTURE_FIX
             )
         columns_by_member.append(leaves)
@@ -381,14 +385,14 @@ def _flatten_members(trees: Sequence[Any], argname: str, verb: str) -> tuple[Any
 
 
 def _check_column(
-    column: list[Any], path: KeyPath, argname: str, axis: int | None
+    column: list[Any], path: KeyPath, layout: "_Layout", axis: int | None
 ) -> None:
     """Every member leaf is an array with the shape and dtype of member 0's.
 
     With `axis` given (concat), shapes may differ along that axis.
     """
     first = column[0]
-    there = leaf_name(f"{argname}[0]", path)
+    there = leaf_name(layout.member(0), path)
     if not is_array(first):
         raise BatchError(
             f"`{there}` is {describe(first)}, not an array, but is asked to have a "
@@ -396,7 +400,7 @@ def _check_column(
             "keep it once."
         )
     for i, leaf in enumerate(column[1:], start=1):
-        here = leaf_name(f"{argname}[{i}]", path)
+        here = leaf_name(layout.member(i), path)
         if not is_array(leaf):
             raise BatchError(
                 f"`{here}` is {describe(leaf)}, not an array, but `{there}` is an "
@@ -444,43 +448,91 @@ def _join(column: list[Any], axis: int, new_axis: bool) -> Any:
     return jnp_join([jnp.asarray(leaf) for leaf in column], axis=axis)
 
 
+class _Layout(NamedTuple):
+    """How the members given to `stack` or `concat` are arranged, for messages.
+
+    `grid` is `(n,)` for a sequence of `n` members, `(m, n)` for `m` rows of `n`
+    (`ndim=2`), and so on; members are numbered row by row.
+    """
+
+    argname: str
+    grid: tuple[int, ...]
+
+    def member(self, i: int) -> str:
+        """Member `i`'s name: `trees[3]`, or `trees[0][3]` in a grid."""
+        if len(self.grid) == 1:
+            return f"{self.argname}[{i}]"
+        indices = np.unravel_index(i, self.grid)
+        return self.argname + "".join(f"[{int(j)}]" for j in indices)
+
+
 def _join_members(
-    trees: Sequence[Any], axes: Any, argname: str, verb: str, new_axis: bool
+    trees: Sequence[Any], axes: Any, layout: _Layout, verb: str, new_axis: bool
 ) -> Any:
-    treedef, by_member = _flatten_members(trees, argname, verb)
+    """Stacks (`new_axis`) or concatenates the members `trees`, in `layout` order.
+
+    Stacking a grid stacks its members along one new axis, then splits that axis
+    into the grid's axes.
+    """
+    treedef, by_member = _flatten_members(trees, layout, verb)
     if new_axis:
-        resolved = resolve_axes(trees[0], axes, f"{argname}[0]")
+        resolved = resolve_axes(trees[0], axes, layout.member(0))
         axis_leaves = treedef.flatten_up_to(resolved)
     else:
         # Every tree's own mapped leaves must agree on its member count; `_sizes` also
         # checks member 0's axes against its leaves and makes them non-negative.
-        mapped, _ = _sizes(trees[0], axes, f"{argname}[0]")
+        mapped, _ = _sizes(trees[0], axes, layout.member(0))
         axis_leaves = [axis for _, _, axis in mapped]
         for i, tree in enumerate(trees[1:], start=1):
-            _sizes(tree, axes, f"{argname}[{i}]")
+            _sizes(tree, axes, layout.member(i))
     paths = [path for path, _ in jtu.tree_flatten_with_path(trees[0])[0]]
+    grid_ndim = len(layout.grid)
     out = []
     for j, (path, axis) in enumerate(zip(paths, axis_leaves, strict=True)):
         column = [leaves[j] for leaves in by_member]
         if axis is None:
-            _check_kept_once(column, path, argname)
+            _check_kept_once(column, path, layout)
             out.append(column[0])
             continue
         first = column[0]
         if new_axis and is_array(first):
-            # The new axis counts among the stacked leaf's axes. A non-array member 0
-            # is reported by `_check_column`.
-            ndim = np.ndim(first) + 1
-            if not -ndim <= axis < ndim:
+            # The new axes count among the stacked leaf's axes, and the spec names
+            # the first of them. A non-array member 0 is reported by `_check_column`.
+            ndim = np.ndim(first) + grid_ndim
+            if not -ndim <= axis < ndim or axis % ndim > np.ndim(first):
+                axes_named = (
+                    f"member axis {axis}"
+                    if grid_ndim == 1
+                    else f"member axes starting at {axis} ({grid_ndim} of them)"
+                )
                 raise BatchError(
-                    f"member axis {axis} is out of range for "
-                    f"`{leaf_name(f'{argname}[0]', path)}`, which has {ndim} axes "
+                    f"{axes_named} is out of range for "
+                    f"`{leaf_name(layout.member(0), path)}`, which has {ndim} axes "
                     f"after {verb}."
                 )
             axis %= ndim
-        _check_column(column, path, argname, None if new_axis else axis)
-        out.append(_join(column, axis, new_axis))
+        _check_column(column, path, layout, None if new_axis else axis)
+        joined = _join(column, axis, new_axis)
+        out.append(_split_axis(joined, axis, layout.grid) if grid_ndim > 1 else joined)
     return jtu.tree_unflatten(treedef, out)
+
+
+def _reshape(leaf: Any, shape: tuple[int, ...]) -> Any:
+    """`leaf` reshaped, NumPy staying NumPy; JAX keeps weak types and typed keys."""
+    return np.reshape(leaf, shape) if _is_numpy(leaf) else jnp.reshape(leaf, shape)
+
+
+def _split_axis(leaf: Any, axis: int, grid: tuple[int, ...]) -> Any:
+    """`leaf` with its axis `axis` (of size `prod(grid)`) split into `grid`'s axes."""
+    shape = np.shape(leaf)
+    return _reshape(leaf, shape[:axis] + grid + shape[axis + 1 :])
+
+
+def _merge_axes(leaf: Any, axis: int, ndim: int) -> Any:
+    """`leaf` with its `ndim` axes from `axis` on merged into one, row by row."""
+    shape = np.shape(leaf)
+    merged = math.prod(shape[axis : axis + ndim])
+    return _reshape(leaf, shape[:axis] + (merged,) + shape[axis + ndim :])
 
 
 # ------------------------------------------------------------------------------------
@@ -496,6 +548,42 @@ def _sizes(tree: Any, axes: Any, argname: str) -> tuple[list, int]:
         "are not per-member the axis spec None.",
     )
     return leaves, size
+
+
+def _grid_sizes(
+    tree: Any, axes: Any, ndim: int, argname: str
+) -> tuple[list[tuple[KeyPath, Any, int | None]], tuple[int, ...]]:
+    """`mapped_leaves` of `tree` and the common sizes of its `ndim` member axes.
+
+    A mapped leaf's member axes are the `ndim` consecutive axes starting at the one
+    its spec names.
+    """
+    if ndim == 1:
+        leaves, size = _sizes(tree, axes, argname)
+        return leaves, (size,)
+    leaves = mapped_leaves(tree, axes, argname)
+    for path, leaf, axis in leaves:
+        if axis is not None and axis + ndim > np.ndim(leaf):
+            raise BatchError(
+                f"`{leaf_name(argname, path)}` has shape {tuple(np.shape(leaf))} "
+                f"but `ndim={ndim}` asks for {ndim} member axes starting at axis "
+                f"{axis}, up to axis {axis + ndim - 1}, which it does not have. Give "
+                "it the axis spec None to share it, or add the missing member axes."
+            )
+    grid = tuple(
+        common_size(
+            [
+                (leaf_name(argname, path), np.shape(leaf)[axis + k])
+                for path, leaf, axis in leaves
+                if axis is not None
+            ],
+            what=f"member axis {k} of {ndim}",
+            fix="Every mapped array leaf needs the same sizes along its member axes; "
+            "give leaves that are not per-member the axis spec None.",
+        )
+        for k in range(ndim)
+    )
+    return leaves, grid
 
 
 def _split_leaves(
@@ -592,14 +680,19 @@ def _check_index(i: Any, size: int, argname: str) -> int:
 # Public API.
 
 
+def _is_sequence(x: Any) -> bool:
+    """A list, tuple or iterator of members; not a string, and not a NamedTuple (one
+    member on its own)."""
+    if isinstance(x, (str, bytes)) or (isinstance(x, tuple) and hasattr(x, "_fields")):
+        return False
+    return isinstance(x, (Sequence, Iterator))
+
+
 def _members(trees: Any, verb: str) -> list[Any]:
     """`trees` as a list of members, refusing what is one member or has no order."""
-    is_sequence = isinstance(trees, (Sequence, Iterator)) and not isinstance(
-        trees, (str, bytes)
-    )
-    namedtuple = isinstance(trees, tuple) and hasattr(trees, "_fields")
-    if is_sequence and not namedtuple:
+    if _is_sequence(trees):
         return list(trees)
+    namedtuple = isinstance(trees, tuple) and hasattr(trees, "_fields")
     what = f"a {type(trees).__qualname__}"
     if isinstance(trees, Mapping):
         what += f" with keys {list(trees)[:5]}"
@@ -617,9 +710,80 @@ def _members(trees: Any, verb: str) -> list[Any]:
     )
 
 
+def _grid_members(rows: list[Any], ndim: int, argname: str) -> tuple[list, tuple]:
+    """The members of a grid `ndim` deep, row by row, and the grid's shape.
+
+    `rows` is the outer sequence; each row must be a sequence `ndim - 1` deep, of the
+    same shape as row 0.
+    """
+    if ndim == 1:
+        return rows, (len(rows),)
+    flat: list[Any] = []
+    inner: tuple[int, ...] | None = None
+    for r, row in enumerate(rows):
+        name = f"{argname}[{r}]"
+        if not _is_sequence(row):
+            raise BatchError(
+                f"`{name}` is {describe(row)} ({type(row).__qualname__}), but with "
+                f"`ndim={ndim}` every row of `{argname}` is a sequence of "
+                f"{'members' if ndim == 2 else 'rows'} (a list or tuple), as in "
+                f"`eb.stack([[a, b], [c, d]], ndim=2)`."
+            )
+        members, shape = _grid_members(list(row), ndim - 1, name)
+        if inner is not None and shape != inner:
+            first = f"{argname}[0]"
+            if ndim == 2:
+                what = f"has {shape[0]} members where `{first}` has {inner[0]}"
+            else:
+                what = f"has shape {shape} where `{first}` has shape {inner}"
+            raise BatchError(
+                f"`{name}` {what}; the rows of a grid must all have the same "
+                f"{'length' if ndim == 2 else 'shape'}. Pad or trim the rows, or "
+                "stack them separately."
+            )
+        inner = shape
+        flat.extend(members)
+    return flat, (len(rows),) + (inner if inner is not None else (0,) * (ndim - 1))
+
+
+def _check_ndim(ndim: Any) -> int:
+    if isinstance(ndim, (bool, np.bool_)) or not isinstance(ndim, (int, np.integer)):
+        raise BatchError(
+            f"`ndim` is {describe(ndim)} ({type(ndim).__qualname__}); it must be an "
+            "int, the number of member axes (1 for a sequence of members, 2 for a "
+            "grid of rows of members)."
+        )
+    if ndim < 1:
+        raise BatchError(
+            f"`ndim` is {ndim}; it must be at least 1, the number of member axes (1 "
+            "for a sequence of members, 2 for a grid of rows of members)."
+        )
+    return int(ndim)
+
+
+@overload
 def stack(
-    trees: Sequence[Tree] | Iterator[Tree], *, axes: Any = eqx.if_array(0)
-) -> Tree:
+    trees: Sequence[Tree] | Iterator[Tree],
+    *,
+    axes: Any = eqx.if_array(0),
+    ndim: Literal[1] = 1,
+) -> Tree: ...
+
+
+@overload
+def stack(
+    trees: Sequence[Sequence[Tree]] | Iterator[Sequence[Tree]],
+    *,
+    axes: Any = eqx.if_array(0),
+    ndim: Literal[2],
+) -> Tree: ...
+
+
+@overload
+def stack(trees: Any, *, axes: Any = eqx.if_array(0), ndim: int) -> Any: ...
+
+
+def stack(trees: Any, *, axes: Any = eqx.if_array(0), ndim: int = 1) -> Any:
     """Stacks a sequence of pytrees into one pytree with a member axis.
 
     Ensembles, populations and Markov chains are most efficient as one pytree whose
@@ -637,20 +801,27 @@ def stack(
         an array) is refused rather than read as a sequence of its keys or fields.
     - `axes`: an axis spec, a pytree prefix of `trees[0]` of `None`, ints and callables
         such as `eqx.if_array(0)` (the default). An int is where the new member axis
-        goes in the stacked leaf; `None` marks a leaf that is shared, kept once.
+        goes in the stacked leaf; `None` marks a leaf that is shared, kept once. With
+        `ndim > 1` the int is where the first of the new member axes goes; the others
+        follow it.
+    - `ndim`: the number of member axes (default 1). With `ndim=2`, `trees` is a
+        grid: a sequence of `m` rows, each a sequence of `n` members, and mapped leaves
+        gain two member axes of sizes `(m, n)`; `ndim=3` nests once more, and so on.
 
     **Returns:**
 
     One pytree of the same structure. Mapped array leaves are stacked along their member
-    axis (NumPy leaves stay NumPy, JAX arrays stay JAX arrays on the same device, typed
+    axes (NumPy leaves stay NumPy, JAX arrays stay JAX arrays on the same device, typed
     PRNG keys stay typed keys); every other leaf is member 0's. A stacked leaf is
     weakly typed (as `jnp.asarray(1.0)` is) when every member's is, so that `unstack`
     gives back exactly what was stacked.
 
     **Raises:**
 
-    `BatchError` if `trees` is not a sequence of members, or is empty; if the members
-    differ in structure (naming the first differing path); if a mapped leaf is not an
+    `BatchError` if `ndim` is not an int of at least 1; if `trees` is not a sequence
+    of members (with `ndim > 1`: of rows, each a sequence of members), or is empty;
+    if the rows of a grid differ in length (naming the row); if the members differ
+    in structure (naming the first differing path); if a mapped leaf is not an
     array, or differs in shape, dtype or weak type across members (a weakly typed
     leaf in one member and a strongly typed one in another cannot both survive a
     round trip, so the mix is refused); or if a leaf kept once differs across members
@@ -663,14 +834,35 @@ def stack(
         members = [eqx.nn.Linear(2, 3, key=k) for k in jr.split(jr.key(0), 4)]
         stacked = eb.stack(members)
         stacked.weight.shape  # (4, 3, 2)
+
+        grid = [[eqx.nn.Linear(2, 3, key=k) for k in jr.split(row, 5)]
+                for row in jr.split(jr.key(1), 4)]
+        eb.stack(grid, ndim=2).weight.shape  # (4, 5, 3, 2)
         ```
     """
-    return _join_members(
-        _members(trees, "stack"), axes, "trees", "stack", new_axis=True
-    )
+    ndim = _check_ndim(ndim)
+    members, grid = _grid_members(_members(trees, "stack"), ndim, "trees")
+    layout = _Layout("trees", grid)
+    return _join_members(members, axes, layout, "stack", new_axis=True)
 
 
-def unstack(tree: Tree, *, axes: Any = eqx.if_array(0)) -> list[Tree]:
+@overload
+def unstack(
+    tree: Tree, *, axes: Any = eqx.if_array(0), ndim: Literal[1] = 1
+) -> list[Tree]: ...
+
+
+@overload
+def unstack(
+    tree: Tree, *, axes: Any = eqx.if_array(0), ndim: Literal[2]
+) -> list[list[Tree]]: ...
+
+
+@overload
+def unstack(tree: Any, *, axes: Any = eqx.if_array(0), ndim: int) -> list[Any]: ...
+
+
+def unstack(tree: Any, *, axes: Any = eqx.if_array(0), ndim: int = 1) -> list[Any]:
     """Splits a stacked pytree into a list of members: the inverse of `stack`.
 
     `jax.vmap`, `jax.pmap` and `eqx.filter_vmap` return one pytree whose arrays carry a
@@ -682,19 +874,26 @@ def unstack(tree: Tree, *, axes: Any = eqx.if_array(0)) -> list[Tree]:
 
     - `tree`: a stacked pytree.
     - `axes`: an axis spec, as for `stack`. Leaves with axis spec `None` are given to
-        every member as they are.
+        every member as they are. With `ndim > 1` an int names the first member axis;
+        the others follow it.
+    - `ndim`: the number of member axes (default 1). With `ndim=2`, a grid built by
+        two nested `eqx.filter_vmap`s (or `stack(..., ndim=2)`) splits into rows of
+        members.
 
     **Returns:**
 
-    A `list` with one pytree per member. NumPy leaves give NumPy arrays (0-d arrays,
-    not NumPy scalars, where the member leaf is 0-d); JAX arrays give JAX arrays on the
-    same device.
+    A `list` with one pytree per member; with `ndim=2`, a list of `m` lists of `n`
+    members (nested once more per extra axis). NumPy leaves give NumPy arrays (0-d
+    arrays, not NumPy scalars, where the member leaf is 0-d); JAX arrays give JAX arrays
+    on the same device.
 
     **Raises:**
 
-    `BatchError` if mapped array leaves disagree on the member-axis size (every
-    offending leaf is listed), if a mapped leaf is 0-d or not an array, or if no leaf is
-    mapped (the number of members is undefined).
+    `BatchError` if `ndim` is not an int of at least 1; if mapped array leaves
+    disagree on the size of a member axis (every offending leaf is listed); if a
+    mapped leaf is not an array or has fewer axes than its member axes need (a 0-d
+    leaf, or one with fewer than `ndim` axes from its member axis on); or if no leaf
+    is mapped (the number of members is undefined).
 
     !!! Example
 
@@ -702,15 +901,49 @@ def unstack(tree: Tree, *, axes: Any = eqx.if_array(0)) -> list[Tree]:
         stacked = {"w": jnp.zeros((3, 2)), "name": "layer"}
         members = eb.unstack(stacked)
         members[0]["w"].shape  # (2,)
+
+        grid = {"w": jnp.zeros((4, 3, 2))}
+        rows = eb.unstack(grid, ndim=2)  # 4 lists of 3 members
+        rows[3][2]["w"].shape  # (2,)
         ```
     """
-    leaves, size = _sizes(tree, axes, "tree")
+    ndim = _check_ndim(ndim)
+    leaves, grid = _grid_sizes(tree, axes, ndim, "tree")
+    if ndim > 1:
+        # Split once along the merged member axes, then regroup into rows.
+        leaves = [
+            (path, leaf if axis is None else _merge_axes(leaf, axis, ndim), axis)
+            for path, leaf, axis in leaves
+        ]
     treedef = jtu.tree_structure(tree)
-    columns = _split_leaves(leaves, size)
-    return [treedef.unflatten(member) for member in zip(*columns, strict=True)]
+    columns = _split_leaves(leaves, math.prod(grid))
+    members = [treedef.unflatten(member) for member in zip(*columns, strict=True)]
+    return _rows(members, grid)
 
 
-def batch_size(tree: Any, *, axes: Any = eqx.if_array(0)) -> int:
+def _rows(members: list[Any], grid: tuple[int, ...]) -> list[Any]:
+    """`members` (row by row) nested into lists of `grid`'s shape."""
+    if len(grid) == 1:
+        return members
+    step = math.prod(grid[1:])
+    return [_rows(members[r * step : (r + 1) * step], grid[1:]) for r in range(grid[0])]
+
+
+@overload
+def batch_size(
+    tree: Any, *, axes: Any = eqx.if_array(0), ndim: Literal[1] = 1
+) -> int: ...
+
+
+@overload
+def batch_size(
+    tree: Any, *, axes: Any = eqx.if_array(0), ndim: int
+) -> tuple[int, ...]: ...
+
+
+def batch_size(
+    tree: Any, *, axes: Any = eqx.if_array(0), ndim: int = 1
+) -> int | tuple[int, ...]:
     """The number of members of a stacked pytree: the common member-axis size.
 
     Stacked pytrees have no field recording their size; this reads it off the mapped
@@ -720,23 +953,27 @@ def batch_size(tree: Any, *, axes: Any = eqx.if_array(0)) -> int:
 
     - `tree`: a stacked pytree.
     - `axes`: an axis spec, as for `stack`.
+    - `ndim`: the number of member axes (default 1), as for `unstack`.
 
     **Returns:**
 
-    The member-axis size shared by every mapped array leaf, as an `int`.
+    The member-axis size shared by every mapped array leaf, as an `int`; with
+    `ndim > 1`, the tuple of sizes of the member axes (`(m, n)` for a grid).
 
     **Raises:**
 
-    `BatchError` if mapped array leaves disagree on the size (every offending leaf is
-    listed), if a mapped leaf is 0-d or not an array, or if no leaf is mapped.
+    `BatchError` for the reasons `unstack` raises.
 
     !!! Example
 
         ```python
         eb.batch_size({"w": jnp.zeros((5, 2)), "b": jnp.zeros(5)})  # 5
+        eb.batch_size({"w": jnp.zeros((4, 5, 2))}, ndim=2)  # (4, 5)
         ```
     """
-    return _sizes(tree, axes, "tree")[1]
+    ndim = _check_ndim(ndim)
+    grid = _grid_sizes(tree, axes, ndim, "tree")[1]
+    return grid[0] if ndim == 1 else grid
 
 
 def index(tree: Tree, i: int, *, axes: Any = eqx.if_array(0)) -> Tree:
@@ -882,4 +1119,5 @@ def concat(
         ```
     """
     members = _members(trees, "concat")
-    return _join_members(members, axes, "trees", "concat", new_axis=False)
+    layout = _Layout("trees", (len(members),))
+    return _join_members(members, axes, layout, "concat", new_axis=False)

@@ -682,3 +682,208 @@ def test_bad_axis_spec():
 )
 def test_non_array_with_member_axis(call):
     _raises("not an array", call, "['w']")
+
+
+# ------------------------------------------------------------------------------------
+# Grids: `ndim` member axes.
+
+
+def _grid_of_mlps(m: int, n: int) -> tuple[eqx.nn.MLP, jax.Array]:
+    """A grid of MLPs made by two nested `eqx.filter_vmap`s, and their keys."""
+    keys = jr.split(jr.key(3), (m, n))
+    make = ft.partial(eqx.nn.MLP, 4, 3, 5, 2)
+    grid = eqx.filter_vmap(eqx.filter_vmap(lambda k: make(key=k)))(keys)
+    return grid, keys
+
+
+def test_grid_from_double_filter_vmap():
+    grid, keys = _grid_of_mlps(3, 5)
+    assert eb.batch_size(grid, ndim=2) == (3, 5)
+    rows = eb.unstack(grid, ndim=2)
+    assert type(rows) is list and len(rows) == 3
+    assert all(type(row) is list and len(row) == 5 for row in rows)
+    # Each member is the model that its own key makes.
+    expected = [[eqx.nn.MLP(4, 3, 5, 2, key=k) for k in row] for row in keys]
+    for row, expected_row in zip(rows, expected, strict=True):
+        _assert_members_identical(row, expected_row)
+    assert_trees_identical(eb.stack(rows, ndim=2), grid)
+    # ndim=1 still sees the rows: each a stacked model of 5 members.
+    assert eb.batch_size(grid) == 3
+    assert_trees_identical(eb.unstack(grid)[1], eb.stack(rows[1]))
+
+
+def test_grid_of_three_axes_and_tuple_rows():
+    tree = {"w": jnp.arange(2 * 3 * 4 * 5.0).reshape(2, 3, 4, 5), "name": "x"}
+    assert eb.batch_size(tree, ndim=3) == (2, 3, 4)
+    cubes = eb.unstack(tree, ndim=3)
+    assert [len(cubes), len(cubes[0]), len(cubes[0][0])] == [2, 3, 4]
+    assert jnp.array_equal(cubes[1][2][3]["w"], tree["w"][1, 2, 3])
+    assert cubes[1][2][3]["name"] == "x"
+    as_tuples = tuple(tuple(tuple(plane) for plane in cube) for cube in cubes)
+    assert_trees_identical(eb.stack(as_tuples, ndim=3), tree)
+    assert eb.batch_size(tree, ndim=1) == 2
+
+
+def test_grid_with_axes():
+    # The spec picks the mapped leaves and the first member axis; the rest follow.
+    tree = {"w": jnp.arange(7 * 2 * 3.0).reshape(7, 2, 3), "grid": np.arange(4.0)}
+    axes = {"w": 1, "grid": None}
+    assert eb.batch_size(tree, axes=axes, ndim=2) == (2, 3)
+    rows = eb.unstack(tree, axes=axes, ndim=2)
+    assert jnp.array_equal(rows[1][2]["w"], tree["w"][:, 1, 2])
+    assert all(member["grid"] is tree["grid"] for row in rows for member in row)
+    assert_trees_identical(eb.stack(rows, axes=axes, ndim=2), tree)
+    # A negative axis counts from the end: -2 puts the two member axes last.
+    last = eb.stack(rows, axes={"w": -2, "grid": None}, ndim=2)
+    assert last["w"].shape == (7, 2, 3)
+    assert jnp.array_equal(last["w"], tree["w"])
+    members = [[jnp.full((7,), float(3 * r + c)) for c in range(3)] for r in range(2)]
+    trailing = eb.stack(members, axes=-2, ndim=2)
+    assert trailing.shape == (7, 2, 3)
+    assert float(trailing[0, 1, 2]) == 5.0
+    assert eb.batch_size(trailing, axes=-2, ndim=2) == (2, 3)
+
+
+def test_grid_with_empty_rows():
+    rows = eb.unstack({"w": jnp.zeros((3, 0, 2))}, ndim=2)
+    assert rows == [[], [], []]
+    assert eb.unstack({"w": jnp.zeros((0, 4, 2))}, ndim=2) == []
+    assert eb.batch_size({"w": np.zeros((3, 0))}, ndim=2) == (3, 0)
+
+
+def test_grid_under_jit_matches_eager():
+    grid, _ = _grid_of_mlps(2, 3)
+    unstack2 = ft.partial(eb.unstack, ndim=2)
+    traced = eqx.filter_jit(unstack2)(grid)
+    eager = unstack2(grid)
+    for row, eager_row in zip(traced, eager, strict=True):
+        _assert_members_identical(row, eager_row)
+    restacked = eqx.filter_jit(ft.partial(eb.stack, ndim=2))(eager)
+    assert_trees_identical(restacked, grid)
+
+
+def test_nested_filter_vmap_maps_a_grid():
+    grid, _ = _grid_of_mlps(3, 4)
+    x = jnp.linspace(-1.0, 1.0, 4)
+    over_members = eb.filter_vmap(lambda m, x: m(x), in_axes=(eqx.if_array(0), None))
+    over_grid = eb.filter_vmap(over_members, in_axes=(eqx.if_array(0), None))
+    out = over_grid(grid, x)
+    assert out.shape == (3, 4, 3)
+    loop = [[member(x) for member in row] for row in eb.unstack(grid, ndim=2)]
+    assert np.allclose(out, np.array(loop), rtol=1e-6, atol=1e-6)
+
+
+@FAST
+@given(
+    spec=tree_specs,
+    grid=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_stack_of_unstack_is_identity_for_grids(spec, grid, seed):
+    stacked = _build(spec, np.random.default_rng(seed), batch=grid)
+    if not _has_mapped_leaf(stacked):
+        with pytest.raises(eb.BatchError, match="no array leaf"):
+            eb.unstack(stacked, ndim=2)
+        return
+    assert eb.batch_size(stacked, ndim=2) == grid
+    rows = eb.unstack(stacked, ndim=2)
+    assert [len(row) for row in rows] == [grid[1]] * grid[0]
+    assert_trees_identical(eb.stack(rows, ndim=2), stacked)
+    # Row r of the grid is member r of the outer axis.
+    for r, row in enumerate(rows):
+        _assert_members_identical(row, eb.unstack(eb.index(stacked, r)))
+
+
+@FAST
+@given(
+    spec=tree_specs,
+    grid=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_unstack_of_stack_is_identity_for_grids(spec, grid, seed):
+    rng = np.random.default_rng(seed)
+    rows = [[_build(spec, rng) for _ in range(grid[1])] for _ in range(grid[0])]
+    stacked = eb.stack(rows, ndim=2)
+    if not _has_mapped_leaf(stacked):
+        assert_trees_identical(stacked, rows[0][0])
+        return
+    again = eb.unstack(stacked, ndim=2)
+    assert len(again) == grid[0]
+    for row, row_again in zip(rows, again, strict=True):
+        _assert_members_identical(row_again, row)
+
+
+@pytest.mark.parametrize("ndim", [0, -1, True, 1.5, "2", None])
+def test_bad_ndim(ndim):
+    tree = {"w": jnp.zeros((2, 3))}
+    for call in (eb.stack, eb.unstack, eb.batch_size):
+        arg = [tree] if call is eb.stack else tree
+        _raises("`ndim`", lambda: call(arg, ndim=ndim))  # noqa: B023
+
+
+def test_grid_rows_of_different_lengths():
+    row = [{"w": jnp.zeros(2)}] * 4
+    message = _raises(
+        "same length",
+        lambda: eb.stack([row, row[:3]], ndim=2),
+        "`trees[1]` has 3 members where `trees[0]` has 4",
+    )
+    assert "Pad or trim" in message
+    cube = [[row, row], [row, row[:3]]]
+    _raises("has 3 members where", lambda: eb.stack(cube, ndim=3), "`trees[1][1]`", "4")
+    _raises(
+        "same shape",
+        lambda: eb.stack([[row, row], [row]], ndim=3),
+        "`trees[1]` has shape (1, 4) where `trees[0]` has shape (2, 4)",
+    )
+
+
+def test_grid_rows_must_be_sequences():
+    member = {"w": jnp.zeros(2)}
+    _raises(
+        "sequence of members",
+        lambda: eb.stack([[member], member], ndim=2),
+        "`trees[1]`",
+    )
+    _raises("sequence of members", lambda: eb.stack([member], ndim=2), "`trees[0]`")
+    _raises("sequence of members", lambda: eb.stack(member, ndim=2), "`trees`")
+    _raises("empty", lambda: eb.stack([[], []], ndim=2), "`trees`")
+
+
+def test_grid_members_named_by_row_and_column():
+    grid = [[{"w": jnp.zeros(2), "lr": 0.1}] * 3 for _ in range(2)]
+    grid[1] = [*grid[1][:2], {"w": jnp.zeros(3), "lr": 0.1}]
+    _raises(
+        "shape",
+        lambda: eb.stack(grid, ndim=2),
+        "`trees[1][2]['w']`",
+        "`trees[0][0]['w']`",
+    )
+    grid[1][2] = {"w": jnp.zeros(2), "lr": 0.2}
+    _raises("kept once", lambda: eb.stack(grid, ndim=2), "`trees[1][2]['lr']`")
+    grid[1][2] = {"w": jnp.zeros(2)}
+    _raises("same structure", lambda: eb.stack(grid, ndim=2), "`trees[1][2]`")
+
+
+def test_grid_leaf_with_too_few_axes():
+    tree = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(2)}
+    message = _raises("does not have", lambda: eb.unstack(tree, ndim=2), "`tree['b']`")
+    assert "(2,)" in message and "axis spec None" in message
+    _raises(
+        "does not have",
+        lambda: eb.batch_size(tree, axes={"w": 1, "b": None}, ndim=2),
+        "`tree['w']`",
+    )
+    _raises("0-d", lambda: eb.unstack({"w": jnp.zeros(())}, ndim=2), "`tree['w']`")
+
+
+def test_grid_sizes_disagree():
+    tree = {"a": jnp.zeros((2, 3)), "b": jnp.zeros((2, 4)), "c": jnp.zeros((2, 3, 1))}
+    message = _raises("member axis 1 of 2", lambda: eb.unstack(tree, ndim=2))
+    assert "`tree['b']`: 4" in message and "`tree['a']`: 3" in message
+
+
+def test_grid_stack_axis_out_of_range():
+    rows = [[jnp.zeros(2)] * 3] * 2
+    _raises("out of range", lambda: eb.stack(rows, axes=-1, ndim=2), "`trees[0][0]`")
+    _raises("out of range", lambda: eb.stack(rows, axes=2, ndim=2), "`trees[0][0]`")
