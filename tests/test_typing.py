@@ -507,6 +507,41 @@ def test_stack_of_stacks_is_one_grid():
         rows(grid, jnp.ones(3))
 
 
+def test_grid_from_double_filter_vmap_and_stack_ndim_2():
+    def make(start: Any) -> MLP:
+        return MLP([make_linear(None, 8, 4, start), make_linear(None, 2, 8, start)])
+
+    starts = jnp.arange(15.0).reshape(3, 5)
+    grid = eqx.filter_vmap(eqx.filter_vmap(make))(starts)
+    annotation = Stacked[MLP, "m n"]
+    assert isinstance(grid, annotation)
+    assert isinstance(grid, Stacked[MLP, "3 5"])
+    assert not isinstance(grid, Stacked[MLP, "5 3"])
+    assert not isinstance(eb.index(grid, 0), annotation)  # one row: too few axes
+    rows = eb.unstack(grid, ndim=2)
+    assert all(
+        isinstance(row_stack, Stacked[MLP, " n"]) for row_stack in eb.unstack(grid)
+    )
+    assert isinstance(rows[2][4], MLP) and not isinstance(
+        rows[2][4], Stacked[MLP, " n"]
+    )
+    assert isinstance(eb.stack(rows, ndim=2), annotation)
+
+    @eb.typecheck
+    def predict(
+        models: eb.Stacked[MLP, "m n"], x: Float[Array, "m n b 4"]
+    ) -> Float[Array, "m n b 2"]:
+        over_members = eb.filter_vmap(apply_mlp)
+        return eb.filter_vmap(over_members)(models, x)
+
+    x = jnp.ones((3, 5, 7, 4))
+    out = predict(grid, x)
+    assert out.shape == (3, 5, 7, 2)
+    assert tree_allclose(out[2, 4], apply_mlp(rows[2][4], x[2, 4]))
+    with pytest.raises(TypeCheckError, match="m n"):
+        predict(grid, jnp.ones((5, 3, 7, 4)))
+
+
 def test_annotation_is_cached_and_named():
     assert Stacked[MLP, "n"] is Stacked[MLP, "  n "]
     assert Stacked[MLP, "n"] is not Stacked[MLP, "m"]
