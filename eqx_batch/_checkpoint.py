@@ -20,13 +20,13 @@ chains' keys, the counts, and what `step` computes: a digest of its traced progr
 import concurrent.futures
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
 import pathlib
 import re
 import secrets
+import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -40,6 +40,10 @@ import numpy as np
 from ._errors import BatchError, bullet_list, describe
 from ._serialise import BadFileError, read_metadata, read_tree, write_tree
 from ._tree import is_array, is_key
+
+
+if sys.platform != "win32":
+    import fcntl
 
 
 # ------------------------------------------------------------------------------------
@@ -280,7 +284,8 @@ class Checkpoint:
     def __enter__(self) -> "Checkpoint":
         self._check_writable()
         if self.writes:
-            self._take_lock()
+            if sys.platform != "win32":  # Windows has no `flock`: no lock there
+                self._take_lock()
             self._thread = concurrent.futures.ThreadPoolExecutor(1)
         return self
 
