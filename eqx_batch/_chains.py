@@ -12,7 +12,7 @@ import functools as ft
 import os
 import pathlib
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -33,12 +33,17 @@ from ._checkpoint import (
     RunIdentity,
     Snapshot,
 )
+from ._diagnostics import to_arviz
 from ._dispatch import AsyncJit
 from ._errors import BatchError, bullet_list, describe, leaf_name
 from ._pmap import member_mesh, shard
 from ._progress import ProgressBar
 from ._stack import take
 from ._tree import axis_sizes, common_size, is_array, is_key, mapped_leaves
+
+
+if TYPE_CHECKING:
+    import xarray
 
 
 class NonFinite(eqx.Module):
@@ -82,6 +87,8 @@ class Chains(eqx.Module):
         exactly where they stopped.
     - `nonfinite`: an [`eb.NonFinite`][] report of the chains whose state went NaN or
         infinite.
+    - `with_output`: whether `trace` holds the step's outputs (`with_output=True`)
+        rather than the states.
 
     !!! Example
 
@@ -96,6 +103,53 @@ class Chains(eqx.Module):
     trace: Any
     keys: jax.Array
     nonfinite: NonFinite
+    with_output: bool = eqx.field(static=True, default=False)
+
+    def to_arviz(self) -> "xarray.DataTree":
+        """The trace as ArviZ data, for its convergence diagnostics and plots.
+
+        NumPyro prints R-hat and the effective sample size after every run; here ArviZ
+        computes them (`arviz_stats.rhat`, `arviz_stats.ess`, `arviz_stats.summary`)
+        and draws the trace and rank plots (`arviz_plots.plot_trace`,
+        `arviz_plots.plot_rank`) from this conversion. It needs the optional extra:
+        `pip install 'eqx_batch[arviz]'`.
+
+        Every array leaf of `trace` becomes one variable, named by its
+        `jax.tree_util.keystr` path (`['layer1']['weights']`, `.layers[0].weight`; a
+        trace that is one array is named `state`, or `output`), with dimensions
+        `chain`, `draw`, then one per axis of the leaf, named as ArviZ names them
+        (`['layer1']['weights']_dim_0`, ...). Non-array leaves and PRNG keys are left
+        out. The draws go in the group `posterior`, where ArviZ's functions look by
+        default; with `with_output=True` the step's outputs go in the group `outputs`
+        instead (pass `group="outputs"` to ArviZ).
+
+        **Returns:**
+
+        An `xarray.DataTree` with one group, `posterior` or `outputs`: the data
+        structure of ArviZ (`arviz-base`), in its 0.8 series (Python 3.11) and 1.x
+        alike.
+
+        **Raises:**
+
+        - `ImportError` if ArviZ is not installed, naming the extra to install.
+        - `eb.BatchError` if there is no trace (the chains ran with `trace=False`) or it
+            holds no array.
+
+        !!! Example
+
+            ```python
+            import arviz_stats
+
+            def step(x, key):
+                return x + jr.normal(key, x.shape)
+
+            result = eb.run_chains(step, jnp.zeros((4, 3)), jr.key(0), 100)
+            data = result.to_arviz()
+            data["posterior"]["state"].dims  # ('chain', 'draw', 'state_dim_0')
+            arviz_stats.rhat(data)  # a random walk: far above 1, not converged
+            ```
+        """
+        return to_arviz(self)
 
 
 # ------------------------------------------------------------------------------------
@@ -658,6 +712,7 @@ def run_chains(
             chains=bad_chains.astype(np.int64),
             steps=nonfinite_steps[bad_chains].astype(np.int64),
         ),
+        with_output=with_output,
     )
 
 
