@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._bind import bind_arguments, MappedCall
+from ._dispatch import AsyncJit, Frozen
 from ._errors import BatchError, bullet_list, describe, leaf_name
 from ._outputs import join_output, OutputLayout, split_output
 from ._sizes import check_axis_size
@@ -153,14 +154,11 @@ def shard(tree: Any, mesh: Mesh | None = None, *, axes: Any = eqx.if_array(0)) -
     return jtu.tree_unflatten(jtu.tree_structure(tree), placed)
 
 
-# ------------------------------------------- jax.jit with non-array leaves as static
-# `jax.jit` dispatches asynchronously and caches on hashable static arguments; these
-# turn any pytree into (array leaves, one hashable static value) and back, and carry
-# non-array outputs out of the compiled function.
+# ------------------------------------------------------------- hashable axis specs
 
 
 @dataclasses.dataclass(frozen=True)
-class _Frozen:
+class _FrozenSpec:
     """A pytree held as a hashable static value: its treedef and its leaves.
 
     `None` counts as a leaf, so axis specs keep their `None`s.
@@ -170,36 +168,13 @@ class _Frozen:
     leaves: tuple[Any, ...]
 
     @classmethod
-    def of(cls, tree: Any) -> "_Frozen":
+    def of(cls, tree: Any) -> "_FrozenSpec":
         leaves, treedef = jtu.tree_flatten(tree, is_leaf=lambda leaf: leaf is None)
         return cls(treedef, tuple(leaves))
 
     @property
     def tree(self) -> Any:
         return jtu.tree_unflatten(self.treedef, self.leaves)
-
-
-_ARRAY = object()  # marks where an array leaf was taken out of the static tree
-
-
-def _split(tree: Any) -> tuple[list[Any], _Frozen]:
-    leaves, treedef = jtu.tree_flatten(tree)
-    dynamic = [leaf for leaf in leaves if is_array(leaf)]
-    static = tuple(_ARRAY if is_array(leaf) else leaf for leaf in leaves)
-    return dynamic, _Frozen(treedef, static)
-
-
-def _join(dynamic: Sequence[Any], static: _Frozen) -> Any:
-    arrays = iter(dynamic)
-    leaves = [next(arrays) if leaf is _ARRAY else leaf for leaf in static.leaves]
-    return jtu.tree_unflatten(static.treedef, leaves)
-
-
-class _StaticOutput(eqx.Module):
-    """The non-array part of a compiled function's output, returned as a static
-    field: `jax.jit` returns arrays only."""
-
-    value: Any = eqx.field(static=True)
 
 
 # ---------------------------------------------------------------------- filter_pmap
@@ -210,8 +185,8 @@ class _MeshMapping:
     """How a `filter_pmap` call maps members onto devices, fixed at trace time: the
     axis specs, the axis name and size, and the mesh."""
 
-    in_axes: _Frozen
-    out_axes: _Frozen
+    in_axes: _FrozenSpec
+    out_axes: _FrozenSpec
     axis_name: Hashable
     axis_size: int | None
     mesh: Mesh
@@ -282,8 +257,8 @@ def _vmapped(
     return call.invoke(vmapped, placed)
 
 
-def _run(mapping: _MeshMapping, static: _Frozen, dynamic: list[Any]) -> Any:
-    fun, args, kwargs = _join(dynamic, static)
+def _run(mapping: _MeshMapping, inputs: tuple[Callable[..., Any], tuple, dict]) -> Any:
+    fun, args, kwargs = inputs
     call, size = bind_call(fun, mapping.in_axes.tree, mapping.axis_size, args, kwargs)
     mesh = mapping.mesh
     uneven = (size or 0) % mesh.size != 0
@@ -308,18 +283,14 @@ def _run(mapping: _MeshMapping, static: _Frozen, dynamic: list[Any]) -> Any:
         spec = _member_spec(mesh, axis)
         return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
 
-    out = jtu.tree_unflatten(out_treedef, map(place, out_leaves, out_axes))
-    out_dynamic, out_static = eqx.partition(out, is_array)
-    return out_dynamic, _StaticOutput(out_static)
+    return jtu.tree_unflatten(out_treedef, map(place, out_leaves, out_axes))
 
 
-_JITTED = jax.jit(_run, static_argnums=(0, 1))
-_JITTED_DONATING = jax.jit(_run, static_argnums=(0, 1), donate_argnums=(2,))
+_RUN = AsyncJit(_run)
+_RUN_DONATING = AsyncJit(_run, donate=(1,))
 
 
-def _finish(out: tuple[Any, _StaticOutput]) -> Any:
-    dynamic, static = out
-    result = eqx.combine(dynamic, static.value)
+def _finish(result: Any) -> Any:
     if jax.process_count() == 1:
         return result
 
@@ -337,8 +308,8 @@ def _finish(out: tuple[Any, _StaticOutput]) -> Any:
 
 class _PmapWrapper(eqx.Module):
     _fun: Callable[..., Any]
-    _in_axes: _Frozen = eqx.field(static=True)
-    _out_axes: _Frozen = eqx.field(static=True)
+    _in_axes: _FrozenSpec = eqx.field(static=True)
+    _out_axes: _FrozenSpec = eqx.field(static=True)
     _axis_name: Hashable = eqx.field(static=True)
     _axis_size: int | None = eqx.field(static=True)
     _donate: str = eqx.field(static=True)
@@ -349,17 +320,18 @@ class _PmapWrapper(eqx.Module):
         return self._fun
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        jitted, mapping, static, dynamic = _prepare(self, args, kwargs)
-        return _dispatch(self, jitted, mapping, static, dynamic)
+        run, mapping, call = _prepare(self, args, kwargs)
+        return _dispatch(self, lambda: run(mapping, call))
 
     def lower(self, /, *args: Any, **kwargs: Any) -> "Lowered":
         """Traces and lowers for these arguments: ahead-of-time compilation.
 
         `.compile()` on the result gives a callable taking the same arguments.
         """
-        jitted, mapping, static, dynamic = _prepare(self, args, kwargs)
-        lowered = jitted.lower(mapping, static, dynamic)
-        return Lowered(lowered, static, _array_types(dynamic), self)
+        run, mapping, call = _prepare(self, args, kwargs)
+        (_, static), (_, arrays) = AsyncJit.split_args((mapping, call))
+        lowered = run.lower(mapping, call)
+        return Lowered(lowered, static, _array_types(arrays), self)
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         del owner
@@ -372,7 +344,7 @@ class _PmapWrapper(eqx.Module):
 # method object, which costs microseconds on every call.
 def _prepare(
     wrapper: _PmapWrapper, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, _MeshMapping, _Frozen, list[Any]]:
+) -> tuple[AsyncJit, _MeshMapping, tuple[Callable[..., Any], tuple, dict]]:
     # The mesh is looked up per call, not at decoration time: a function may be
     # decorated before `jax.distributed.initialize` makes other processes' devices
     # visible.
@@ -383,26 +355,25 @@ def _prepare(
         axis_size=wrapper._axis_size,
         mesh=member_mesh(wrapper._devices),
     )
-    dynamic, static = _split((wrapper._fun, args, kwargs))
-    jitted = _JITTED if wrapper._donate == "none" else _JITTED_DONATING
-    return jitted, mapping, static, dynamic
+    run = _RUN if wrapper._donate == "none" else _RUN_DONATING
+    return run, mapping, (wrapper._fun, args, kwargs)
 
 
-def _dispatch(wrapper: _PmapWrapper, run: Callable[..., Any], *inputs: Any) -> Any:
+def _dispatch(wrapper: _PmapWrapper, run: Callable[[], Any]) -> Any:
     if wrapper._donate != "all":
-        return _finish(run(*inputs))
+        return _finish(run())
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="Some donated buffers were not usable"
         )
-        return _finish(run(*inputs))
+        return _finish(run())
 
 
 class Lowered(eqx.Module):
     """A `filter_pmap`-wrapped function lowered for one set of arguments."""
 
     lowered: jax.stages.Lowered = eqx.field(static=True)
-    static: _Frozen = eqx.field(static=True)
+    static: Frozen = eqx.field(static=True)
     types: tuple[tuple[tuple[int, ...], Any], ...] = eqx.field(static=True)
     wrapper: _PmapWrapper
 
@@ -426,7 +397,7 @@ class Compiled(eqx.Module):
     """A `filter_pmap`-wrapped function compiled ahead of time."""
 
     compiled: jax.stages.Compiled = eqx.field(static=True)
-    static: _Frozen = eqx.field(static=True)
+    static: Frozen = eqx.field(static=True)
     types: tuple[tuple[tuple[int, ...], Any], ...] = eqx.field(static=True)
     wrapper: _PmapWrapper
 
@@ -438,7 +409,7 @@ class Compiled(eqx.Module):
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         # Only the arguments: the mesh mapping was fixed when this was lowered.
-        dynamic, static = _split((self.wrapper._fun, args, kwargs))
+        (static,), (arrays,) = AsyncJit.split_args(((self.wrapper._fun, args, kwargs),))
         if static != self.static:
             raise BatchError(
                 "this compiled function was lowered for arguments with other non-array "
@@ -446,10 +417,12 @@ class Compiled(eqx.Module):
                 "Call `.lower(...)` again with these arguments, or call the "
                 "`eb.filter_pmap`-wrapped function, which compiles as needed."
             )
-        types = _array_types(dynamic)
-        if types != self.types:
+        if _array_types(arrays) != self.types:
             raise BatchError(_retyped(self.wrapper._fun, args, kwargs, self.types))
-        return _dispatch(self.wrapper, self.compiled, dynamic)
+        # The program takes the arrays of `(mapping, inputs)`; a mapping has none.
+        return _dispatch(
+            self.wrapper, lambda: AsyncJit.finish(self.compiled([], arrays))
+        )
 
 
 def _array_types(arrays: list[Any]) -> tuple[tuple[tuple[int, ...], Any], ...]:
@@ -627,8 +600,8 @@ def filter_pmap(
         )
     wrapper = _PmapWrapper(
         _fun=fun,
-        _in_axes=_Frozen.of(in_axes),
-        _out_axes=_Frozen.of(out_axes),
+        _in_axes=_FrozenSpec.of(in_axes),
+        _out_axes=_FrozenSpec.of(out_axes),
         _axis_name=axis_name,
         _axis_size=axis_size,
         _donate=donate,
