@@ -11,6 +11,10 @@ compiling an identity is cheap. Stacking makes one array per leaf with
 whose result is weak. Tracers (inside `jax.jit`) use `jax.numpy`. Arrays on other
 platforms (GPU, TPU) are split by one compiled indexing program per leaf shape and
 stacked by `jnp.stack`, so that they never leave their device.
+
+A grid (`ndim` member axes) goes through the same machinery as one member axis of all
+its members, row by row: `unstack` merges the member axes with a reshape and splits
+once, `stack` stacks along one new axis and reshapes it into the grid's axes.
 """
 
 import dataclasses
@@ -207,6 +211,28 @@ def _arrays_from_rows(
 
 
 # ------------------------------------------------------------------------------------
+# Naming members in messages.
+
+
+class _Layout(NamedTuple):
+    """How the members given to `stack` or `concat` are arranged, for messages.
+
+    `grid` is `(n,)` for a sequence of `n` members, `(m, n)` for `m` rows of `n`
+    (`ndim=2`), and so on; members are numbered row by row.
+    """
+
+    argname: str
+    grid: tuple[int, ...]
+
+    def member(self, i: int) -> str:
+        """Member `i`'s name: `trees[3]`, or `trees[0][3]` in a grid."""
+        if len(self.grid) == 1:
+            return f"{self.argname}[{i}]"
+        indices = np.unravel_index(i, self.grid)
+        return self.argname + "".join(f"[{int(j)}]" for j in indices)
+
+
+# ------------------------------------------------------------------------------------
 # Equality of leaves that are kept once.
 
 
@@ -245,7 +271,7 @@ def _describe_leaf(x: Any) -> str:
     return describe(x)
 
 
-def _check_kept_once(column: list[Any], path: KeyPath, layout: "_Layout") -> None:
+def _check_kept_once(column: list[Any], path: KeyPath, layout: _Layout) -> None:
     """Raises unless every member holds the same non-stacked leaf."""
     first = column[0]
     for i, leaf in enumerate(column[1:], start=1):
@@ -358,7 +384,7 @@ def _first_difference(a: Any, b: Any, path: KeyPath) -> tuple[KeyPath, str, str]
 
 
 def _flatten_members(
-    trees: Sequence[Any], layout: "_Layout", verb: str
+    trees: Sequence[Any], layout: _Layout, verb: str
 ) -> tuple[Any, list]:
     """Flattens every member, raising at the first that differs from `trees[0]`."""
     if len(trees) == 0:
@@ -385,7 +411,7 @@ def _flatten_members(
 
 
 def _check_column(
-    column: list[Any], path: KeyPath, layout: "_Layout", axis: int | None
+    column: list[Any], path: KeyPath, layout: _Layout, axis: int | None
 ) -> None:
     """Every member leaf is an array with the shape and dtype of member 0's.
 
@@ -446,24 +472,6 @@ def _join(column: list[Any], axis: int, new_axis: bool) -> Any:
         host = np_join([host_array(leaf) for leaf in column], axis=axis)
         return _put(host, jax_leaves[0])
     return jnp_join([jnp.asarray(leaf) for leaf in column], axis=axis)
-
-
-class _Layout(NamedTuple):
-    """How the members given to `stack` or `concat` are arranged, for messages.
-
-    `grid` is `(n,)` for a sequence of `n` members, `(m, n)` for `m` rows of `n`
-    (`ndim=2`), and so on; members are numbered row by row.
-    """
-
-    argname: str
-    grid: tuple[int, ...]
-
-    def member(self, i: int) -> str:
-        """Member `i`'s name: `trees[3]`, or `trees[0][3]` in a grid."""
-        if len(self.grid) == 1:
-            return f"{self.argname}[{i}]"
-        indices = np.unravel_index(i, self.grid)
-        return self.argname + "".join(f"[{int(j)}]" for j in indices)
 
 
 def _join_members(
