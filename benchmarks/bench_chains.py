@@ -5,10 +5,26 @@ Workload (from the issue): 1000 chains x 1000 steps of random-walk Metropolis on
 normal, recording every state. Every variant returns the final states, the keys and
 the trace, and each is compiled before timing. Reading back a finished checkpointed run
 is timed against computing it.
+
+More chains than fit in memory (`chunk_size`): 4096 chains of random-walk Metropolis on
+a Bayesian neural network (8 inputs, 16 hidden units) over 4096 data points, whose
+log-density makes each chain's step hold 256 KB (the hidden activations for every data
+point) while the state is small: the final states are returned whole however the
+chains are chunked, so what chunks save is the working memory of the step (and of the
+trace, here off). Unchunked, every step holds those of all 4096 chains at once (1 GiB
+and more); with `chunk_size=256`, those of 256. Each variant runs in its own process,
+which reports its peak resident set size and the best of two compiled runs. Usage:
+`python benchmarks/bench_chains.py [chunked]` (`chunked`: that row only).
 """
 
+import functools as ft
+import json
 import pathlib
+import resource
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Callable
 
 import jax
@@ -75,6 +91,96 @@ def compare(
     op, bound = target.split()
     ok = ratio <= float(bound) if op == "<=" else ratio >= float(bound)
     report(name, ratio, target, ok, f"{t_a:.3f}s vs {t_b:.3f}s")
+
+
+CHUNKED_CHAINS = 4096
+CHUNK_SIZE = 256
+DATA_POINTS = 4096
+FEATURES = 8
+HIDDEN = 16
+CHUNKED_STEPS = 10
+MEMORY_TARGET = 0.25
+TIME_TARGET = 1.3
+
+
+def network_step(w: dict, key: jax.Array, x: jax.Array, y: jax.Array) -> dict:
+    """Metropolis on the weights `w` of a one-hidden-layer network with unit noise."""
+
+    def log_density(w: dict) -> jax.Array:
+        # The hidden layer's activations, for every data point (the heavy part: XLA
+        # materialises them, as they feed the product with `w["out"]`).
+        hidden = jnp.tanh(x @ w["hidden"])
+        fit = jnp.sum((y - hidden @ w["out"]) ** 2)
+        return -0.5 * (fit + sum(jnp.sum(v**2) for v in jtu.tree_leaves(w)))
+
+    noise_key, accept_key = jr.split(key)
+    noise = jr.normal(noise_key, (w["hidden"].size + w["out"].size,))
+    proposal = {
+        "hidden": w["hidden"]
+        + 0.01 * noise[: w["hidden"].size].reshape(w["hidden"].shape),
+        "out": w["out"] + 0.01 * noise[w["hidden"].size :],
+    }
+    log_ratio = log_density(proposal) - log_density(w)
+    accept = jnp.log(jr.uniform(accept_key)) < log_ratio
+    return jtu.tree_map(lambda p, s: jnp.where(accept, p, s), proposal, w)
+
+
+def chunked_child(chunk_size: int | None) -> None:
+    """Runs the chains once to compile, then twice timed; prints seconds and peak."""
+    x = jr.normal(jr.key(1), (DATA_POINTS, FEATURES))
+    y = jnp.sin(x @ jnp.ones(FEATURES)) + 0.1 * jr.normal(jr.key(2), (DATA_POINTS,))
+    step = ft.partial(network_step, x=x, y=y)
+    init = {
+        "hidden": jnp.zeros((CHUNKED_CHAINS, FEATURES, HIDDEN)),
+        "out": jnp.zeros((CHUNKED_CHAINS, HIDDEN)),
+    }
+
+    def run() -> object:
+        return jax.block_until_ready(
+            eb.run_chains(
+                step, init, jr.key(0), CHUNKED_STEPS, trace=False, chunk_size=chunk_size
+            )
+        )
+
+    run()
+    best = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"seconds": best, "peak_mib": peak_kib / 1024}))
+
+
+def _measure_chunked(chunk_size: int | None) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, "child", json.dumps(chunk_size)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def chunked_rows() -> None:
+    unchunked, chunked = _measure_chunked(None), _measure_chunked(CHUNK_SIZE)
+    name = f"run_chains chunk_size={CHUNK_SIZE} / unchunked ({CHUNKED_CHAINS} chains)"
+    memory_ratio = chunked["peak_mib"] / unchunked["peak_mib"]
+    report(
+        f"{name}: peak RSS",
+        memory_ratio,
+        f"<= {MEMORY_TARGET}",
+        memory_ratio <= MEMORY_TARGET,
+        f"{chunked['peak_mib']:.0f} MiB vs {unchunked['peak_mib']:.0f} MiB",
+    )
+    time_ratio = chunked["seconds"] / unchunked["seconds"]
+    report(
+        f"{name}: time",
+        time_ratio,
+        f"<= {TIME_TARGET}",
+        time_ratio <= TIME_TARGET,
+        f"{chunked['seconds']:.2f}s vs {unchunked['seconds']:.2f}s",
+    )
 
 
 def main() -> None:
@@ -168,4 +274,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["child"]:
+        chunked_child(json.loads(sys.argv[2]))
+    elif sys.argv[1:2] == ["chunked"]:
+        chunked_rows()
+    else:
+        main()
+        chunked_rows()

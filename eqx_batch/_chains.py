@@ -28,7 +28,9 @@ from ._checkpoint import (
     as_key_data,
     as_keys_like,
     Checkpoint,
+    chunk_path,
     DrawFile,
+    job_lock,
     Restored,
     RunIdentity,
     Snapshot,
@@ -338,7 +340,8 @@ def _segment(
     `segment.emit` (else None; see `_Segment.emit`).
 
     `shared` holds the non-array leaves of the state; `progress` is None or a
-    `ProgressHandle` and the step its next report is due.
+    `ProgressHandle`, the step its next report is due, and the steps that earlier
+    chunks of chains made (an `int32` scalar, so every chunk shares the program).
     """
 
     def one_chain(dynamic: Any, key: jax.Array) -> tuple:
@@ -371,7 +374,8 @@ def _segment(
             recorded = output if segment.with_output else dynamic
             buffer = jtu.tree_map(write, buffer, recorded)
         if progress is not None:
-            due = progress[0](t + 1, due)
+            # Counted over the whole run: chains run earlier (in chunks) included.
+            due = progress[0](progress[2] + t + 1, due)
         return (_ChainState(dynamic, keys, first_bad), buffer, t + 1, due), None
 
     due = None if progress is None else progress[1]
@@ -410,13 +414,15 @@ class _Placed:
     """Chains split over every device, padded to a multiple of the device count.
 
     The extra chains repeat chain 0: valid states whose results are dropped. Chains
-    never interact, so they cannot change a real chain's bits.
+    never interact, so they cannot change a real chain's bits. A chunk of a chunked run
+    is padded to the size of the others (`at_least`), so that every chunk runs the same
+    compiled program.
     """
 
-    def __init__(self, num_chains: int):
+    def __init__(self, num_chains: int, at_least: int = 0):
         self.num_chains = num_chains
         num_devices = member_mesh().size
-        self.total = -(-num_chains // num_devices) * num_devices
+        self.total = -(-max(num_chains, at_least) // num_devices) * num_devices
 
     def put(self, tree: Any, like: Any) -> Any:
         """`tree` (on the host or on devices) split over the devices.
@@ -536,6 +542,7 @@ def run_chains(
     progress: bool = False,
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
+    chunk_size: int | None = None,
 ) -> Chains:
     """Runs many independent Markov chains in parallel, from a step written for one.
 
@@ -626,6 +633,7 @@ def run_chains(
     """
     _check_counts(num_steps, thin, burn_in)
     _check_checkpoint_every(checkpoint, checkpoint_every)
+    _check_chunk_size(chunk_size)
     init_arrays, shared = eqx.partition(init, is_array)
     num_chains = _chain_count(init_arrays)
     keys, legacy = _chain_keys(key, num_chains)
@@ -635,73 +643,86 @@ def run_chains(
         step = jtu.Partial(step.func, *step.args, **step.keywords)
     traced = _trace_step(step, init, keys, legacy, with_output)
     num_draws = _draws_before(num_steps, burn_in, thin)
-    trace_like = None
-    if trace:
-        recorded = traced.output if with_output else _per_chain(init_arrays)
-        trace_like = jtu.tree_map(
-            lambda x: jax.ShapeDtypeStruct((num_chains, num_draws, *x.shape), x.dtype),
-            recorded,
-        )
-    initial = _ChainState(init_arrays, keys, np.zeros(num_chains, np.int32))
-    segment = _Segment(
-        length=0,
-        num_draws=num_draws,
-        thin=thin,
-        burn_in=burn_in,
-        with_output=with_output,
-        record=trace and num_draws > 0,
-        legacy=legacy,
+    run = _Run(
+        step=step,
+        shared=shared,
+        segment=_Segment(
+            length=0,
+            num_draws=num_draws,
+            thin=thin,
+            burn_in=burn_in,
+            with_output=with_output,
+            record=trace and num_draws > 0,
+            legacy=legacy,
+        ),
+        num_steps=num_steps,
+        recorded=(
+            None
+            if not trace
+            else traced.output
+            if with_output
+            else _per_chain(init_arrays)
+        ),
+        program=traced.program,
+        counts={
+            "num_steps": num_steps,
+            "thin": thin,
+            "burn_in": burn_in,
+            "with_output": with_output,
+            "trace": trace,
+        },
+        checkpoint_every=checkpoint_every,
     )
+    size = max(1, num_chains if chunk_size is None else min(chunk_size, num_chains))
+    bounds = [(a, min(a + size, num_chains)) for a in range(0, num_chains, size)]
+    bounds = bounds or [(0, 0)]
+    # In a job of several processes, process 0 writes checkpoints for all of them.
+    writes = jax.process_index() == 0
 
     with contextlib.ExitStack() as stack:
-        store = restored = None
-        if checkpoint is not None:
-            counts = {
-                "num_steps": num_steps,
-                "thin": thin,
-                "burn_in": burn_in,
-                "with_output": with_output,
-                "trace": trace,
-            }
-            identity = RunIdentity.of(traced.program, init, keys, counts)
-            # In a job of several processes, process 0 writes for all of them.
-            writes = jax.process_index() == 0
-            store = Checkpoint(
-                pathlib.Path(checkpoint), identity, num_chains, writes=writes
-            )
-            stack.enter_context(store)
-            restored = store.restore(_state_like(initial), trace_like)
-        placed = _Placed(num_chains)
-        steps_done, chains, buffer = _start(placed, initial, trace_like, restored)
         bar = None
         if progress:
-            handle = stack.enter_context(ProgressBar(num_steps, "run_chains")).handle
-            bar = (handle, handle.start(steps_done))
-        interval = checkpoint_every or max(num_steps - steps_done, 1)
-        while steps_done < num_steps:
-            window = _Window.of(
-                segment, steps_done, min(interval, num_steps - steps_done), store
+            # One bar over every chunk's steps.
+            total = num_steps * len(bounds)
+            bar = stack.enter_context(ProgressBar(total, "run_chains")).handle
+        path = None if checkpoint is None else pathlib.Path(checkpoint)
+        if path is not None and len(bounds) > 1:
+            stack.enter_context(job_lock(path, writes=writes))
+        pieces = []
+        for index, (first, stop) in enumerate(bounds):
+            if len(bounds) == 1:
+                block_init, block_keys, block_path = init_arrays, keys, path
+            else:
+                # Gathered (one program per chunk size), not sliced (one per chunk).
+                rows = np.arange(first, stop)
+                block_init = take(init_arrays, rows)
+                block_keys = as_keys_like(take(as_key_data(keys), rows), keys)
+                block_path = None if path is None else chunk_path(path, first, stop)
+            pieces.append(
+                run.block(
+                    block_init,
+                    block_keys,
+                    rows=size if len(bounds) > 1 else 0,
+                    checkpoint=block_path,
+                    locks=len(bounds) == 1,
+                    writes=writes,
+                    progress=None if bar is None else (bar, index * num_steps),
+                )
             )
-            chains, buffer, due, new_draws = _run_segment(
-                dataclasses.replace(segment, length=window.length, emit=window.emit),
-                step,
-                shared,
-                chains,
-                np.int32(steps_done),
-                bar,
-                buffer,
-            )
-            if bar is not None:
-                bar = (bar[0], due)
-            steps_done += window.length
-            if store is not None:
-                store.write(_snapshot(placed, steps_done, chains, new_draws, window))
 
-    recorded = None if buffer is None else placed.take(buffer)
+    if len(pieces) == 1:
+        chains, recorded = pieces[0]
+    else:
+        # Joined at the end: until now, each piece was only as large as its chunk.
+        def join(trees: list) -> Any:
+            return jtu.tree_map(lambda *xs: jnp.concatenate(xs), *trees)
+
+        chains = join([chains for chains, _ in pieces])
+        traces = [trace for _, trace in pieces]
+        recorded = None if traces[0] is None else join(traces)
     if recorded is not None and not with_output:
         # Non-array leaves (an MLP's activation) are shared, so the trace has them too.
         recorded = eqx.combine(recorded, shared)
-    chains = placed.take(chains)
     nonfinite_steps = np.asarray(chains.first_bad)
     bad_chains = np.flatnonzero(nonfinite_steps)
     return Chains(
@@ -714,6 +735,107 @@ def run_chains(
         ),
         with_output=with_output,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What every chunk of chains of one call of `run_chains` shares."""
+
+    step: Callable
+    shared: Any  # the non-array leaves of the state
+    segment: _Segment  # with `length` 0: set per segment
+    num_steps: int
+    recorded: Any  # one chain's recorded leaves, as shape-dtype structs; None if none
+    program: jax.extend.core.ClosedJaxpr  # `step`, traced: for the run's identity
+    counts: dict[str, Any]  # the arguments that change results, for the identity
+    checkpoint_every: int | None
+
+    def block(
+        self,
+        init: Any,
+        keys: jax.Array,
+        *,
+        rows: int,
+        checkpoint: pathlib.Path | None,
+        locks: bool,
+        writes: bool,
+        progress: tuple[Any, int] | None,
+    ) -> tuple[_ChainState, Any]:
+        """Runs the chains of `init` (array leaves) and `keys` through every step.
+
+        They are padded to `rows` chains (and to a multiple of the device count), so
+        that every chunk of a chunked run runs one program. `progress` is the bar's
+        handle and the steps of the chunks before this one. Returns the chains and
+        trace (None without one), whole on every process.
+        """
+        num_chains = keys.shape[0]
+        trace_like = None
+        if self.recorded is not None:
+            draws = self.segment.num_draws
+            trace_like = jtu.tree_map(
+                lambda x: jax.ShapeDtypeStruct((num_chains, draws, *x.shape), x.dtype),
+                self.recorded,
+            )
+        initial = _ChainState(init, keys, np.zeros(num_chains, np.int32))
+        with contextlib.ExitStack() as stack:
+            store = restored = None
+            if checkpoint is not None:
+                identity = RunIdentity.of(
+                    self.program, eqx.combine(init, self.shared), keys, self.counts
+                )
+                store = Checkpoint(
+                    checkpoint, identity, num_chains, writes=writes, locks=locks
+                )
+                stack.enter_context(store)
+                restored = store.restore(_state_like(initial), trace_like)
+            placed = _Placed(num_chains, at_least=rows)
+            steps_done, chains, buffer = _start(placed, initial, trace_like, restored)
+            bar = None
+            if progress is not None:
+                handle, before = progress
+                bar = (handle, handle.start(before + steps_done), np.int32(before))
+            num_steps = self.num_steps
+            interval = self.checkpoint_every or max(num_steps - steps_done, 1)
+            while steps_done < num_steps:
+                window = _Window.of(
+                    self.segment,
+                    steps_done,
+                    min(interval, num_steps - steps_done),
+                    store,
+                )
+                chains, buffer, due, new_draws = _run_segment(
+                    dataclasses.replace(
+                        self.segment, length=window.length, emit=window.emit
+                    ),
+                    self.step,
+                    self.shared,
+                    chains,
+                    np.int32(steps_done),
+                    bar,
+                    buffer,
+                )
+                if bar is not None:
+                    bar = (bar[0], due, bar[2])
+                steps_done += window.length
+                if store is not None:
+                    store.write(
+                        _snapshot(placed, steps_done, chains, new_draws, window)
+                    )
+        return placed.take(chains), None if buffer is None else placed.take(buffer)
+
+
+def _check_chunk_size(chunk_size: Any) -> None:
+    if chunk_size is None:
+        return
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, (int, np.integer))
+        or chunk_size < 1
+    ):
+        raise BatchError(
+            f"`chunk_size` is {chunk_size!r}; it must be an int >= 1 (how many chains "
+            "to run at a time), or None to run every chain at once."
+        )
 
 
 def _check_checkpoint_every(checkpoint: Any, checkpoint_every: Any) -> None:

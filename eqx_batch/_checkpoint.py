@@ -27,7 +27,7 @@ import pathlib
 import re
 import secrets
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -253,8 +253,9 @@ class Checkpoint:
 
     Used as a context manager. Entering it checks, before any work, that the folder
     exists and takes a file; in the process that writes (`writes=True`, process 0 of a
-    job), it takes the lock and starts the writer thread. Leaving it waits for the last
-    write and releases both.
+    job), it takes the lock (unless `locks=False`: a chunk of a chunked run, whose job
+    holds the lock of the user's path, `job_lock`) and starts the writer thread. Leaving
+    it waits for the last write and releases both.
     """
 
     def __init__(
@@ -264,11 +265,13 @@ class Checkpoint:
         num_chains: int,
         *,
         writes: bool,
+        locks: bool = True,
     ):
         self.path = path
         self.identity = identity
         self.num_chains = num_chains
         self.writes = writes
+        self.locks = locks
         self.draw_files: list[DrawFile] = []
         self.steps_written: int | None = None
         self._lock: int | None = None
@@ -282,10 +285,10 @@ class Checkpoint:
     # -- entering and leaving --------------------------------------------------------
 
     def __enter__(self) -> "Checkpoint":
-        self._check_writable()
+        check_writable(self.path)
         if self.writes:
-            if sys.platform != "win32":  # Windows has no `flock`: no lock there
-                self._take_lock()
+            if self.locks:
+                self._lock = take_lock(self.path)
             self._thread = concurrent.futures.ThreadPoolExecutor(1)
         return self
 
@@ -299,69 +302,6 @@ class Checkpoint:
             if self._lock is not None:
                 os.close(self._lock)  # releases the `flock`
                 self._lock = None
-
-    def _check_writable(self) -> None:
-        path, folder = self.path, self.path.parent
-        if path.is_dir():
-            raise BatchError(
-                f"`checkpoint` ({path}) is a folder; pass the path of a file in it, "
-                f"such as {path / 'chains.ckpt'}."
-            )
-        if not folder.is_dir():
-            what = "is a file, not a folder" if folder.exists() else "does not exist"
-            raise BatchError(
-                f"`checkpoint` ({path}) cannot be written: its folder {folder} {what}. "
-                "Create the folder first, or pass a path in an existing one."
-            )
-        # A real write, not `os.access`: permission bits say nothing of a read-only
-        # mount, and nothing to root. Found now, not after the run.
-        probe = folder / f".{path.name}.{secrets.token_hex(8)}.probe"
-        try:
-            descriptor = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            os.close(descriptor)
-            probe.unlink()
-        except OSError as e:
-            raise BatchError(
-                f"`checkpoint` ({path}) cannot be written: creating a file in {folder} "
-                f"failed ({e.strerror or e}). Pass a path in a folder you can write to."
-            ) from None
-
-    def _take_lock(self) -> None:
-        lock_path = self.path.with_name(f"{self.path.name}.lock")
-        descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip()
-            os.close(descriptor)
-            who = f"process {holder}" if holder.isdigit() else "another process"
-            raise BatchError(
-                f"`checkpoint` ({self.path}) is in use: a live run ({who}) holds "
-                f"its lock {lock_path}. Wait for it to finish, or pass another path."
-            ) from None
-        except BaseException:
-            os.close(descriptor)
-            raise
-        os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
-        self._lock = descriptor
-        self._remove_torn_writes()
-
-    def _remove_torn_writes(self) -> None:
-        """Removes the temporary files of writes that a killed run left behind.
-
-        Only the holder of the lock writes this checkpoint's files, so every temporary
-        file of theirs (`atomic_write` names them `.<file>.<16 hex digits>.tmp`) that
-        exists now belongs to a run that is gone.
-        """
-        name = re.escape(self.path.name)
-        torn = re.compile(
-            rf"\.{name}(\.[0-9a-f]{{16}}\.draws-\d+-\d+)?\.[0-9a-f]{{16}}\.tmp"
-        )
-        for entry in os.scandir(self.path.parent):
-            if torn.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
 
     # -- reading back ----------------------------------------------------------------
 
@@ -565,3 +505,106 @@ class Checkpoint:
             ) from e
         self.draw_files = draw_files
         self.steps_written = snapshot.steps_done
+
+
+# ------------------------------------------------------------------------------------
+# Before any work: the folder can be written, and no other live run holds the path.
+
+
+def check_writable(path: pathlib.Path) -> None:
+    """Raises, naming `path`, unless a file can be created in its folder."""
+    folder = path.parent
+    if path.is_dir():
+        raise BatchError(
+            f"`checkpoint` ({path}) is a folder; pass the path of a file in it, "
+            f"such as {path / 'chains.ckpt'}."
+        )
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise BatchError(
+            f"`checkpoint` ({path}) cannot be written: its folder {folder} {what}. "
+            "Create the folder first, or pass a path in an existing one."
+        )
+    # A real write, not `os.access`: permission bits say nothing of a read-only
+    # mount, and nothing to root. Found now, not after the run.
+    probe = folder / f".{path.name}.{secrets.token_hex(8)}.probe"
+    try:
+        descriptor = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        os.close(descriptor)
+        probe.unlink()
+    except OSError as e:
+        raise BatchError(
+            f"`checkpoint` ({path}) cannot be written: creating a file in {folder} "
+            f"failed ({e.strerror or e}). Pass a path in a folder you can write to."
+        ) from None
+
+
+def take_lock(path: pathlib.Path) -> int | None:
+    """Locks `path.lock` for this process; returns its descriptor (close to release).
+
+    Raises if another live process holds it. Returns None on Windows, which has no
+    `flock`: no lock there.
+    """
+    if sys.platform == "win32":
+        return None
+    lock_path = path.with_name(f"{path.name}.lock")
+    descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip()
+        os.close(descriptor)
+        who = f"process {holder}" if holder.isdigit() else "another process"
+        raise BatchError(
+            f"`checkpoint` ({path}) is in use: a live run ({who}) holds "
+            f"its lock {lock_path}. Wait for it to finish, or pass another path."
+        ) from None
+    except BaseException:
+        os.close(descriptor)
+        raise
+    os.ftruncate(descriptor, 0)
+    os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
+    _remove_torn_writes(path)
+    return descriptor
+
+
+@contextlib.contextmanager
+def job_lock(path: pathlib.Path, *, writes: bool) -> Iterator[None]:
+    """Holds the lock of `path` for a whole chunked run (in the process that writes).
+
+    The chunks' checkpoints (`chunk_path`) are written under it without locks of
+    their own, so a second live run on `path` is refused at once, whichever chunk the
+    first one is running.
+    """
+    check_writable(path)
+    descriptor = take_lock(path) if writes else None
+    try:
+        yield
+    finally:
+        if descriptor is not None:
+            os.close(descriptor)  # releases the `flock`
+
+
+def chunk_path(path: pathlib.Path, first: int, stop: int) -> pathlib.Path:
+    """The checkpoint of chains `first` to `stop` of a chunked run checkpointed at
+    `path`: named by the chains it holds, so it is the same whatever the chunk size
+    that made it."""
+    return path.with_name(f"{path.name}.chains-{first}-{stop}")
+
+
+def _remove_torn_writes(path: pathlib.Path) -> None:
+    """Removes the temporary files of writes that a killed run left behind.
+
+    Only the holder of the lock writes this checkpoint's files (its chunks' included),
+    so every temporary file of theirs (`atomic_write` names them
+    `.<file>.<16 hex digits>.tmp`) that exists now belongs to a run that is gone.
+    """
+    name = re.escape(path.name)
+    torn = re.compile(
+        rf"\.{name}(\.chains-\d+-\d+)?(\.[0-9a-f]{{16}}\.draws-\d+-\d+)?"
+        rf"\.[0-9a-f]{{16}}\.tmp"
+    )
+    for entry in os.scandir(path.parent):
+        if torn.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)

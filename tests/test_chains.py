@@ -22,7 +22,15 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
-from chains_worker import make_init, metropolis, mlp_step, outputs, run as run_workload
+from chains_worker import (
+    key_step,
+    make_init,
+    make_key_init,
+    metropolis,
+    mlp_step,
+    outputs,
+    run as run_workload,
+)
 from helpers import assert_trees_identical, tree_allclose
 from multiprocess_launch import launch
 
@@ -703,6 +711,187 @@ def _other_step(state: dict, key: jax.Array) -> dict:
 
 def _shifted(num_chains: int) -> dict:
     return jtu.tree_map(lambda x: x + 1.0, make_init(num_chains))
+
+
+# ------------------------------------------------------------------------------------
+# More chains than fit in memory: `chunk_size`.
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 9, 10, 64])
+def test_chunked_run_equals_unchunked_run(chunk_size):
+    # 10 chains over 4 devices: chunks of 3 and 9 leave remainders (1 chain) that are
+    # padded; 10 and 64 are one chunk, the unchunked run itself.
+    init = make_init(10)
+    plain = eb.run_chains(metropolis, init, jr.key(0), 30, thin=3, burn_in=4)
+    chunked = eb.run_chains(
+        metropolis, init, jr.key(0), 30, thin=3, burn_in=4, chunk_size=chunk_size
+    )
+    assert chunked.trace["layer1"]["weights"].shape == (10, 9, 3, 3)
+    assert_trees_identical(outputs(chunked), outputs(plain))
+
+
+def test_chunked_run_without_trace():
+    init = make_init(10)
+    plain = eb.run_chains(metropolis, init, jr.key(0), 20, trace=False)
+    chunked = eb.run_chains(metropolis, init, jr.key(0), 20, trace=False, chunk_size=4)
+    assert chunked.trace is None
+    assert_trees_identical(outputs(chunked), outputs(plain))
+
+
+def test_chunked_run_with_output_and_keys_in_the_state():
+    def step(state: dict, key: jax.Array) -> tuple:
+        new = key_step(state, key)
+        return new, {"k": new["k"], "size": jnp.sum(new["x"] ** 2)}
+
+    init = make_key_init(7)
+    keys = jr.split(jr.key(3), 7)
+    plain = eb.run_chains(step, init, keys, 20, with_output=True, thin=2)
+    chunked = eb.run_chains(
+        step, init, keys, 20, with_output=True, thin=2, chunk_size=3
+    )
+    assert chunked.trace["k"].dtype == jr.key(0).dtype
+    assert_trees_identical(chunked.trace, plain.trace)
+    assert_trees_identical(outputs(chunked)["final"], outputs(plain)["final"])
+    assert_trees_identical(jr.key_data(chunked.keys), jr.key_data(plain.keys))
+    # Legacy keys too: given and returned as `uint32` data.
+    legacy = eb.run_chains(step, init, jr.key_data(keys), 20, with_output=True, thin=2)
+    legacy_chunked = eb.run_chains(
+        step, init, jr.key_data(keys), 20, with_output=True, thin=2, chunk_size=2
+    )
+    assert_trees_identical(legacy_chunked.keys, legacy.keys)
+
+
+def test_chunked_nonfinite_report_numbers_chains_across_chunks():
+    def step(state: jax.Array, key: jax.Array) -> jax.Array:
+        return state * 10.0 + jr.uniform(key, state.shape)
+
+    init = jnp.array([[0.0], [1e30], [1.0], [0.0], [1e35], [1.0], [1e30]])
+    plain = eb.run_chains(step, init, jr.key(9), 25)
+    chunked = eb.run_chains(step, init, jr.key(9), 25, chunk_size=3)
+    np.testing.assert_array_equal(chunked.nonfinite.chains, [1, 4, 6])
+    np.testing.assert_array_equal(chunked.nonfinite.steps, [9, 4, 9])
+    assert_trees_identical(chunked.nonfinite, plain.nonfinite)
+
+
+def test_every_chunk_runs_one_compiled_program():
+    names = []
+
+    def listener(event: str, duration_secs: float, **kwargs: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kwargs.get("fun_name"))
+
+    # A new step: nothing of it is compiled yet. 11 chains in chunks of 4: the last
+    # chunk (3 chains) is padded to 4, so all three run the same segment program.
+    def step(state: dict, key: jax.Array) -> dict:
+        return metropolis(state, key)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        eb.run_chains(step, make_init(11), jr.key(0), 20, chunk_size=4, progress=True)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert names.count("jit(run)") == 1, names
+
+
+def test_progress_bar_counts_every_chunk(capsys):
+    init = make_init(10)
+    plain = eb.run_chains(metropolis, init, jr.key(0), 50)
+    shown = eb.run_chains(metropolis, init, jr.key(0), 50, progress=True, chunk_size=4)
+    assert_trees_identical(outputs(shown), outputs(plain))
+    # Three chunks of 50 steps: one bar of 150.
+    err = capsys.readouterr().err
+    assert "150/150" in err
+    assert "/50 " not in err
+
+
+_CHUNKED_WORKER = """
+import sys
+import jax.random as jr
+import eqx_batch as eb
+from chains_worker import make_init, metropolis
+path, out = sys.argv[1:]
+result = eb.run_chains(metropolis, make_init(12), jr.key(0), 4000, thin=10,
+    checkpoint=path, checkpoint_every=20, chunk_size=5)
+eb.save(out, {"final": result.final})
+"""
+
+
+def _chunked_run(path: pathlib.Path | None) -> eb.Chains:
+    every = None if path is None else 20
+    return eb.run_chains(
+        metropolis,
+        make_init(12),
+        jr.key(0),
+        4000,
+        thin=10,
+        checkpoint=path,
+        checkpoint_every=every,
+        chunk_size=5,
+    )
+
+
+def test_chunked_run_killed_mid_chunk_resumes_bit_for_bit(tmp_path):
+    # 12 chains in chunks of 5 (the last one padded): SIGKILLed in its second chunk,
+    # then resumed here. The first chunk is read back, the second resumes from its
+    # checkpoint, the third runs: all equal to an uninterrupted run.
+    path, out = tmp_path / "run.ckpt", tmp_path / "out.eqx"
+    first, second = tmp_path / "run.ckpt.chains-0-5", tmp_path / "run.ckpt.chains-5-10"
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _CHUNKED_WORKER, str(path), str(out)],
+        cwd=WORKER.parent,
+    )
+    try:
+        _wait_for(
+            lambda: second.exists() and _steps_done(second) >= 200, worker, "chunk 2"
+        )
+        # The job holds the lock of the user's path, whichever chunk it runs.
+        with pytest.raises(eb.BatchError, match="in use"):
+            _chunked_run(path)
+        _kill(worker)
+    finally:
+        if worker.poll() is None:
+            _kill(worker)
+    assert worker.returncode == -signal.SIGKILL
+    assert _steps_done(first) == 4000
+    assert 0 < _steps_done(second) < 4000
+    assert not out.exists()
+
+    resumed = _chunked_run(path)
+    plain = eb.run_chains(metropolis, make_init(12), jr.key(0), 4000, thin=10)
+    assert_trees_identical(outputs(resumed), outputs(plain))
+    assert _steps_done(tmp_path / "run.ckpt.chains-10-12") == 4000
+    assert not list(tmp_path.glob(".*.tmp"))
+
+    # Finished: read back whole, nothing rewritten.
+    def written() -> dict:
+        files = tmp_path.glob("run.ckpt.chains-*")
+        return {p.name: p.stat().st_mtime_ns for p in files}
+
+    before = written()
+    again = _chunked_run(path)
+    assert_trees_identical(outputs(again), outputs(plain))
+    assert written() == before
+
+
+def test_chunk_size_of_all_chains_is_the_unchunked_run(tmp_path):
+    # Same files, same checkpoint: one call's checkpoint is read back by the other.
+    init = make_init(6)
+    path = tmp_path / "run.ckpt"
+    _STEPS_RUN.clear()
+    first = eb.run_chains(
+        _counted_metropolis, init, jr.key(0), 20, checkpoint=path, chunk_size=6
+    )
+    assert list(tmp_path.glob("*.chains-*")) == []
+    ran = len(_STEPS_RUN)
+    again = eb.run_chains(_counted_metropolis, init, jr.key(0), 20, checkpoint=path)
+    assert len(_STEPS_RUN) == ran
+    assert_trees_identical(outputs(again), outputs(first))
+
+
+@pytest.mark.parametrize("chunk_size", [0, -3, 2.5, True, "4", np.float32(2)])
+def test_bad_chunk_size_is_refused(chunk_size):
+    with pytest.raises(eb.BatchError, match="`chunk_size`"):
+        eb.run_chains(metropolis, make_init(4), jr.key(0), 5, chunk_size=chunk_size)
 
 
 # ------------------------------------------------------------------------------------
