@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from eqx_batch._serialise import atomic_write
+from eqx_batch._atomic import atomic_write
 
 
 _MAGIC = b"\x89EQXBATCH\r\n\x1a\n"

@@ -1,55 +1,36 @@
-"""`save` and `load`: pytrees in safetensors files, written atomically, read validated.
+"""`save` and `load`: pytrees to and from eqx_batch files, written atomically, read
+validated against `like`.
 
-A file is a [safetensors](https://huggingface.co/docs/safetensors) file, so any
-safetensors reader (`safetensors.numpy.load_file`, PyTorch, Rust, the Hub's viewer)
-sees every array leaf as a tensor named by its `jax.tree_util.keystr` path
-(`.layers[0].weight`). What safetensors cannot express goes in its string metadata,
-under keys that start with `eqx_batch.`:
-
-- `eqx_batch.header_crc32` and `eqx_batch.data_crc32`: CRC-32s (8 hex digits) of the
-    header, taken with these 16 digits as zeros, and of the tensor data. `eb.save`
-    writes them first in the header, at a fixed place, so that they are found and
-    checked before anything else in the file is interpreted.
-- `eqx_batch.version`: the format version, `"1"`.
-- `eqx_batch.leaves`: JSON, one record per leaf in flattening order: its path and kind;
-    for arrays the true dtype, shape and weak type; for typed PRNG keys the
-    implementation's name (the tensor holds the key data); for `bool`, `int`, `float`,
-    `complex` and `str` leaves the value; for other objects (functions) their
-    qualified name, checked against `like` on loading.
-- entries of the caller (`write_tree(metadata=...)`), whose keys must not start with
-    `eqx_batch.`.
-
-Dtypes that `safetensors.numpy` reads natively (bool, integers, float16/32/64,
-bfloat16) are stored as such; others (complex, float8 variants, int4...) as raw
-little-endian bytes, a `U8` tensor with one extra trailing axis of the item size, their
-dtype named in `eqx_batch.leaves`.
-
-The checksums guard against accidents (torn or truncated copies, flipped bits), as
-CRC-32 does in zip, gzip and PNG files; a crafted file can carry valid checksums, so
-every field is checked before it is used, and the safetensors package (a maintained,
-fuzzed parser) reads the tensors. Nothing is ever executed or unpickled.
+A tree is written as one record per leaf and the arrays of its array leaves; the file
+format (safetensors with eqx_batch metadata and checksums) is `_file_format.py`'s.
+Loading checks every record of a file against the leaf of `like` at the same place
+before it reads any tensor, then gives each value the type of `like`'s leaf. A file of
+a stacked tree loads into a list of members and a file of a list into a stacked
+`like`: those layouts are here too.
 """
 
-import contextlib
 import functools
-import json
 import os
-import pathlib
-import secrets
-import stat
-import struct
-import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, BinaryIO, NamedTuple, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.core
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-import safetensors
 
 from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
+from ._file_format import (
+    # Re-exported: the checkpoints read files with `read_tree` and `read_metadata`
+    # and tell a bad file (`BadFileError`) from one that does not fit.
+    BadFileError as BadFileError,
+    check_caller_metadata,
+    CheckedFile,
+    open_checked,
+    read_metadata as read_metadata,
+    storable,
+    write_file,
+)
 from ._stack import unstack
 from ._tree import is_array, is_key
 
@@ -57,45 +38,6 @@ from ._tree import is_array, is_key
 Tree = TypeVar("Tree")
 
 
-class BadFileError(BatchError):
-    """The file itself cannot be read as an eqx_batch file.
-
-    It is not a regular file, not an eqx_batch file (junk, another tool's safetensors
-    file), corrupt or truncated, or from a newer format version: no `like` would
-    load it. A plain `BatchError` from `load`/`read_tree` means the file is sound but
-    does not fit `like`.
-    """
-
-
-_NAMESPACE = "eqx_batch."
-_VERSION = 1
-_LENGTH = struct.Struct("<Q")
-# Where `eb.save` puts the checksums: first in the header, so at fixed offsets.
-_HEAD = b'{"__metadata__":{"eqx_batch.header_crc32":"'
-_MIDDLE = b'","eqx_batch.data_crc32":"'
-_HEADER_CRC_AT = _LENGTH.size + len(_HEAD)
-_DATA_CRC_AT = _HEADER_CRC_AT + 8 + len(_MIDDLE)
-_FIXED_END = _DATA_CRC_AT + 8
-# safetensors refuses headers over 100 MB; so do we, before reading one.
-_MAX_HEADER = 100_000_000
-_CHUNK = 1 << 22
-# Files of the container format eqx_batch wrote before it wrote safetensors.
-_OLD_MAGIC = b"\x89EQXBATCH\r\n\x1a\n"
-_NATIVE = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "uint16": "U16",
-    "int16": "I16",
-    "uint32": "U32",
-    "int32": "I32",
-    "uint64": "U64",
-    "int64": "I64",
-    "float16": "F16",
-    "float32": "F32",
-    "float64": "F64",
-    "bfloat16": "BF16",
-}
 _KIND_PHRASES = {
     "array": "an array",
     "key": "a typed PRNG key",
@@ -116,63 +58,7 @@ _SCALAR_KINDS = {
 
 
 # ------------------------------------------------------------------------------------
-# Atomic writes.
-
-
-def atomic_write(
-    path: str | os.PathLike,
-    write: Callable[[BinaryIO], object],
-    *,
-    keep_cached: bool = True,
-) -> None:
-    """Calls `write(file)` on a temporary file beside `path`, then renames it to `path`.
-
-    The temporary file is flushed and fsynced before the rename, and the folder after
-    it, so after a crash `path` holds either its previous contents or the new ones,
-    never a mixture. If `write` raises, the temporary file is removed and `path` is
-    untouched.
-
-    With `keep_cached=False` the file's pages are dropped from the operating system's
-    cache once they are on disk (where the OS allows it): for files written once and
-    rarely read back, such as the draws of a checkpointed run. Pages the cache has just
-    freed are the cheapest for the next write to fill, and a long run does not push
-    everything else out of the cache.
-    """
-    target = pathlib.Path(path)
-    folder = target.parent
-    # A random name opened with O_EXCL, rather than `tempfile` (which creates 0600
-    # files), gives the file the permissions the user's umask asks for, as `open` does.
-    temporary = folder / f".{target.name}.{secrets.token_hex(8)}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    descriptor = os.open(temporary, flags, 0o666)
-    try:
-        with os.fdopen(descriptor, "wb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-            if not keep_cached and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        os.replace(temporary, target)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    _fsync_folder(folder)
-
-
-def _fsync_folder(folder: pathlib.Path) -> None:
-    # The rename is only durable once the folder's entry is on disk. Windows cannot open
-    # a folder this way; there `os.replace` is as durable as it gets.
-    if not hasattr(os, "O_DIRECTORY"):
-        return
-    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-# ------------------------------------------------------------------------------------
-# Leaf kinds and dtypes.
+# Leaf kinds.
 
 
 def _is_array_template(x: Any) -> bool:
@@ -184,30 +70,6 @@ def _describe(x: Any) -> str:
     if isinstance(x, jax.ShapeDtypeStruct):
         return f"{x.dtype}[{','.join(map(str, x.shape))}]"
     return describe(x)
-
-
-def _storable(dtype: np.dtype) -> bool:
-    """Numeric dtypes only: bool, ints, floats, complex and ml_dtypes' (bfloat16...)."""
-    return dtype.kind in "biufc" or dtype.type.__module__ == "ml_dtypes"
-
-
-def _numeric_dtype(name: Any) -> np.dtype:
-    """The dtype called `name`, if it is one `_storable` allows; else `ValueError`."""
-    try:
-        dtype = jnp.dtype(name) if isinstance(name, str) else None
-    except TypeError:
-        dtype = None
-    if dtype is None or dtype.name != name or not _storable(dtype):
-        raise ValueError(f"not a numeric dtype: {name!r}")
-    return dtype
-
-
-def _stored_as(dtype: np.dtype, shape: Sequence[int]) -> tuple[str, list[int]]:
-    """The safetensors dtype and shape of an array: native, or raw bytes (`U8`)."""
-    code = _NATIVE.get(dtype.name)
-    if code is not None:
-        return code, list(shape)
-    return "U8", [*shape, dtype.itemsize]
 
 
 def _object_name(x: Any) -> str:
@@ -224,54 +86,12 @@ def _object_name(x: Any) -> str:
     return f"instance of {kind.__module__}.{kind.__qualname__}"
 
 
-@functools.cache
-def _key_dtype(impl: str) -> Any:
-    """The dtype of typed keys of the implementation named `impl` (traced, not run)."""
-    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
-
-
-@functools.lru_cache(maxsize=64)
-def _weak_identity(specs: tuple[jax.ShapeDtypeStruct, ...]) -> Callable:
-    return jax.jit(lambda *xs: xs).lower(*specs).compile()
-
-
-def make_weak(arrays: Sequence[jax.Array]) -> list[jax.Array]:
-    """`arrays` with the same values, dtypes and shardings, weakly typed.
-
-    Weak types decide dtype promotion (a weak float32 scalar times a bfloat16 array is
-    bfloat16), so a round trip must keep them. Public JAX makes weak arrays only from
-    Python scalars, or as the outputs of a program whose inputs are weak: this runs
-    one identity program compiled for weak inputs, one compilation per combination of
-    shapes and dtypes (cached), whatever the number of arrays.
-    """
-    if not arrays:
-        return []
-    specs = tuple(
-        jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=True, sharding=x.sharding)
-        for x in arrays
-    )
-    return list(_weak_identity(specs)(*arrays))
-
-
 # ------------------------------------------------------------------------------------
 # Writing.
 
 
-class _Tensor(NamedTuple):
-    name: str
-    code: str
-    shape: list[int]
-    data: np.ndarray  # C-contiguous, little-endian
-
-
-def _little_endian(data: np.ndarray) -> np.ndarray:
-    """`data` C-contiguous and little-endian, copied only if it is not already."""
-    # Not `np.ascontiguousarray`: it turns 0-d arrays into 1-d ones.
-    return np.array(data, dtype=data.dtype.newbyteorder("<"), order="C", copy=None)
-
-
-def _flatten_for_file(tree: Any) -> tuple[list[dict], list[_Tensor]]:
-    """The leaf records of `tree` and its tensors, fetched from devices in one batch."""
+def _leaf_records(tree: Any) -> tuple[list[dict], list[Any]]:
+    """The leaf records of `tree`, and its arrays (key data for keys) in their order."""
     leaves = jtu.tree_flatten_with_path(tree)[0]
     records: list[dict] = []
     on_device: list[Any] = []
@@ -289,7 +109,7 @@ def _flatten_for_file(tree: Any) -> tuple[list[dict], list[_Tensor]]:
             )
             on_device.append(jax.random.key_data(leaf))
         elif is_array(leaf):
-            if not _storable(np.dtype(leaf.dtype)):
+            if not storable(np.dtype(leaf.dtype)):
                 raise BatchError(
                     f"`{name}` is {describe(leaf)}; only numeric arrays (bool, "
                     "integer, floating, complex and ml_dtypes such as bfloat16) can "
@@ -312,79 +132,14 @@ def _flatten_for_file(tree: Any) -> tuple[list[dict], list[_Tensor]]:
             else:
                 record.update(kind="object", name=_object_name(leaf))
         records.append(record)
-    hosts = iter(jax.device_get(on_device))
-    tensors = []
-    for record in records:
-        if record["kind"] in ("array", "key"):
-            data = _little_endian(np.asarray(next(hosts)))
-            code, shape = _stored_as(data.dtype, data.shape)
-            tensors.append(_Tensor(record["path"], code, shape, data))
-    names = [tensor.name for tensor in tensors]
+    names = [r["path"] for r in records if r["kind"] in ("array", "key")]
     if len(set(names)) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise BatchError(
             f"`tree` has several array leaves with the path {twice[0]!r}, and a file "
             "names each array by its path. Give the leaves distinct keys."
         )
-    return records, tensors
-
-
-def _header(
-    records: list[dict], tensors: list[_Tensor], metadata: Mapping[str, str]
-) -> tuple[bytes, list[_Tensor]]:
-    """The length prefix and header, checksums included, padded to a multiple of 8
-    bytes; and the tensors in the order of their data."""
-    # Largest items first keeps every tensor aligned to its item size, as
-    # safetensors' own writer does, for readers that map the file.
-    ordered = sorted(tensors, key=lambda t: -t.data.dtype.itemsize)
-    entries = {}
-    offset = 0
-    data_crc = 0
-    for tensor in ordered:
-        entries[tensor.name] = {
-            "dtype": tensor.code,
-            "shape": tensor.shape,
-            "data_offsets": [offset, offset + tensor.data.nbytes],
-        }
-        offset += tensor.data.nbytes
-        data_crc = zlib.crc32(_raw(tensor.data), data_crc)
-    ours = {
-        f"{_NAMESPACE}version": str(_VERSION),
-        f"{_NAMESPACE}leaves": json.dumps(records, separators=(",", ":")),
-    }
-    rest = json.dumps({**ours, **metadata}, separators=(",", ":"))[1:]
-    header = _HEAD + b"00000000" + _MIDDLE + b"00000000" + b'",' + rest.encode()
-    if entries:
-        header += b"," + json.dumps(entries, separators=(",", ":"))[1:].encode()
-    else:
-        header += b"}"
-    header += b" " * (-(len(header) + _LENGTH.size) % 8)
-    prefix = _LENGTH.pack(len(header))
-    header_crc = zlib.crc32(prefix + header)
-    patched = bytearray(prefix + header)
-    patched[_HEADER_CRC_AT : _HEADER_CRC_AT + 8] = b"%08x" % header_crc
-    patched[_DATA_CRC_AT : _DATA_CRC_AT + 8] = b"%08x" % data_crc
-    return bytes(patched), ordered
-
-
-def _raw(data: np.ndarray) -> memoryview:
-    return data.reshape(-1).view(np.uint8).data
-
-
-def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
-    entries = dict(metadata or {})
-    for key, value in entries.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise BatchError(
-                f"`metadata` maps {key!r} to {value!r}; safetensors metadata maps "
-                "strings to strings."
-            )
-        if key.startswith(_NAMESPACE):
-            raise BatchError(
-                f"`metadata` has the key {key!r}; keys starting with {_NAMESPACE!r} "
-                "are eqx_batch's own. Choose another name."
-            )
-    return entries
+    return records, on_device
 
 
 def write_tree(
@@ -400,16 +155,10 @@ def write_tree(
     returned verbatim by `read_tree` and `read_metadata`; keys must not start with
     `eqx_batch.`. Raises `BatchError` for such a key or a non-string entry.
     """
-    entries = _check_metadata(metadata)
-    records, tensors = _flatten_for_file(tree)
-    header, ordered = _header(records, tensors, entries)
-
-    def write(file: BinaryIO) -> None:
-        file.write(header)
-        for tensor in ordered:
-            file.write(_raw(tensor.data))
-
-    atomic_write(path, write, keep_cached=keep_cached)
+    entries = check_caller_metadata(metadata)
+    records, arrays = _leaf_records(tree)
+    # Fetched from the devices in one batch.
+    write_file(path, records, jax.device_get(arrays), entries, keep_cached=keep_cached)
 
 
 def save(path: str | os.PathLike, tree: Any) -> None:
@@ -459,402 +208,36 @@ def save(path: str | os.PathLike, tree: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------
-# Opening and checking a file.
-
-
-def _read_at(descriptor: int, offset: int, count: int) -> bytes:
-    """`count` bytes at `offset`, fewer only if the file ends first."""
-    chunks = []
-    while count > 0:
-        chunk = os.pread(descriptor, min(count, _CHUNK), offset)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        offset += len(chunk)
-        count -= len(chunk)
-    return b"".join(chunks)
-
-
-def _file_kind(mode: int) -> str:
-    for test, phrase in [
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ]:
-        if test(mode):
-            return phrase
-    return "not a regular file"
-
-
-def _open_regular(path: str) -> tuple[int, int]:
-    """A read-only descriptor of `path` and its size; refuses anything but a file."""
-    # Non-blocking, so that opening a FIFO with no writer returns at once; a regular
-    # file reads the same either way.
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
-    descriptor = os.open(path, flags)
-    info = os.fstat(descriptor)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(descriptor)
-        raise BadFileError(
-            f"`{path}` is {_file_kind(info.st_mode)}, not a regular file: only files "
-            "written by `eb.save` can be loaded."
-        )
-    return descriptor, info.st_size
-
-
-def _similar(head: bytes) -> bool:
-    """Whether `head` has `eb.save`'s fixed opening, give or take one damaged byte."""
-    expected = (
-        (_LENGTH.size, _HEAD),
-        (_HEADER_CRC_AT + 8, _MIDDLE),
-    )
-    differing = 0
-    seen = 0
-    for start, part in expected:
-        got = head[start : start + len(part)]
-        seen += len(got)
-        differing += sum(a != b for a, b in zip(got, part, strict=False))
-    return seen > 0 and differing <= 1
-
-
-def _crc_digits(raw: bytes | bytearray, at: int) -> int | None:
-    digits = raw[at : at + 8]
-    if len(digits) != 8 or digits.strip(b"0123456789abcdef"):
-        return None
-    return int(digits, 16)
-
-
-class _Envelope(NamedTuple):
-    """What the checks of a file's opening established."""
-
-    header: dict[str, Any]
-    metadata: dict[str, str]
-    data_start: int
-    data_crc: int
-
-
-def _not_ours(path: str, head: bytes) -> BadFileError:
-    return BadFileError(
-        f"`{path}` is not an eqx_batch file (its first bytes are {head[:16]!r}). "
-        "Only files written by `eb.save` can be loaded."
-    )
-
-
-def _corrupt(path: str, problem: str) -> BadFileError:
-    return BadFileError(
-        f"`{path}` is corrupt: {problem}. It was damaged after `eb.save` wrote it (an "
-        "interrupted copy, a failing disk), so its contents cannot be trusted."
-    )
-
-
-def _parse_header(raw: bytes) -> Any:
-    try:
-        return json.loads(raw[_LENGTH.size :].decode())
-    except (ValueError, RecursionError):
-        return None
-
-
-def _check_foreign(
-    path: str, descriptor: int, size: int, head: bytes, header_nbytes: int
-) -> BadFileError:
-    """The error for a file without `eb.save`'s opening: junk, or another tool's."""
-    if header_nbytes > _MAX_HEADER or _LENGTH.size + header_nbytes > size:
-        return _not_ours(path, head)
-    header = _parse_header(_read_at(descriptor, 0, _LENGTH.size + header_nbytes))
-    if not isinstance(header, dict):
-        return _not_ours(path, head)
-    metadata = header.get("__metadata__")
-    if isinstance(metadata, dict) and any(
-        isinstance(k, str) and k.startswith(_NAMESPACE) for k in metadata
-    ):
-        return _corrupt(
-            path,
-            "it has eqx_batch metadata, but its checksums are not where `eb.save` "
-            "puts them (or another tool rewrote the file)",
-        )
-    try:
-        with safetensors.safe_open(_descriptor_path(path, descriptor), "np") as file:
-            count = len(list(file.keys()))
-    except Exception:  # noqa: BLE001 - any failure of the parser means "not a file of it"
-        return _not_ours(path, head)
-    return BadFileError(
-        f"`{path}` is a safetensors file ({count} tensor{'' if count == 1 else 's'}) "
-        "but not an eqx_batch file: it lacks the metadata `eb.save` writes (the "
-        "tree's structure, Python scalars, key implementations, checksums), so it "
-        "cannot be checked against `like`. Read its arrays with "
-        "`safetensors.numpy.load_file`, put them into your tree (e.g. with "
-        "`eqx.tree_at`), and `eb.save` that to get a file `eb.load` reads."
-    )
-
-
-def _descriptor_path(path: str, descriptor: int) -> str:
-    # The parser opens files by name. Naming the descriptor makes it read the very file
-    # that was checked, even if `eb.save` replaces `path` meanwhile.
-    by_descriptor = f"/dev/fd/{descriptor}"
-    return by_descriptor if os.path.exists(by_descriptor) else path
-
-
-def _check_envelope(path: str, descriptor: int, size: int) -> _Envelope:
-    """Checks sizes and the header's checksum and version, without reading tensors."""
-    head = _read_at(descriptor, 0, _FIXED_END)
-    if head.startswith(_OLD_MAGIC):
-        raise BadFileError(
-            f"`{path}` was written by an earlier eqx_batch, in the container format "
-            "it used before its files became safetensors files. Load it with the "
-            "eqx_batch that wrote it and `eb.save` it again."
-        )
-    if size < _LENGTH.size:
-        raise BadFileError(
-            f"`{path}` is not an eqx_batch file: it has {size} bytes, fewer than any "
-            "safetensors file (empty, or cut short)."
-        )
-    (header_nbytes,) = _LENGTH.unpack_from(head)
-    if not _similar(head):
-        raise _check_foreign(path, descriptor, size, head, header_nbytes)
-    if size < _FIXED_END:
-        raise _corrupt(path, f"it is truncated to {size} bytes")
-    if header_nbytes > _MAX_HEADER or _LENGTH.size + header_nbytes > size:
-        raise _corrupt(
-            path,
-            f"its header claims {header_nbytes} bytes but the whole file has {size}"
-            if header_nbytes <= _MAX_HEADER
-            else f"its header claims {header_nbytes} bytes, more than safetensors' "
-            f"limit of {_MAX_HEADER}",
-        )
-    raw = bytearray(_read_at(descriptor, 0, _LENGTH.size + header_nbytes))
-    header_crc = _crc_digits(raw, _HEADER_CRC_AT)
-    data_crc = _crc_digits(raw, _DATA_CRC_AT)
-    raw[_HEADER_CRC_AT : _HEADER_CRC_AT + 8] = b"0" * 8
-    raw[_DATA_CRC_AT : _DATA_CRC_AT + 8] = b"0" * 8
-    if header_crc is None or data_crc is None or zlib.crc32(raw) != header_crc:
-        raise _corrupt(path, "the CRC-32 checksum of its header does not match it")
-    header = _parse_header(bytes(raw))
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(metadata, dict) or not all(
-        isinstance(v, str) for v in metadata.values()
-    ):
-        raise _malformed(path)
-    version = metadata.get(f"{_NAMESPACE}version")
-    if not isinstance(version, str) or not version.isdigit() or len(version) > 9:
-        raise _malformed(path)
-    if int(version) > _VERSION:
-        raise BadFileError(
-            f"`{path}` was written in eqx_batch file format version {version}, but "
-            f"this eqx_batch reads versions up to {_VERSION}. Upgrade eqx_batch to "
-            "load it."
-        )
-    if int(version) != _VERSION:
-        raise _malformed(path)
-    assert isinstance(header, dict)
-    data_start = _LENGTH.size + header_nbytes
-    claimed = _data_nbytes(header)
-    if claimed is None:
-        raise _malformed(path)
-    if claimed != size - data_start:
-        raise _corrupt(
-            path,
-            f"its header describes {claimed} bytes of tensor data but "
-            f"{size - data_start} follow it (truncated, or extended)",
-        )
-    return _Envelope(header, metadata, data_start, data_crc)
-
-
-def _data_nbytes(header: dict[str, Any]) -> int | None:
-    """The end of the last tensor the header describes; `None` if ill-formed."""
-    end = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(_is_count(o) for o in offsets)
-        ):
-            return None
-        end = max(end, offsets[1])
-    return end
-
-
-def _malformed(path: str) -> BadFileError:
-    return BadFileError(
-        f"`{path}` has a malformed header, though its checksums match: it was not "
-        "written by `eb.save`."
-    )
-
-
-def _is_count(x: Any) -> bool:
-    return type(x) is int and x >= 0
-
-
-class _File:
-    """A checked eqx_batch file: its leaf records, and its tensors on demand.
-
-    The records are checked against the header's tensor entries when the file is
-    opened; the data's checksum and the safetensors parser come in at the first
-    tensor read, after `like` has been checked (cheaper than streaming all the data,
-    and a hostile header's sizes never reach the parser's memory map).
-    """
-
-    def __init__(
-        self,
-        path: str,
-        envelope: _Envelope,
-        read_tensors: Callable[[], dict[str, np.ndarray]],
-    ):
-        self.path = path
-        self._read_tensors = read_tensors
-        self._tensors: dict[str, np.ndarray] | None = None
-        metadata = envelope.metadata
-        self.caller_metadata = {
-            k: v for k, v in metadata.items() if not k.startswith(_NAMESPACE)
-        }
-        entries = {k: v for k, v in envelope.header.items() if k != "__metadata__"}
-        try:
-            records = json.loads(metadata[f"{_NAMESPACE}leaves"])
-            if not isinstance(records, list):
-                raise TypeError
-            for record in records:
-                self._check_record(record, entries)
-            if entries:
-                raise ValueError
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-            raise _malformed(path) from None
-        self.records: list[dict] = records
-        self.paths = [record["path"] for record in records]
-
-    @staticmethod
-    def _check_record(record: Any, entries: dict[str, Any]) -> None:
-        """Checks a leaf record, and pops its tensor's entry from `entries`.
-
-        Adds what the checks parsed to an array record: `numpy_dtype` (the dtype the
-        file names) and `stored_shape` (the tensor's shape in the file).
-        """
-        if not isinstance(record, dict) or not isinstance(record["path"], str):
-            raise TypeError
-        kind = record["kind"]
-        if kind in ("array", "key"):
-            shape = record["shape"]
-            if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-                raise TypeError
-            entry = entries.pop(record["path"])
-            code, stored_shape = entry["dtype"], entry["shape"]
-            if kind == "array":
-                dtype = _numeric_dtype(record["dtype"])
-                if (code, stored_shape) != _stored_as(dtype, shape):
-                    raise ValueError
-                record["numpy_dtype"] = dtype
-                if record["weak"] not in (True, False):
-                    raise TypeError
-            elif not (
-                isinstance(record["impl"], str)
-                and code == "U32"
-                and isinstance(stored_shape, list)
-                and stored_shape[: len(shape)] == shape
-            ):
-                raise ValueError
-            record["stored_shape"] = stored_shape
-        elif kind == "complex":
-            value = record["value"]
-            if len(value) != 2 or not all(isinstance(v, float) for v in value):
-                raise TypeError
-        elif kind in ("bool", "int", "float", "str"):
-            if type(record["value"]).__name__ != kind:
-                raise TypeError
-        elif kind == "object":
-            if not isinstance(record["name"], str):
-                raise TypeError
-        else:
-            raise ValueError
-
-    def array(self, record: dict) -> np.ndarray:
-        """The data of an `array` record (in its true dtype) or a `key` record."""
-        if self._tensors is None:
-            self._tensors = self._read_tensors()
-        data = self._tensors[record["path"]]
-        # The parser read the header too: it must have seen what the checks saw.
-        if list(data.shape) != record["stored_shape"]:
-            raise _malformed(self.path)
-        if record["kind"] == "array":
-            dtype = record["numpy_dtype"]
-            if data.dtype != dtype:
-                data = data.view(dtype.newbyteorder("<")).reshape(record["shape"])
-        return data
-
-
-def _too_big(path: str, what: str) -> BatchError:
-    return BatchError(
-        f"`{path}` is sound, but {what} does not fit in the memory this process may "
-        "use (see `ulimit -v` and the machine's free memory)."
-    )
-
-
-@contextlib.contextmanager
-def _opened(path: str | os.PathLike) -> Iterator[_File]:
-    """`path` checked but for its data's checksum, left to the first tensor read."""
-    name = os.fspath(path)
-    descriptor, size = _open_regular(name)
-    try:
-        envelope = _check_envelope(name, descriptor, size)
-        yield _File(
-            name,
-            envelope,
-            functools.partial(_read_tensors, name, descriptor, envelope, size),
-        )
-    finally:
-        os.close(descriptor)
-
-
-def _read_tensors(
-    path: str, descriptor: int, envelope: _Envelope, size: int
-) -> dict[str, np.ndarray]:
-    """Every tensor, read by the safetensors parser, and checked against the data's
-    checksum. Every tensor is needed: a file's leaves all map to `like`'s."""
-    try:
-        reader = safetensors.safe_open(_descriptor_path(path, descriptor), "np")
-    except Exception as e:  # noqa: BLE001 - the parser's errors name no path
-        if isinstance(e, MemoryError) or "os error 12" in str(e):
-            raise _too_big(path, f"mapping its {size} bytes") from None
-        raise BadFileError(
-            f"`{path}` passed its checksums but safetensors cannot read it ({e}): it "
-            "was not written by `eb.save`."
-        ) from None
-    entries = {k: v for k, v in envelope.header.items() if k != "__metadata__"}
-    tensors = {}
-    crc = 0
-    with reader:
-        # In the order of the data, so that the checksums add up as the file's bytes.
-        for name in sorted(entries, key=lambda n: entries[n]["data_offsets"]):
-            try:
-                tensors[name] = reader.get_tensor(name)
-            except MemoryError:
-                raise _too_big(path, f"its tensor `{name}`") from None
-            crc = zlib.crc32(_raw(tensors[name]), crc)
-    if crc != envelope.data_crc:
-        raise _corrupt(path, "the CRC-32 checksum of its tensor data does not match it")
-    return tensors
-
-
-def read_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """The caller metadata of a file written by `write_tree`, without reading tensors.
-
-    The file is checked as by `read_tree` except for the checksum of the tensor data
-    (which would read it all). Raises `BadFileError` for a file that is not a sound
-    eqx_batch file, `OSError` if it cannot be opened.
-    """
-    name = os.fspath(path)
-    descriptor, size = _open_regular(name)
-    try:
-        metadata = _check_envelope(name, descriptor, size).metadata
-    finally:
-        os.close(descriptor)
-    return {k: v for k, v in metadata.items() if not k.startswith(_NAMESPACE)}
-
-
-# ------------------------------------------------------------------------------------
 # Loading into `like`.
+
+
+@functools.cache
+def _key_dtype(impl: str) -> Any:
+    """The dtype of typed keys of the implementation named `impl` (traced, not run)."""
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+@functools.lru_cache(maxsize=64)
+def _weak_identity(specs: tuple[jax.ShapeDtypeStruct, ...]) -> Callable:
+    return jax.jit(lambda *xs: xs).lower(*specs).compile()
+
+
+def make_weak(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+    """`arrays` with the same values, dtypes and shardings, weakly typed.
+
+    Weak types decide dtype promotion (a weak float32 scalar times a bfloat16 array is
+    bfloat16), so a round trip must keep them. Public JAX makes weak arrays only from
+    Python scalars, or as the outputs of a program whose inputs are weak: this runs
+    one identity program compiled for weak inputs, one compilation per combination of
+    shapes and dtypes (cached), whatever the number of arrays.
+    """
+    if not arrays:
+        return []
+    specs = tuple(
+        jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=True, sharding=x.sharding)
+        for x in arrays
+    )
+    return list(_weak_identity(specs)(*arrays))
 
 
 class _Stored(NamedTuple):
@@ -872,7 +255,7 @@ def _expected_kind(like_leaf: Any) -> str:
 
 
 def _check_leaf(
-    file: _File,
+    file: CheckedFile,
     record: dict,
     like_leaf: Any,
     where: tuple[str, KeyPath],
@@ -936,7 +319,7 @@ def _leaf_problem(record: dict, like_leaf: Any, shape: tuple[int, ...]) -> str |
     return None
 
 
-def _value(file: _File, record: dict, like_leaf: Any) -> Any:
+def _value(file: CheckedFile, record: dict, like_leaf: Any) -> Any:
     """The file's value of a checked leaf: `_Stored` for arrays, else the value."""
     kind = record["kind"]
     if kind in ("array", "key"):
@@ -990,7 +373,7 @@ def _materialise(values: list[Any], like_leaves: list[Any], on_host: bool) -> li
     return out
 
 
-def _restore(file: _File, like: Any, argname: str, on_host: bool) -> Any:
+def _restore(file: CheckedFile, like: Any, argname: str, on_host: bool) -> Any:
     """`like` with every leaf replaced by the file's, whose paths match `like`'s."""
     leaves, treedef = jtu.tree_flatten_with_path(like)
     like_leaves = [leaf for _, leaf in leaves]
@@ -1017,7 +400,7 @@ def _list_length(file_paths: list[str], member_paths: list[str]) -> int | None:
 
 
 def _stacked_into_list(
-    file: _File,
+    file: CheckedFile,
     like: Sequence,
     flat: list[tuple[list[Any], Any]],
     argname: str,
@@ -1092,7 +475,7 @@ def _with_types_of(values: list[Any], like_leaves: list[Any], on_host: bool) -> 
 
 
 def _list_into_stacked(
-    file: _File, like: Any, argname: str, length: int, on_host: bool
+    file: CheckedFile, like: Any, argname: str, length: int, on_host: bool
 ) -> Any:
     leaves, treedef = jtu.tree_flatten_with_path(like)
     per_member = len(leaves)
@@ -1128,7 +511,9 @@ def _list_into_stacked(
     return jtu.tree_unflatten(treedef, _materialise(values, like_leaves, on_host))
 
 
-def _check_shared(file: _File, name: str, records: list[dict], like_leaf: Any) -> None:
+def _check_shared(
+    file: CheckedFile, name: str, records: list[dict], like_leaf: Any
+) -> None:
     """Raises unless the members' values of a leaf a stacked `like` shares agree."""
     values = [_value(file, record, like_leaf) for record in records]
     first = values[0]
@@ -1144,7 +529,7 @@ def _check_shared(file: _File, name: str, records: list[dict], like_leaf: Any) -
             )
 
 
-def _stacked_value(file: _File, records: list[dict], like_leaf: Any) -> Any:
+def _stacked_value(file: CheckedFile, records: list[dict], like_leaf: Any) -> Any:
     """The value of a stacked leaf from its members' records (checked)."""
     values = [_value(file, record, like_leaf) for record in records]
     first = values[0]
@@ -1155,7 +540,7 @@ def _stacked_value(file: _File, records: list[dict], like_leaf: Any) -> Any:
     )
 
 
-def _structure_error(file: _File, like_paths: list[str]) -> BatchError:
+def _structure_error(file: CheckedFile, like_paths: list[str]) -> BatchError:
     in_file, in_like = set(file.paths), set(like_paths)
     missing = [f"like{p}" for p in like_paths if p not in in_file]
     extra = [p for p in file.paths if p not in in_like]
@@ -1172,7 +557,7 @@ def _structure_error(file: _File, like_paths: list[str]) -> BatchError:
     )
 
 
-def _load_into(file: _File, like: Any, argname: str, on_host: bool) -> Any:
+def _load_into(file: CheckedFile, like: Any, argname: str, on_host: bool) -> Any:
     # Only a file without leaves could fit both `like` and `like[0]`: it fits `like`.
     if (
         type(like) in (list, tuple)
@@ -1212,7 +597,7 @@ def read_tree(
     Raises `BadFileError` (a `BatchError`) if the file is not a sound eqx_batch file,
     a plain `BatchError` if it does not fit `like`, `OSError` if it cannot be opened.
     """
-    with _opened(path) as file:
+    with open_checked(path) as file:
         tree = _load_into(file, like, argname, on_host)
         return tree, file.caller_metadata
 

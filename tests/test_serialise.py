@@ -29,13 +29,8 @@ from helpers import assert_trees_identical
 from hypothesis import given, HealthCheck, settings
 
 import eqx_batch as eb
-from eqx_batch._serialise import (
-    atomic_write,
-    BadFileError,
-    read_metadata,
-    read_tree,
-    write_tree,
-)
+from eqx_batch._atomic import atomic_write
+from eqx_batch._serialise import BadFileError, read_metadata, read_tree, write_tree
 
 
 SETTINGS = settings(
@@ -941,7 +936,7 @@ def test_crash_mid_write_leaves_previous_file_whole(getkey, tmp_path):
     script = textwrap.dedent(
         f"""
         import os
-        from eqx_batch._serialise import atomic_write
+        from eqx_batch._atomic import atomic_write
 
         def write(file):
             file.write(b"x" * 100_000)
