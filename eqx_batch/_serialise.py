@@ -11,7 +11,7 @@ a stacked tree loads into a list of members and a file of a list into a stacked
 
 import functools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import jax
@@ -32,7 +32,7 @@ from ._file_format import (
     write_file,
 )
 from ._stack import unstack
-from ._tree import is_array, is_key
+from ._tree import is_array, is_key, make_weak
 
 
 Tree = TypeVar("Tree")
@@ -215,29 +215,6 @@ def save(path: str | os.PathLike, tree: Any) -> None:
 def _key_dtype(impl: str) -> Any:
     """The dtype of typed keys of the implementation named `impl` (traced, not run)."""
     return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
-
-
-@functools.lru_cache(maxsize=64)
-def _weak_identity(specs: tuple[jax.ShapeDtypeStruct, ...]) -> Callable:
-    return jax.jit(lambda *xs: xs).lower(*specs).compile()
-
-
-def make_weak(arrays: Sequence[jax.Array]) -> list[jax.Array]:
-    """`arrays` with the same values, dtypes and shardings, weakly typed.
-
-    Weak types decide dtype promotion (a weak float32 scalar times a bfloat16 array is
-    bfloat16), so a round trip must keep them. Public JAX makes weak arrays only from
-    Python scalars, or as the outputs of a program whose inputs are weak: this runs
-    one identity program compiled for weak inputs, one compilation per combination of
-    shapes and dtypes (cached), whatever the number of arrays.
-    """
-    if not arrays:
-        return []
-    specs = tuple(
-        jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=True, sharding=x.sharding)
-        for x in arrays
-    )
-    return list(_weak_identity(specs)(*arrays))
 
 
 class _Stored(NamedTuple):

@@ -38,6 +38,7 @@ from ._tree import (
     common_size,
     is_array,
     is_key,
+    make_weak,
     mapped_leaves,
     resolve_axes,
 )
@@ -111,37 +112,15 @@ def _key_impl(x: Any) -> Any:
 def _put(host: np.ndarray, like: jax.Array) -> jax.Array:
     """A new JAX array holding `host`, placed and typed (weak, key) like `like`."""
     placement = _placement(like)
-    if _is_weak(like):
-        return _weak_identity(host.shape, host.dtype, placement)(host)
     if placement.committed_to is not None:
         out = jax.device_put(host, placement.committed_to)
     else:
         with jax.default_device(placement.device):
             out = jax.device_put(host)
+    if _is_weak(like):
+        return make_weak([out])[0]
     impl = _key_impl(like)
     return out if impl is None else jax.random.wrap_key_data(out, impl=impl)
-
-
-@ft.lru_cache(maxsize=256)
-def _weak_identity(shape: tuple[int, ...], dtype: Any, placement: _Placement) -> Any:
-    """An identity program whose result is weakly typed, compiled for `placement`.
-
-    A program's result is weak only if its argument is. Compiled ahead of time for a
-    weak argument, it accepts a strongly typed one of the same shape and dtype (a NumPy
-    array included) and returns it weak: one program per shape, where `jnp.stack`
-    would compile one per member count.
-    """
-    spec = jax.ShapeDtypeStruct(shape, dtype, weak_type=True)
-    if placement.committed_to is None:
-        program = jax.jit(_identity)
-    else:
-        program = jax.jit(_identity, out_shardings=placement.committed_to)
-    with jax.default_device(placement.device):
-        return program.lower(spec).compile()
-
-
-def _identity(x: Any) -> Any:
-    return x
 
 
 @ft.partial(jax.jit, static_argnums=2)

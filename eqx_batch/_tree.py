@@ -5,7 +5,9 @@ an `int` (the member axis of that leaf), or a callable such as `eqx.if_array(0)`
 called on each leaf and returns one of those.
 """
 
+import functools as ft
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any, TypeGuard
 
 import equinox as eqx
@@ -25,6 +27,40 @@ def is_array(x: Any) -> bool:
 def is_key(x: Any) -> bool:
     """Whether `x`, an array or `jax.ShapeDtypeStruct`, holds typed PRNG keys."""
     return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def make_weak(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+    """`arrays` with the same values, dtypes and placement, weakly typed.
+
+    Weak types decide dtype promotion (a weak float32 scalar times a bfloat16 array is
+    bfloat16), so stacking and saving must keep them. Public JAX makes weak arrays only
+    from Python scalars, or as the outputs of a program whose inputs are weak: this
+    runs one identity program, compiled ahead of time for weak inputs (it accepts
+    strong ones of the same shapes), per combination of shapes, dtypes and placements,
+    whatever the number of calls. Committed arrays stay committed to their shardings;
+    uncommitted ones stay uncommitted on their device.
+    """
+    if not arrays:
+        return []
+    devices = {next(iter(x.devices())) for x in arrays if not x.committed}
+    if len(devices) > 1:
+        return [make_weak([x])[0] for x in arrays]
+    specs = tuple(
+        jax.ShapeDtypeStruct(
+            x.shape,
+            x.dtype,
+            weak_type=True,
+            sharding=x.sharding if x.committed else None,
+        )
+        for x in arrays
+    )
+    return list(_weak_identity(specs, next(iter(devices), None))(*arrays))
+
+
+@ft.lru_cache(maxsize=256)
+def _weak_identity(specs: tuple[jax.ShapeDtypeStruct, ...], device: Any) -> Any:
+    with jax.default_device(device):
+        return jax.jit(lambda *xs: xs).lower(*specs).compile()
 
 
 def is_int(x: Any) -> TypeGuard[int]:
