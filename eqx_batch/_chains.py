@@ -598,6 +598,19 @@ def run_chains(
         folder they all see).
     - `checkpoint_every`: write the checkpoint after every this many steps (while the
         next steps run). `None` writes it once, at the end.
+    - `chunk_size`: run this many chains at a time, for more chains than fit in memory
+        at once: chains `0` to `chunk_size`, through every step, then the next
+        `chunk_size`, and so on, each chunk spread over every device as a whole run
+        is. Every chunk runs the same compiled program (the last one is padded with
+        copies of its first chain, whose results are dropped) and every chain's
+        results are bit for bit those of the unchunked run. Memory holds one chunk's
+        states, working memory and trace at a time, plus the results of the chunks
+        already run (the result holds every chain). With `checkpoint`, each chunk is
+        checkpointed to its own files, `checkpoint.chains-A-B` for chains `A` to `B`
+        (and its draw files), under the one lock of `checkpoint`; a finished chunk is
+        read back when the run resumes. The progress bar counts the steps of every
+        chunk. `None` (the default), or at least the number of chains, runs them all
+        at once.
 
     **Returns:**
 
@@ -610,12 +623,13 @@ def run_chains(
     - `eb.BatchError` if `step` changes the state's structure, a leaf's shape or
         dtype (naming the leaf), or does not return a pair with `with_output=True`;
         if `key` does not hold one key or one key per chain; if the array leaves of
-        `init` disagree on the number of chains; if `num_steps`, `thin`, `burn_in` or
-        `checkpoint_every` are out of range. For `checkpoint`: before any step, if
-        its folder is missing or cannot be written, or another live run holds it; if
-        it holds a checkpoint of a different run (saying what differs), a file that
-        is not a checkpoint, or a corrupt one; and, during the run, if writing it
-        fails (a full disk: the last good checkpoint is kept, to resume from).
+        `init` disagree on the number of chains; if `num_steps`, `thin`, `burn_in`,
+        `checkpoint_every` or `chunk_size` are out of range. For `checkpoint`:
+        before any step, if its folder is missing or cannot be written, or another
+        live run holds it; if it holds a checkpoint of a different run (saying what
+        differs), a file that is not a checkpoint, or a corrupt one; and, during the
+        run, if writing it fails (a full disk: the last good checkpoint is kept, to
+        resume from).
 
     !!! Example
 
@@ -709,6 +723,11 @@ def run_chains(
                     progress=None if bar is None else (bar, index * num_steps),
                 )
             )
+            if len(pieces) > 1:
+                # Chunks are dispatched without waiting: left alone, every chunk would
+                # be queued at once, and on a CPU run side by side, all their working
+                # memory at once. One chunk runs while the next is queued.
+                jax.block_until_ready(pieces[-2])
 
     if len(pieces) == 1:
         chains, recorded = pieces[0]

@@ -8,6 +8,8 @@ A checkpoint at `path` is a few safetensors files in one folder:
 - `path.<run id>.draws-A-B`: draws `A` to `B` of the trace, written once. The run id
     is a digest of the run's identity, so two runs never share a file name, and each
     file repeats the identity in its metadata, which is checked when it is read.
+- `path.chains-A-B` and its draw files: with `chunk_size`, the checkpoint of chains `A`
+    to `B`, a run of its own (the chunks share the lock of `path`, `job_lock`).
 - `path.lock`: locked (`flock`) by the process writing the run. The operating system
     releases the lock when that process ends, however it ends, so a crashed run never
     blocks its own resume while a live one keeps every other run out.
