@@ -723,11 +723,11 @@ def run_chains(
                     progress=None if bar is None else (bar, index * num_steps),
                 )
             )
-            if len(pieces) > 1:
-                # Chunks are dispatched without waiting: left alone, every chunk would
-                # be queued at once, and on a CPU run side by side, all their working
-                # memory at once. One chunk runs while the next is queued.
-                jax.block_until_ready(pieces[-2])
+            if len(bounds) > 1:
+                # Segments are dispatched without waiting: left alone, every chunk would
+                # be queued at once and, on a CPU, run side by side, with the working
+                # memory of all of them. Each chunk finishes before the next starts.
+                jax.block_until_ready(pieces[-1])
 
     if len(pieces) == 1:
         chains, recorded = pieces[0]
