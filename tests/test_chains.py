@@ -888,6 +888,48 @@ def test_chunk_size_of_all_chains_is_the_unchunked_run(tmp_path):
     assert_trees_identical(outputs(again), outputs(first))
 
 
+_CHUNKED_JOB = """
+import sys
+sys.path.insert(0, {tests!r})
+from multiprocess_launch import initialize
+process_id, _ = initialize()
+import jax
+import jax.random as jr
+import eqx_batch as eb
+from chains_worker import make_init, metropolis, outputs
+out, path = sys.argv[1:]
+result = eb.run_chains(metropolis, make_init(7), jr.key(0), 40, thin=3,
+    checkpoint=path, checkpoint_every=15, chunk_size=3)
+eb.save(f"{{out}}.{{process_id}}", outputs(result))
+jax.distributed.shutdown()
+"""
+
+
+def test_chunked_run_in_two_processes(tmp_path):
+    # 7 chains in chunks of 3, each chunk spread over the 4 devices of both processes
+    # (padded to 4), checkpointed by process 0: every process gets whole results,
+    # bit for bit those of one unchunked process, and the checkpoint reads back.
+    script = tmp_path / "job.py"
+    script.write_text(_CHUNKED_JOB.format(tests=str(WORKER.parent)))
+    out, path = tmp_path / "job.eqx", tmp_path / "run.ckpt"
+    launch(script, [str(out), str(path)], devices_per_process=2)
+    plain = outputs(eb.run_chains(metropolis, make_init(7), jr.key(0), 40, thin=3))
+    for process_id in range(2):
+        assert_trees_identical(eb.load(f"{out}.{process_id}", plain), plain)
+    assert _steps_done(tmp_path / "run.ckpt.chains-6-7") == 40
+    again = eb.run_chains(
+        metropolis,
+        make_init(7),
+        jr.key(0),
+        40,
+        thin=3,
+        checkpoint=path,
+        checkpoint_every=15,
+        chunk_size=3,
+    )
+    assert_trees_identical(outputs(again), plain)
+
+
 @pytest.mark.parametrize("chunk_size", [0, -3, 2.5, True, "4", np.float32(2)])
 def test_bad_chunk_size_is_refused(chunk_size):
     with pytest.raises(eb.BatchError, match="`chunk_size`"):
