@@ -40,7 +40,8 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._errors import BatchError, bullet_list, describe
-from ._serialise import BadFileError, read_metadata, read_tree, write_tree
+from ._file_format import BadFileError, ForeignFileError, read_metadata
+from ._serialise import read_tree, write_tree
 from ._tree import is_array, is_key
 
 
@@ -421,6 +422,12 @@ class Checkpoint:
         return tree
 
     def _unreadable(self, what: str, error: Exception) -> BatchError:
+        if isinstance(error, ForeignFileError) and what == "checkpoint":
+            # Not a file of ours: it may be the user's, so it is not to be deleted.
+            return BatchError(
+                f"`checkpoint` ({self.path}) is not an eqx_batch checkpoint: {error}\n"
+                "Pass another path: `run_chains` would overwrite this file."
+            )
         return BatchError(
             f"`checkpoint` ({self.path}) cannot be resumed: its {what} is unreadable. "
             f"{error}\nDelete the checkpoint's files (or pass another path) to start "

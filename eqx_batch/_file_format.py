@@ -63,6 +63,10 @@ class BadFileError(BatchError):
     """
 
 
+class ForeignFileError(BadFileError):
+    """The file is not an eqx_batch file at all: junk, or another tool's file."""
+
+
 _NAMESPACE = "eqx_batch."
 _VERSION = 1
 _LENGTH = struct.Struct("<Q")
@@ -308,7 +312,7 @@ class _Envelope(NamedTuple):
 
 
 def _not_ours(path: str, head: bytes) -> BadFileError:
-    return BadFileError(
+    return ForeignFileError(
         f"`{path}` is not an eqx_batch file (its first bytes are {head[:16]!r}). "
         "Only files written by `eb.save` can be loaded."
     )
@@ -365,7 +369,7 @@ def _check_foreign(
             count = len(list(file.keys()))
     except Exception:  # noqa: BLE001 - any failure of the parser means "not a file of it"
         return _not_ours(path, head)
-    return BadFileError(
+    return ForeignFileError(
         f"`{path}` is a safetensors file ({count} tensor{'' if count == 1 else 's'}) "
         "but not an eqx_batch file: it lacks the metadata `eb.save` writes (the "
         "tree's structure, Python scalars, key implementations, checksums), so it "
@@ -406,7 +410,7 @@ def _check_envelope(path: str, descriptor: int, size: int) -> _Envelope:
             "eqx_batch that wrote it and `eb.save` it again."
         )
     if size < _LENGTH.size:
-        raise BadFileError(
+        raise ForeignFileError(
             f"`{path}` is not an eqx_batch file: it has {size} bytes, fewer than any "
             "safetensors file (empty, or cut short)."
         )

@@ -21,13 +21,9 @@ import numpy as np
 
 from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
 from ._file_format import (
-    # Re-exported: the checkpoints read files with `read_tree` and `read_metadata`
-    # and tell a bad file (`BadFileError`) from one that does not fit.
-    BadFileError as BadFileError,
     check_caller_metadata,
     CheckedFile,
     open_checked,
-    read_metadata as read_metadata,
     storable,
     write_file,
 )

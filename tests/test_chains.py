@@ -597,9 +597,10 @@ def test_files_that_are_not_this_checkpoint_are_named_for_what_they_are(tmp_path
     path = tmp_path / "run.ckpt"
     run = ft.partial(eb.run_chains, metropolis, init, jr.key(0), 5, checkpoint=path)
     path.write_bytes(b"hello, this is not a checkpoint at all")
-    with pytest.raises(eb.BatchError, match="not an eqx_batch file") as info:
+    with pytest.raises(eb.BatchError, match="not an eqx_batch checkpoint") as info:
         run()
     assert "earlier checkpoint" not in str(info.value)
+    assert path.read_bytes() == b"hello, this is not a checkpoint at all"
     eb.save(path, {"weights": jnp.zeros(3)})
     with pytest.raises(eb.BatchError, match="not a `run_chains` checkpoint"):
         run()

@@ -30,7 +30,8 @@ from hypothesis import given, HealthCheck, settings
 
 import eqx_batch as eb
 from eqx_batch._atomic import atomic_write
-from eqx_batch._serialise import BadFileError, read_metadata, read_tree, write_tree
+from eqx_batch._file_format import BadFileError, read_metadata
+from eqx_batch._serialise import read_tree, write_tree
 
 
 SETTINGS = settings(
@@ -795,7 +796,7 @@ def test_hostile_sizes_under_an_address_space_limit(tmp_path):
         import resource, sys
         import jax.numpy as jnp
         import eqx_batch as eb
-        from eqx_batch._serialise import read_metadata
+        from eqx_batch._file_format import read_metadata
 
         like = {"w": jnp.zeros((4, 3))}
         eb.load(sys.argv[1], like)  # everything loading needs is imported and ready
