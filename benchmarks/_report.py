@@ -1,6 +1,9 @@
 """The one way a benchmark reports: `report(...)` prints a line `run.py` collects."""
 
 import json
+import resource
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -37,3 +40,24 @@ def interleaved(
         best_base = min(best_base, best_of(baseline, 1, number))
         best_ours = min(best_ours, best_of(ours, 1, number))
     return best_ours, best_base
+
+
+def print_time_and_peak(run: Callable[[], object], repeat: int = 2) -> None:
+    """In a child process: `run` once to compile, then print as JSON its best time of
+    `repeat` and the process's peak resident memory."""
+    run()
+    seconds = best_of(run, repeat)
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"seconds": seconds, "peak_mib": peak_kib / 1024}))
+
+
+def measure_in_child(script: str, argument: object) -> dict:
+    """Runs `python script child <argument as JSON>` in a fresh process, so that peak
+    memory is its own, and returns the JSON its last line printed."""
+    proc = subprocess.run(
+        [sys.executable, script, "child", json.dumps(argument)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])

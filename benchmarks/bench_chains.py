@@ -20,18 +20,15 @@ which reports its peak resident set size and the best of two compiled runs. Usag
 import functools as ft
 import json
 import pathlib
-import resource
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
-from _report import interleaved, report
+from _report import interleaved, measure_in_child, print_time_and_peak, report
 
 import eqx_batch as eb
 
@@ -142,28 +139,14 @@ def chunked_child(chunk_size: int | None) -> None:
             )
         )
 
-    run()
-    best = float("inf")
-    for _ in range(2):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"seconds": best, "peak_mib": peak_kib / 1024}))
-
-
-def _measure_chunked(chunk_size: int | None) -> dict:
-    proc = subprocess.run(
-        [sys.executable, __file__, "child", json.dumps(chunk_size)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    print_time_and_peak(run)
 
 
 def chunked_rows() -> None:
-    unchunked, chunked = _measure_chunked(None), _measure_chunked(CHUNK_SIZE)
+    unchunked, chunked = (
+        measure_in_child(__file__, None),
+        measure_in_child(__file__, CHUNK_SIZE),
+    )
     name = f"run_chains chunk_size={CHUNK_SIZE} / unchunked ({CHUNKED_CHAINS} chains)"
     memory_ratio = chunked["peak_mib"] / unchunked["peak_mib"]
     report(

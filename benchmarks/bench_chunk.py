@@ -11,12 +11,9 @@ Usage: `python benchmarks/bench_chunk.py` (or through `benchmarks/run.py chunk`)
 """
 
 import json
-import resource
-import subprocess
 import sys
-import time
 
-from _report import report
+from _report import measure_in_child, print_time_and_peak, report
 
 
 MEMBERS = 256
@@ -41,28 +38,14 @@ def child(chunk_size: int | None) -> None:
     )
     u = jnp.ones(SIZE, jnp.float32)
     mapped = jax.jit(eb.filter_vmap(member, in_axes=(0, None), chunk_size=chunk_size))
-    jax.block_until_ready(mapped(vs, u))
-    best = float("inf")
-    for _ in range(2):
-        start = time.perf_counter()
-        jax.block_until_ready(mapped(vs, u))
-        best = min(best, time.perf_counter() - start)
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"seconds": best, "peak_mib": peak_kib / 1024}))
-
-
-def measure(chunk_size: int | None) -> dict:
-    proc = subprocess.run(
-        [sys.executable, __file__, "child", json.dumps(chunk_size)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    print_time_and_peak(lambda: jax.block_until_ready(mapped(vs, u)))
 
 
 def main() -> None:
-    runs = {"unchunked": measure(None), "chunked": measure(CHUNK)}
+    runs = {
+        "unchunked": measure_in_child(__file__, None),
+        "chunked": measure_in_child(__file__, CHUNK),
+    }
     peak = {name: run["peak_mib"] for name, run in runs.items()}
     seconds = {name: run["seconds"] for name, run in runs.items()}
 
