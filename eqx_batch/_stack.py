@@ -354,12 +354,20 @@ def _first_difference(a: Any, b: Any, path: KeyPath) -> tuple[KeyPath, str, str]
         and treedef_a.node_data() == treedef_b.node_data()
         and len(treedef_a.children()) == len(treedef_b.children())
     ):
-        children_a = jtu.flatten_one_level_with_keys(a)[0]
-        children_b = jtu.flatten_one_level_with_keys(b)[0]
+        children_a, children_b = _children(a), _children(b)
         for (key, child_a), (_, child_b) in zip(children_a, children_b, strict=True):
             if jtu.tree_structure(child_a) != jtu.tree_structure(child_b):
                 return _first_difference(child_a, child_b, path + (key,))
     return path, _node_summary(treedef_a), _node_summary(treedef_b)
+
+
+def _children(node: Any) -> list[tuple[Any, Any]]:
+    """The (key, child) pairs one level below `node`.
+
+    `jax.tree_util.flatten_one_level_with_keys` says this, but only from JAX 0.10.2 on.
+    """
+    flat = jtu.tree_flatten_with_path(node, is_leaf=lambda child: child is not node)[0]
+    return [(path[0], child) for path, child in flat]
 
 
 def _flatten_members(
