@@ -431,7 +431,9 @@ def test_shard_axes_and_unmapped_and_static_leaves():
 
 
 def test_shard_with_user_mesh_and_collectives():
-    mesh = jax.make_mesh((2, 2), ("x", "y"))
+    # Explicit axes: JAX 0.9's default, and 0.8 warns when none is given.
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = jax.make_mesh((2, 2), ("x", "y"), axis_types=explicit)
     x = jnp.arange(8.0)
     placed = eb.shard(x, mesh)
     assert placed.sharding.device_set == set(mesh.devices.flat)

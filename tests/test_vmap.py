@@ -1,4 +1,6 @@
 import inspect
+import math
+import re
 from typing import Any
 
 import equinox as eqx
@@ -721,20 +723,23 @@ def test_chunked_closure_over_tracer():
 
 
 def test_chunked_memory_follows_chunk():
-    # The per-member intermediate (a 64x64 matrix) exists for one chunk at a time, by
-    # XLA's own count of its scratch memory.
+    # The per-member intermediate (a 64x64 matrix) exists for one chunk at a time: the
+    # largest array of the program XLA compiled holds one chunk of them. (XLA's count
+    # of scratch memory, `memory_analysis().temp_size_in_bytes`, reads 0 on JAX 0.12's
+    # CPU backend, so it cannot tell the two programs apart there.)
     def heavy(v):
         matrix = jnp.sin(jnp.outer(v, v))
         return jnp.tanh(matrix @ matrix).sum(0)
 
     v = _arange(32, 64) / 100
 
-    def temp_bytes(chunk_size):
+    def largest_array(chunk_size):
         compiled = (
             jax.jit(eb.filter_vmap(heavy, chunk_size=chunk_size)).lower(v).compile()
         )
-        analysis = compiled.memory_analysis()
-        assert analysis is not None
-        return analysis.temp_size_in_bytes
+        program = compiled.as_text()
+        assert program is not None
+        shapes = re.findall(r"f32\[(\d+(?:,\d+)*)\]", program)
+        return max(math.prod(map(int, shape.split(","))) for shape in shapes)
 
-    assert temp_bytes(4) * 4 <= temp_bytes(None)
+    assert largest_array(4) * 4 <= largest_array(None)
