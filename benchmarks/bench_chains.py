@@ -196,9 +196,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         runs = iter(range(10**6))
 
-        def checkpointed() -> object:
-            # A fresh path each time: an existing final checkpoint would be read back.
-            path = pathlib.Path(folder) / f"run{next(runs)}.ckpt"
+        def run_checkpointed(path: pathlib.Path, every: int) -> object:
             return jax.block_until_ready(
                 eb.run_chains(
                     metropolis,
@@ -206,9 +204,13 @@ def main() -> None:
                     keys,
                     NUM_STEPS,
                     checkpoint=path,
-                    checkpoint_every=100,
+                    checkpoint_every=every,
                 )
             )
+
+        def checkpointed() -> object:
+            # A fresh path each time: an existing final checkpoint would be read back.
+            return run_checkpointed(pathlib.Path(folder) / f"run{next(runs)}.ckpt", 100)
 
         checkpointed()
         compare(
@@ -224,16 +226,7 @@ def main() -> None:
         every = NUM_STEPS // 50
 
         def read_back() -> object:
-            return jax.block_until_ready(
-                eb.run_chains(
-                    metropolis,
-                    init,
-                    keys,
-                    NUM_STEPS,
-                    checkpoint=finished,
-                    checkpoint_every=every,
-                )
-            )
+            return run_checkpointed(finished, every)
 
         read_back()  # computes and writes the run; later calls read it back
         read_back()

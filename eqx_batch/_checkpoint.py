@@ -42,6 +42,7 @@ import numpy as np
 from ._errors import BatchError, bullet_list, describe
 from ._file_format import BadFileError, ForeignFileError, read_metadata
 from ._serialise import read_tree, write_tree
+from ._stack import host_array
 from ._tree import is_array, is_key
 
 
@@ -80,10 +81,6 @@ def as_keys_like(tree: Any, like: Any) -> Any:
     return jtu.tree_map(wrap, tree, like)
 
 
-def _host(x: Any) -> np.ndarray:
-    return np.asarray(jr.key_data(x) if is_key(x) else x)
-
-
 # ------------------------------------------------------------------------------------
 # The run's identity.
 
@@ -102,7 +99,7 @@ def _values_digest(tree: Any) -> str:
     for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
         parts.append(jtu.keystr(path).encode())
         if is_array(leaf):
-            data = np.ascontiguousarray(_host(leaf))
+            data = np.ascontiguousarray(host_array(leaf))
             kind = str(jr.key_impl(leaf)) if is_key(leaf) else str(data.dtype)
             parts.append(f"{kind}{data.shape}".encode())
             parts.append(data.tobytes())
