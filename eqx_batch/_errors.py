@@ -38,7 +38,7 @@ def leaf_name(argname: str, path: KeyPath) -> str:
 
 def describe(x: Any) -> str:
     """A short description of a leaf: `float32[3,4]` for arrays, `repr` otherwise."""
-    if isinstance(x, (np.ndarray, np.generic)) or hasattr(x, "aval"):
+    if isinstance(x, (np.ndarray, np.generic)) or hasattr(x, "aval") or type(x).__name__ == "ShapeDtypeStruct":
         dtype = getattr(x, "dtype", None)
         shape = ",".join(str(d) for d in np.shape(x))
         return f"{dtype}[{shape}]"
@@ -52,3 +52,21 @@ def bullet_list(lines: Sequence[str], limit: int = 20) -> str:
     if len(lines) > limit:
         shown.append(f"  ... and {len(lines) - limit} more")
     return "\n".join(shown)
+
+
+# TEMPORARY until the bottom branch lands.
+def check_int(value, name, *, minimum=0, maximum=None, hint=""):
+    import numpy as np
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if not ok or value < minimum or (maximum is not None and value > maximum):
+        rng = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise BatchError(f"`{name}` is {value!r}; it must be an int {rng}{hint}.")
+    return int(value)
+
+
+def qualified_name(x):
+    module = getattr(x, "__module__", None)
+    qualname = getattr(x, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str):
+        return f"{module}.{qualname}"
+    return None

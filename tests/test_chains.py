@@ -231,22 +231,37 @@ def test_equinox_module_state(getkey):
 def test_trace_is_written_in_place():
     # The compiled loop updates the (donated) trace buffer in place: memory stays at the
     # trace's size, with no second copy of it.
-    from eqx_batch._chains import _ChainState, _run_segment, _Segment
+    from eqx_batch._chains._segment import ChainState, OneChain, run_segment, SegmentPlan
 
     num_chains, num_steps = 8, 50
     init = make_init(num_chains)
     buffer = jtu.tree_map(lambda x: jnp.zeros((num_chains, num_steps, 3, 3)), init)
-    segment = _Segment(num_steps, num_steps, 1, 0, False, True, False)
-    chains = _ChainState(
-        init, jr.split(jr.key(0), num_chains), jnp.zeros(num_chains, jnp.int32)
+    plan = SegmentPlan(
+        length=num_steps,
+        num_draws=num_steps,
+        thin=1,
+        burn_in=0,
+        with_output=False,
+        record=True,
+        legacy=False,
     )
-    start = jnp.asarray(0, jnp.int32)
-    lowered: Any = _run_segment.lower(
-        segment,
+    keys = jr.split(jr.key(0), num_chains)
+    one_chain = OneChain(
+        state=jtu.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), init),
+        key=jax.ShapeDtypeStruct((), keys.dtype),
+    )
+    chains = ChainState(
+        states=init,
+        keys=jr.key_data(keys),
+        first_bad=jnp.zeros(num_chains, jnp.int32),
+    )
+    lowered: Any = run_segment.lower(
+        plan,
         metropolis,
         eqx.filter(init, eqx.is_array, inverse=True),
+        one_chain,
         chains,
-        start,
+        jnp.asarray(0, jnp.int32),
         None,
         buffer,
     )

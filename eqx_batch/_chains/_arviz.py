@@ -1,26 +1,25 @@
-"""Chains as ArviZ data, for its convergence diagnostics (R-hat, ESS) and plots.
+"""A chains trace as ArviZ data, for its convergence diagnostics (R-hat, ESS) and plots.
 
 ArviZ is optional (`pip install eqx_batch[arviz]`) and imported only when a conversion
 is asked for, so importing eqx_batch never pays for xarray and pandas.
 """
 
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError
-from ._tree import is_array, is_key
+from .._errors import BatchError
+from .._tree import is_array, is_key
 
 
 if TYPE_CHECKING:
     import xarray
 
-    from ._chains import Chains
 
-
-def to_arviz(chains: "Chains") -> "xarray.DataTree":
-    """`chains.trace` as an ArviZ `DataTree`; see `Chains.to_arviz`."""
+def trace_to_arviz(trace: Any, *, with_output: bool) -> "xarray.DataTree":
+    """`trace` (`[chains, draws, ...]` per leaf) as an ArviZ `DataTree`; see
+    `Chains.to_arviz`. `with_output` says it holds the step's outputs, not states."""
     try:
         import arviz_base
     except ImportError as error:
@@ -28,17 +27,15 @@ def to_arviz(chains: "Chains") -> "xarray.DataTree":
             "`Chains.to_arviz` needs ArviZ, which eqx_batch installs as an optional "
             "extra: `pip install 'eqx_batch[arviz]'`."
         ) from error
-    if chains.trace is None:
+    if trace is None:
         raise BatchError(
             "These chains hold no trace to convert: they were run with `trace=False`. "
             "Run them with `trace=True` (the default) to diagnose their draws."
         )
     # The group and the name of a trace that is one array, by what was recorded.
-    group, root = "posterior", "state"
-    if chains.with_output:
-        group, root = "outputs", "output"
+    group, root = ("outputs", "output") if with_output else ("posterior", "state")
     variables, dims = {}, {}
-    for path, leaf in jtu.tree_flatten_with_path(chains.trace)[0]:
+    for path, leaf in jtu.tree_flatten_with_path(trace)[0]:
         # A PRNG key in the state is no number to diagnose, and xarray cannot hold it.
         if not is_array(leaf) or is_key(leaf):
             continue

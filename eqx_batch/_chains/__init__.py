@@ -1,0 +1,14 @@
+"""Many Markov chains in parallel: `run_chains` and its result, `Chains`.
+
+- `_run.py`: the driver (arguments, chunks of chains, the segment loop);
+- `_step.py`: the user's step, traced on one chain and checked;
+- `_segment.py`: the compiled segment, which knows nothing about files;
+- `_placement.py`: chains padded and split over the devices;
+- `_result.py`: `Chains` and `NonFinite`; `_arviz.py`: the trace as ArviZ data;
+- `_identity.py`: what makes two calls one run;
+- `_checkpoint.py`: the checkpoint files, read back and written in the background;
+- `_lock.py`: the lock and the writability check, before any work.
+"""
+
+from ._result import Chains as Chains, NonFinite as NonFinite
+from ._run import run_chains as run_chains

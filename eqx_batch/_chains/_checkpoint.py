@@ -1,0 +1,330 @@
+"""The checkpoint files of `eb.run_chains`: read back, and written in the background.
+
+A checkpoint at `path` is a few safetensors files in one folder:
+
+- `path`: the run state (every chain's state and key, the NaN report), with the run's
+    identity and progress (steps done, the draw files so far) in its metadata. It is
+    rewritten atomically after each segment, after the draws it names.
+- `path.<run id>.draws-A-B`: draws `A` to `B` of the trace, written once. The run id
+    is a digest of the run's identity, so two runs never share a file name, and each
+    file repeats the identity in its metadata, which is checked when it is read.
+- `path.chains-A-B` and its draw files: with `chunk_size`, the checkpoint of chains `A`
+    to `B`, a run of its own (the chunks share the lock of `path`, `job_lock`).
+- `path.lock`: locked (`flock`) by the process writing the run. The operating system
+    releases the lock when that process ends, however it ends, so a crashed run never
+    blocks its own resume while a live one keeps every other run out (`_lock.py`).
+
+Everything here is raw data: typed PRNG keys are stored as their key data.
+"""
+
+import concurrent.futures
+import json
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from .._errors import BatchError, bullet_list
+from .._file_format import BadFileError, ForeignFileError, read_metadata
+from .._serialise import read_tree, write_tree
+from ._identity import RunIdentity
+from ._lock import check_writable, take_lock
+from ._segment import ChainState
+
+
+class DrawFile(NamedTuple):
+    """One file of draws: draws `first` to `stop` of the trace."""
+
+    name: str
+    first: int
+    stop: int
+
+
+class Restored(NamedTuple):
+    """A run read back from its checkpoint, on the host."""
+
+    steps_done: int
+    chains: ChainState
+    draws: Any  # the draws so far, `[chains, draws, ...]` per leaf; None without trace
+
+
+class Snapshot(NamedTuple):
+    """What one checkpoint writes: the chains after `steps_done` steps, and new draws.
+
+    Arrays may still be being computed and may hold padding chains (rows beyond the
+    run's chains); `draws` holds the new draws `draw_file.first` to `draw_file.stop`
+    from index `offset` along axis 1, or is None when the segment recorded none.
+    """
+
+    steps_done: int
+    chains: ChainState
+    draws: Any = None
+    draw_file: DrawFile | None = None
+    offset: int = 0
+
+
+# Metadata entries of every file of a run.
+_IDENTITY = "run_chains.run"
+_RUN_ID = "run_chains.run_id"
+_PROGRESS = "run_chains.progress"
+_DRAWS = "run_chains.draws"
+
+
+def chunk_path(path: pathlib.Path, first: int, stop: int) -> pathlib.Path:
+    """The checkpoint of chains `first` to `stop` of a chunked run checkpointed at
+    `path`: named by the chains it holds, so it is the same whatever the chunk size
+    that made it."""
+    return path.with_name(f"{path.name}.chains-{first}-{stop}")
+
+
+class Checkpoint:
+    """A run's checkpoint files: checked, locked, read back, written in the background.
+
+    Used as a context manager. Entering it checks, before any work, that the folder
+    exists and takes a file; in the process that writes (`writes=True`, process 0 of a
+    job), it takes the lock (unless `locks=False`: a chunk of a chunked run, whose job
+    holds the lock of the user's path, `job_lock`) and starts the writer thread. Leaving
+    it waits for the last write and releases both.
+    """
+
+    def __init__(
+        self,
+        path: pathlib.Path,
+        identity: RunIdentity,
+        num_chains: int,
+        *,
+        writes: bool,
+        locks: bool = True,
+    ):
+        self.path = path
+        self.identity = identity
+        self.num_chains = num_chains
+        self.writes = writes
+        self.locks = locks
+        self.draw_files: list[DrawFile] = []
+        self.steps_written: int | None = None
+        self._lock: int | None = None
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future | None = None
+        self._metadata = {
+            _IDENTITY: json.dumps(dict(identity.fields)),
+            _RUN_ID: identity.run_id,
+        }
+
+    # -- entering and leaving --------------------------------------------------------
+
+    def __enter__(self) -> "Checkpoint":
+        check_writable(self.path)
+        if self.writes:
+            if self.locks:
+                self._lock = take_lock(self.path)
+            self._thread = concurrent.futures.ThreadPoolExecutor(1)
+        return self
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        try:
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
+            if kind is None:
+                self._wait()
+        finally:
+            if self._lock is not None:
+                os.close(self._lock)  # releases the `flock`
+                self._lock = None
+
+    # -- reading back ----------------------------------------------------------------
+
+    def restore(self, chains_like: ChainState, trace_like: Any) -> Restored | None:
+        """The run as last checkpointed, on the host; None if there is no checkpoint.
+
+        `chains_like` and `trace_like` (the whole trace, or None) are shape-dtype
+        structs. Draw files are read on the host and joined there, so reading
+        back compiles nothing whatever their number.
+
+        Raises if the file is not a checkpoint, is corrupt, or belongs to another run.
+        """
+        if not self.path.exists():
+            return None
+        metadata = self._read_metadata(self.path, "checkpoint")
+        if _IDENTITY not in metadata or _PROGRESS not in metadata:
+            raise BatchError(
+                f"`checkpoint` ({self.path}) is an eqx_batch file but not a "
+                "`run_chains` checkpoint (it has no run description). Pass another "
+                "path: this one would be overwritten."
+            )
+        self._check_run(self.path, metadata, "checkpoint")
+        saved = self._read(self.path, chains_like._asdict(), "checkpoint")
+        progress = json.loads(metadata[_PROGRESS])
+        self.draw_files = [DrawFile(*entry) for entry in progress["draws"]]
+        self.steps_written = progress["steps_done"]
+        draws = None
+        if trace_like is not None:
+            draws = self._read_draws(trace_like)
+        return Restored(progress["steps_done"], ChainState(**saved), draws)
+
+    def _read_draws(self, trace_like: Any) -> Any:
+        pieces = [self._read_draw_file(entry, trace_like) for entry in self.draw_files]
+        if not pieces:
+            return jtu.tree_map(
+                lambda x: np.zeros((x.shape[0], 0, *x.shape[2:]), x.dtype), trace_like
+            )
+        return jtu.tree_map(lambda *xs: np.concatenate(xs, axis=1), *pieces)
+
+    def _read_draw_file(self, entry: DrawFile, trace_like: Any) -> Any:
+        count = entry.stop - entry.first
+        like = jtu.tree_map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0], count, *x.shape[2:]), x.dtype),
+            trace_like,
+        )
+        path = self.path.with_name(entry.name)
+        metadata = self._read_metadata(path, "draw file")
+        self._check_run(path, metadata, "draw file")
+        if metadata.get(_DRAWS) != f"{entry.first}-{entry.stop}":
+            raise BatchError(
+                f"the draw file {path} of `checkpoint` ({self.path}) holds draws "
+                f"{metadata.get(_DRAWS)!r}, but the checkpoint names it for draws "
+                f"{entry.first}-{entry.stop}: the checkpoint's files were mixed up. "
+                "Delete them to start this run afresh."
+            )
+        return self._read(path, like, "draw file")
+
+    def _check_run(
+        self, path: pathlib.Path, metadata: Mapping[str, str], what: str
+    ) -> None:
+        try:
+            saved = json.loads(metadata[_IDENTITY])
+        except (KeyError, ValueError):
+            saved = None
+        if not isinstance(saved, dict):
+            raise BatchError(
+                f"the {what} {path} of `checkpoint` ({self.path}) has no readable run "
+                "description: it is not a `run_chains` checkpoint file."
+            )
+        differences = self.identity.differences(saved)
+        if differences or metadata.get(_RUN_ID) != self.identity.run_id:
+            where = (
+                f"`checkpoint` ({self.path})"
+                if path == self.path
+                else f"the draw file {path} of `checkpoint` ({self.path})"
+            )
+            raise BatchError(
+                f"{where} was written by a different run:\n"
+                + bullet_list(differences or ["its run id"])
+                + "\nPass another path, or delete the checkpoint's files to start this "
+                "run afresh."
+            )
+
+    def _read_metadata(self, path: pathlib.Path, what: str) -> dict[str, str]:
+        try:
+            return read_metadata(path)
+        except FileNotFoundError:
+            raise BatchError(
+                f"the {what} {path} of `checkpoint` ({self.path}) is missing. Delete "
+                "the checkpoint's files to start this run afresh."
+            ) from None
+        except (BadFileError, OSError) as e:
+            raise self._unreadable(what, e) from None
+
+    def _read(self, path: pathlib.Path, like: Any, what: str) -> Any:
+        try:
+            tree, _ = read_tree(path, like, argname=what, on_host=True)
+        except (BadFileError, OSError) as e:
+            raise self._unreadable(what, e) from None
+        except BatchError as e:
+            # Its run identity matched: only a damaged or tampered file gets here.
+            raise BatchError(
+                f"`checkpoint` ({self.path}) cannot be resumed: its {what} {path} "
+                f"names this run but does not hold its arrays: {e}"
+            ) from None
+        return tree
+
+    def _unreadable(self, what: str, error: Exception) -> BatchError:
+        if isinstance(error, ForeignFileError) and what == "checkpoint":
+            # Not a file of ours: it may be the user's, so it is not to be deleted.
+            return BatchError(
+                f"`checkpoint` ({self.path}) is not an eqx_batch checkpoint: {error}\n"
+                "Pass another path: `run_chains` would overwrite this file."
+            )
+        return BatchError(
+            f"`checkpoint` ({self.path}) cannot be resumed: its {what} is unreadable. "
+            f"{error}\nDelete the checkpoint's files (or pass another path) to start "
+            "this run afresh."
+        )
+
+    # -- writing ---------------------------------------------------------------------
+
+    def draws_name(self, first: int, stop: int) -> str:
+        return f"{self.path.name}.{self.identity.run_id}.draws-{first}-{stop}"
+
+    def write(self, snapshot: Snapshot) -> None:
+        """Writes `snapshot` in the background, once the previous write is done.
+
+        Does nothing in a process that does not write. At most one write is in flight:
+        a slow disk slows the run down rather than piling up copies of the draws.
+        """
+        if self._thread is None:
+            return
+        # Off a CPU, the copies to the host start as soon as the segment ends, rather
+        # than when the writer thread asks for them.
+        for leaf in jtu.tree_leaves(snapshot):
+            if isinstance(leaf, jax.Array):
+                leaf.copy_to_host_async()
+        self._wait()
+        self._pending = self._thread.submit(self._write, snapshot)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def _write(self, snapshot: Snapshot) -> None:
+        # On the writer thread: each host copy waits for its segment to finish.
+        rows = self.num_chains
+        draw_files = self.draw_files
+        try:
+            if snapshot.draw_file is not None:
+                draw_file = snapshot.draw_file
+                count = draw_file.stop - draw_file.first
+                window = slice(snapshot.offset, snapshot.offset + count)
+                draws = jtu.tree_map(
+                    lambda x: np.asarray(x)[:rows, window], snapshot.draws
+                )
+                write_tree(
+                    self.path.with_name(draw_file.name),
+                    draws,
+                    metadata={
+                        **self._metadata,
+                        _DRAWS: f"{draw_file.first}-{draw_file.stop}",
+                    },
+                    keep_cached=False,
+                )
+                draw_files = [*draw_files, draw_file]
+            state = jtu.tree_map(
+                lambda x: np.asarray(x)[:rows], snapshot.chains._asdict()
+            )
+            progress = {
+                "steps_done": snapshot.steps_done,
+                "draws": [list(d) for d in draw_files],
+            }
+            write_tree(
+                self.path,
+                state,
+                metadata={**self._metadata, _PROGRESS: json.dumps(progress)},
+            )
+        except OSError as e:
+            kept = (
+                "no checkpoint was written before"
+                if self.steps_written is None
+                else f"the checkpoint of step {self.steps_written} is kept"
+            )
+            raise BatchError(
+                f"writing `checkpoint` ({self.path}) after step {snapshot.steps_done} "
+                f"failed: {e.strerror or e}; {kept}. Free space (or fix the folder) "
+                "and call `run_chains` again to resume."
+            ) from e
+        self.draw_files = draw_files
+        self.steps_written = snapshot.steps_done

@@ -1,0 +1,94 @@
+"""Chains placed on the devices: split over every device of every process, padded to a
+multiple of the device count.
+
+Everything here is raw data (typed PRNG keys travel as their key data, see
+`_segment.py`): only host data, the same in every process, can be placed on the devices
+of other processes, and typed keys cannot go there.
+"""
+
+import functools as ft
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .._pmap import member_mesh, shard
+from .._stack import take
+from .._tree import is_array
+
+
+class Placement:
+    """Where a run's chains live: split over every device, padded to a multiple of
+    the device count.
+
+    The padding chains repeat chain 0: valid states whose results are dropped. Chains
+    never interact, so they cannot change a real chain's bits. A chunk of a chunked run
+    is padded to the size of the others (`pad_to`), so that every chunk runs the same
+    compiled program.
+    """
+
+    def __init__(self, num_chains: int, pad_to: int = 0):
+        self.num_chains = num_chains
+        num_devices = member_mesh().size
+        self.num_rows = -(-max(num_chains, pad_to) // num_devices) * num_devices
+
+    def put(self, tree: Any) -> Any:
+        """`tree` (on the host or on devices, one row per chain) split over the
+        devices, padded."""
+        if self.num_rows != self.num_chains:
+            padding = np.zeros(self.num_rows - self.num_chains, int)
+            tree = take(tree, np.r_[np.arange(self.num_chains), padding])
+        if jax.process_count() > 1:
+            # Only host data (the same in every process) can be placed on the devices
+            # of other processes.
+            tree = jtu.tree_map(lambda x: np.asarray(x) if is_array(x) else x, tree)
+        return shard(tree)
+
+    def real_chains(self, tree: Any) -> Any:
+        """The rows of the real chains (padding dropped), whole on every process."""
+        if self.num_rows != self.num_chains:
+            tree = take(tree, np.arange(self.num_chains))
+        if jax.process_count() > 1:
+            # Each process would otherwise hold only its devices' chains; like
+            # `eb.filter_pmap`, every process gets whole results.
+            tree = self.replicated(tree)
+        return tree
+
+    def replicated(self, tree: Any) -> Any:
+        """`tree` replicated: every process holds all of it (a collective)."""
+        return _replicate(tree, NamedSharding(member_mesh(), PartitionSpec()))
+
+    def zeros(self, like: Any) -> Any:
+        """Zeros shaped like `like` (one row per chain), created already split."""
+        mesh = member_mesh()
+        sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+        leaves, treedef = jtu.tree_flatten(like)
+        specs = tuple(((self.num_rows, *x.shape[1:]), x.dtype) for x in leaves)
+        return jtu.tree_unflatten(treedef, _sharded_zeros(specs, sharding))
+
+
+@ft.partial(jax.jit, static_argnums=(1,))
+def _replicate(tree: Any, sharding: jax.sharding.Sharding) -> Any:
+    return jtu.tree_map(lambda x: lax.with_sharding_constraint(x, sharding), tree)
+
+
+@ft.partial(jax.jit, static_argnums=(0, 1))
+def _sharded_zeros(specs: tuple, sharding: jax.sharding.Sharding) -> list[jax.Array]:
+    # Made on the devices that hold them, rather than on one device and then moved.
+    return [
+        lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+        for shape, dtype in specs
+    ]
+
+
+@eqx.filter_jit(donate="all-except-first")
+def put_draws(draws: Any, trace_buffer: Any) -> Any:
+    """`trace_buffer` with its first draws (along axis 1) replaced by `draws`."""
+    return jtu.tree_map(
+        lambda b, d: lax.dynamic_update_slice_in_dim(b, d, 0, 1), trace_buffer, draws
+    )

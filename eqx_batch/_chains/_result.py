@@ -1,0 +1,120 @@
+"""`Chains`, the result of `run_chains`, and `NonFinite`, its report of chains whose
+state went NaN or infinite."""
+
+from typing import Any, TYPE_CHECKING
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from ._arviz import trace_to_arviz
+
+
+if TYPE_CHECKING:
+    import xarray
+
+
+class NonFinite(eqx.Module):
+    """Which chains' states went NaN or infinite, and when.
+
+    A chain whose state stops being finite keeps running (and usually stays non-finite);
+    the other chains are unaffected. This report says which ones to discard or inspect.
+
+    **Fields:**
+
+    - `chains`: the indices of those chains, ascending (NumPy `int64`, possibly empty).
+    - `steps`: for each of them, the first step, counted from 1, after which its state
+        held a NaN or an infinity.
+
+    !!! Example
+
+        ```python
+        step = lambda x, key: x * 10.0  # overflows float32 after a few dozen steps
+        init = jnp.array([0.0, 1.0])
+        result = eb.run_chains(step, init, jr.key(0), 50)
+        result.nonfinite.chains  # array([1])
+        result.nonfinite.steps  # array([39])
+        ```
+    """
+
+    chains: np.ndarray
+    steps: np.ndarray
+
+
+class Chains(eqx.Module):
+    """The result of [`eb.run_chains`][]: final states, trace, keys and a NaN report.
+
+    **Fields:**
+
+    - `final`: the chains' states after the last step, stacked like `init`.
+    - `trace`: the recorded states (or the step's outputs with `with_output=True`),
+        each array leaf shaped `[chains, draws, ...]`; non-array leaves of the state
+        (an MLP's activation) are kept as in `init`. `None` with `trace=False`.
+    - `keys`: each chain's PRNG key after the run, in the form it was given (typed or
+        legacy). Passing `final` and `keys` to `run_chains` continues the chains
+        exactly where they stopped.
+    - `nonfinite`: an [`eb.NonFinite`][] report of the chains whose state went NaN or
+        infinite.
+    - `with_output`: whether `trace` holds the step's outputs (`with_output=True`)
+        rather than the states.
+
+    !!! Example
+
+        ```python
+        result = eb.run_chains(lambda x, key: x + 1.0, jnp.zeros(3), jr.key(0), 4)
+        result.final  # [4., 4., 4.]
+        result.trace.shape  # (3, 4)
+        ```
+    """
+
+    final: Any
+    trace: Any
+    keys: jax.Array
+    nonfinite: NonFinite
+    with_output: bool = eqx.field(static=True, default=False)
+
+    def to_arviz(self) -> "xarray.DataTree":
+        """The trace as ArviZ data, for its convergence diagnostics and plots.
+
+        NumPyro prints R-hat and the effective sample size after every run; here ArviZ
+        computes them (`arviz_stats.rhat`, `arviz_stats.ess`, `arviz_stats.summary`)
+        and draws the trace and rank plots (`arviz_plots.plot_trace`,
+        `arviz_plots.plot_rank`) from this conversion. It needs the optional extra:
+        `pip install 'eqx_batch[arviz]'`.
+
+        Every array leaf of `trace` becomes one variable, named by its
+        `jax.tree_util.keystr` path (`['layer1']['weights']`, `.layers[0].weight`; a
+        trace that is one array is named `state`, or `output`), with dimensions
+        `chain`, `draw`, then one per axis of the leaf, named as ArviZ names them
+        (`['layer1']['weights']_dim_0`, ...). Non-array leaves and PRNG keys are left
+        out. The draws go in the group `posterior`, where ArviZ's functions look by
+        default; with `with_output=True` the step's outputs go in the group `outputs`
+        instead (pass `group="outputs"` to ArviZ).
+
+        **Returns:**
+
+        An `xarray.DataTree` with one group, `posterior` or `outputs`: the data
+        structure of ArviZ (`arviz-base`), in its 0.8 series (Python 3.11) and 1.x
+        alike.
+
+        **Raises:**
+
+        - `ImportError` if ArviZ is not installed, naming the extra to install.
+        - `eb.BatchError` if there is no trace (the chains ran with `trace=False`) or it
+            holds no array.
+
+        !!! Example
+
+            ```python
+            import arviz_stats
+
+            def step(x, key):
+                return x + jr.normal(key, x.shape)
+
+            result = eb.run_chains(step, jnp.zeros((4, 3)), jr.key(0), 100)
+            data = result.to_arviz()
+            data["posterior"]["state"].dims  # ('chain', 'draw', 'state_dim_0')
+            arviz_stats.rhat(data)  # a random walk: far above 1, not converged
+            ```
+        """
+        return trace_to_arviz(self.trace, with_output=self.with_output)

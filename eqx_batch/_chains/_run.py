@@ -1,0 +1,525 @@
+"""`run_chains`: many Markov chains at once, from a step written for one.
+
+The algorithm: check the arguments and trace the step on one chain (`_step.py`); turn
+typed PRNG keys into raw data, once; then for each chunk of chains (all of them, unless
+`chunk_size`), place the chains on the devices (`_placement.py`), resume them from their
+checkpoint if there is one (`_checkpoint.py`), and run compiled segments
+(`_segment.py`) until every step is done, checkpointing after each; finally join the
+chunks and make raw key data typed keys again, once.
+"""
+
+import contextlib
+import dataclasses
+import functools as ft
+import os
+import pathlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.extend
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+
+from .._errors import BatchError, check_int, describe
+from .._progress import ProgressBar, ProgressHandle
+from .._stack import take
+from .._tree import (
+    as_key_data,
+    as_keys_like,
+    axis_sizes,
+    common_size,
+    is_array,
+    is_key,
+    mapped_leaves,
+)
+from ._checkpoint import Checkpoint, chunk_path, DrawFile, Restored, Snapshot
+from ._identity import RunIdentity
+from ._lock import job_lock
+from ._placement import Placement, put_draws
+from ._result import Chains, NonFinite
+from ._segment import (
+    ChainState,
+    draws_before,
+    OneChain,
+    run_segment,
+    SegmentPlan,
+    SegmentProgress,
+)
+from ._step import per_chain, trace_step
+
+
+def run_chains(
+    step: Callable,
+    init: Any,
+    key: Any,
+    num_steps: int,
+    *,
+    thin: int = 1,
+    burn_in: int = 0,
+    with_output: bool = False,
+    trace: bool = True,
+    progress: bool = False,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int | None = None,
+    chunk_size: int | None = None,
+) -> Chains:
+    """Runs many independent Markov chains in parallel, from a step written for one.
+
+    `step` advances one chain's state, a pytree such as a model's weights; `init`
+    stacks many such states along axis 0. All chains run in one compiled loop, spread
+    over every device of every process, and chain `i` gets the same result (bit for
+    bit, when its step is elementwise) as running it alone with its own key: each
+    step's key is split from the chain's own carried key, so the number of chains,
+    devices, processes, thinning or checkpoint interval never changes a chain's
+    random stream.
+
+    A chain whose state goes NaN or infinite keeps running without disturbing the
+    others and is reported in `nonfinite`.
+
+    The trace is one buffer of its final size, written in place as the loop runs. When
+    the number of chains does not divide evenly over the devices, the chains are
+    padded with copies of chain 0 whose results are dropped (at the cost of one copy of
+    the results when they are sliced off).
+
+    **Arguments:**
+
+    - `step`: `step(state, key) -> new_state` for ONE chain, or
+        `step(state, key) -> (new_state, output)` with `with_output=True`. The new
+        state must have the structure, shapes and dtypes of `state`. Pass data with
+        `functools.partial` (its arrays become arguments of the compiled loop, so a
+        new partial does not recompile) or by closure (compiled in as constants).
+    - `init`: the chains' initial states, stacked along axis 0 of every array leaf (a
+        dict of arrays, an Equinox module, ...). Non-array leaves are shared.
+    - `key`: one PRNG key, split with `jax.random.split(key, chains)`, or an array of
+        one key per chain. Typed (`jr.key`) and legacy (`jr.PRNGKey`) keys both work;
+        `step` receives keys of the same kind.
+    - `num_steps`: how many steps each chain takes.
+    - `thin`, `burn_in`: the trace keeps the state after steps `burn_in + 1`,
+        `burn_in + 1 + thin`, ... : the uninterrupted trace `[:, burn_in::thin]`.
+    - `with_output`: record `step`'s second output in the trace instead of the state.
+    - `trace`: whether to record a trace at all (memory: chains x draws x state).
+    - `progress`: show one tqdm bar for all chains, updated from inside the compiled
+        loop (each update is one host callback): at most about 100 times per run,
+        and, once the loop's speed is known, about every 0.1 s (as often as tqdm
+        redraws), so a short run makes only a few callbacks.
+    - `checkpoint`: a file path. The run state is written there atomically, new
+        draws to files named after it and the run in the same folder (all safetensors
+        files), and a call of the same run resumes from it, bit for bit; if the run
+        finished, its result is read back without recomputing. A run is identified by
+        the structure, shapes, dtypes and values of `init`, the keys, `num_steps`,
+        `thin`, `burn_in`, `with_output`, `trace`, and what `step` computes (a digest
+        of its traced program and of its constants' values, not its name); every
+        file records it, and a checkpoint of another run is refused. Before any step,
+        the folder is checked by creating a file in it, and the process that writes
+        takes a lock (`path.lock`, released by the operating system when the process
+        ends, killed or not), so a second live run on the same path is refused. In a
+        job of several processes, process 0 writes it and every process reads it (a
+        folder they all see).
+    - `checkpoint_every`: write the checkpoint after every this many steps (while the
+        next steps run). `None` writes it once, at the end.
+    - `chunk_size`: run this many chains at a time, for more chains than fit in memory
+        at once: chains `0` to `chunk_size`, through every step, then the next
+        `chunk_size`, and so on, each chunk spread over every device as a whole run
+        is. Every chunk runs the same compiled program (the last one is padded with
+        copies of its first chain, whose results are dropped) and every chain's
+        results are bit for bit those of the unchunked run. Memory holds one chunk's
+        states, working memory and trace at a time, plus the results of the chunks
+        already run (the result holds every chain). With `checkpoint`, each chunk is
+        checkpointed to its own files, `checkpoint.chains-A-B` for chains `A` to `B`
+        (and its draw files), under the one lock of `checkpoint`; a finished chunk is
+        read back when the run resumes. The progress bar counts the steps of every
+        chunk. `None` (the default), or at least the number of chains, runs them all
+        at once.
+
+    **Returns:**
+
+    A [`eb.Chains`][] with `final`, `trace` (`[chains, draws, ...]` per leaf), `keys`
+    (to continue the run exactly) and `nonfinite`. Its arrays stay split over the
+    devices; in a job of several processes, every process gets whole results.
+
+    **Raises:**
+
+    - `eb.BatchError` if `step` changes the state's structure, a leaf's shape or
+        dtype (naming the leaf), or does not return a pair with `with_output=True`;
+        if `key` does not hold one key or one key per chain; if the array leaves of
+        `init` disagree on the number of chains; if `num_steps`, `thin`, `burn_in`,
+        `checkpoint_every` or `chunk_size` are out of range. For `checkpoint`:
+        before any step, if its folder is missing or cannot be written, or another
+        live run holds it; if it holds a checkpoint of a different run (saying what
+        differs), a file that is not a checkpoint, or a corrupt one; and, during the
+        run, if writing it fails (a full disk: the last good checkpoint is kept, to
+        resume from).
+
+    !!! Example
+
+        ```python
+        def step(state, key):  # random-walk Metropolis on a standard normal
+            proposal = state + 0.5 * jr.normal(key, state.shape)
+            log_ratio = 0.5 * (jnp.sum(state**2) - jnp.sum(proposal**2))
+            accept = jnp.log(jr.uniform(jr.fold_in(key, 1))) < log_ratio
+            return jnp.where(accept, proposal, state)
+
+        init = jnp.zeros((8, 3))  # 8 chains of a 3-d state
+        result = eb.run_chains(step, init, jr.key(0), 200, burn_in=100, thin=2)
+        result.trace.shape  # (8, 50, 3)
+        ```
+    """
+    num_steps = check_int(num_steps, "num_steps")
+    thin = check_int(thin, "thin", minimum=1)
+    burn_in = check_int(burn_in, "burn_in", maximum=num_steps)
+    if checkpoint_every is not None:
+        if checkpoint is None:
+            raise BatchError(
+                "`checkpoint_every` is set but `checkpoint` is None: pass a file path "
+                "as `checkpoint` to write checkpoints to."
+            )
+        checkpoint_every = check_int(checkpoint_every, "checkpoint_every", minimum=1)
+    if chunk_size is not None:
+        chunk_size = check_int(
+            chunk_size,
+            "chunk_size",
+            minimum=1,
+            hint=" (how many chains to run at a time), or None to run every chain at "
+            "once",
+        )
+    init_arrays, shared = eqx.partition(init, is_array)
+    num_chains = _chain_count(init_arrays)
+    keys, legacy = _chain_keys(key, num_chains)
+    if isinstance(step, ft.partial) and not isinstance(step, jtu.Partial):
+        # As a pytree, a partial's arrays (the data) are arguments of the compiled loop
+        # rather than constants baked into it, so a new partial does not recompile.
+        step = jtu.Partial(step.func, *step.args, **step.keywords)
+    traced = trace_step(step, init, keys, legacy, with_output)
+    num_draws = draws_before(num_steps, burn_in, thin)
+    one_chain = OneChain(per_chain(init_arrays), jax.ShapeDtypeStruct((), keys.dtype))
+    run = _Run(
+        step=step,
+        shared=shared,
+        one_chain=one_chain,
+        plan=SegmentPlan(
+            length=0,
+            num_draws=num_draws,
+            thin=thin,
+            burn_in=burn_in,
+            with_output=with_output,
+            record=trace and num_draws > 0,
+            legacy=legacy,
+        ),
+        num_steps=num_steps,
+        recorded=(
+            None if not trace else traced.output if with_output else one_chain.state
+        ),
+        program=traced.program,
+        counts={
+            "num_steps": num_steps,
+            "thin": thin,
+            "burn_in": burn_in,
+            "with_output": with_output,
+            "trace": trace,
+        },
+        checkpoint_every=checkpoint_every,
+    )
+    # Typed PRNG keys become raw data here, once, and keys again on the way out: in
+    # between, chunks, placement and checkpoints handle plain arrays.
+    chains = ChainState(
+        as_key_data(init_arrays), jr.key_data(keys), np.zeros(num_chains, np.int32)
+    )
+    chunked = chunk_size is not None and chunk_size < num_chains
+    if chunked:
+        assert chunk_size is not None
+        chunks = [
+            range(first, min(first + chunk_size, num_chains))
+            for first in range(0, num_chains, chunk_size)
+        ]
+    else:
+        chunks = [range(num_chains)]
+    # In a job of several processes, process 0 writes checkpoints for all of them.
+    writes = jax.process_index() == 0
+
+    with contextlib.ExitStack() as stack:
+        bar = None
+        if progress:
+            # One bar over every chunk's steps.
+            total = num_steps * len(chunks)
+            bar = stack.enter_context(ProgressBar(total, "run_chains")).handle
+        path = None if checkpoint is None else pathlib.Path(checkpoint)
+        if path is not None and chunked:
+            stack.enter_context(job_lock(path, writes=writes))
+        results = []
+        for index, chunk in enumerate(chunks):
+            if chunked:
+                # Gathered (one program per chunk size), not sliced (one per chunk).
+                chunk_chains = take(chains, np.asarray(chunk))
+                chunk_checkpoint = (
+                    None if path is None else chunk_path(path, chunk.start, chunk.stop)
+                )
+            else:
+                chunk_chains, chunk_checkpoint = chains, path
+            results.append(
+                run.run_chunk(
+                    chunk_chains,
+                    pad_to=chunk_size if chunked else 0,
+                    checkpoint=chunk_checkpoint,
+                    locks=not chunked,
+                    writes=writes,
+                    bar=bar,
+                    steps_before=index * num_steps,
+                )
+            )
+            if chunked:
+                # Segments are dispatched without waiting: left alone, every chunk would
+                # be queued at once and, on a CPU, run side by side, with the working
+                # memory of all of them. Each chunk finishes before the next starts.
+                jax.block_until_ready(results[-1])
+
+    if len(results) == 1:
+        chains, recorded = results[0]
+    else:
+        # Joined at the end: until now, each result was only as large as its chunk.
+        def join(trees: list) -> Any:
+            return jtu.tree_map(lambda *xs: jnp.concatenate(xs), *trees)
+
+        chains = join([chains for chains, _ in results])
+        traces = [trace for _, trace in results]
+        recorded = None if traces[0] is None else join(traces)
+    if recorded is not None:
+        recorded = as_keys_like(recorded, run.recorded)
+        if not with_output:
+            # Non-array leaves (an MLP's activation) are shared, so the trace has them.
+            recorded = eqx.combine(recorded, shared)
+    nonfinite_steps = np.asarray(chains.first_bad)
+    bad_chains = np.flatnonzero(nonfinite_steps)
+    keys = as_keys_like(chains.keys, one_chain.key)
+    return Chains(
+        final=eqx.combine(as_keys_like(chains.states, one_chain.state), shared),
+        trace=recorded,
+        keys=jr.key_data(keys) if legacy else keys,
+        nonfinite=NonFinite(
+            chains=bad_chains.astype(np.int64),
+            steps=nonfinite_steps[bad_chains].astype(np.int64),
+        ),
+        with_output=with_output,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What every chunk of chains of one call of `run_chains` shares."""
+
+    step: Callable
+    shared: Any  # the non-array leaves of the state
+    one_chain: OneChain  # one chain's state and key, typed keys as keys
+    plan: SegmentPlan  # with `length` 0: set per segment
+    num_steps: int
+    recorded: Any  # one chain's recorded leaves, as shape-dtype structs; None if none
+    program: jax.extend.core.ClosedJaxpr  # `step`, traced: for the run's identity
+    counts: dict[str, Any]  # the arguments that change results, for the identity
+    checkpoint_every: int | None
+
+    def run_chunk(
+        self,
+        chains: ChainState,
+        *,
+        pad_to: int,
+        checkpoint: pathlib.Path | None,
+        locks: bool,
+        writes: bool,
+        bar: ProgressHandle | None,
+        steps_before: int,
+    ) -> tuple[ChainState, Any]:
+        """Runs `chains` through every step; returns them and their trace (None
+        without one), whole on every process.
+
+        They are padded to `pad_to` chains (and to a multiple of the device count), so
+        that every chunk of a chunked run runs one program. `steps_before` is the
+        steps of the chunks before this one, for the progress bar.
+        """
+        num_chains = chains.keys.shape[0]
+        trace_like = None
+        if self.recorded is not None:
+            trace_like = as_key_data(
+                _with_leading(self.recorded, num_chains, self.plan.num_draws)
+            )
+        with contextlib.ExitStack() as stack:
+            store = restored = None
+            if checkpoint is not None:
+                store = Checkpoint(
+                    checkpoint,
+                    self.identity(chains, num_chains),
+                    num_chains,
+                    writes=writes,
+                    locks=locks,
+                )
+                stack.enter_context(store)
+                restored = store.restore(_shapes(chains), trace_like)
+            placement = Placement(num_chains, pad_to=pad_to)
+            steps_done, chains, trace_buffer = _place(
+                placement, chains, trace_like, restored
+            )
+            progress = None
+            if bar is not None:
+                progress = SegmentProgress(
+                    bar, bar.start(steps_before + steps_done), np.int32(steps_before)
+                )
+            num_steps = self.num_steps
+            interval = self.checkpoint_every or max(num_steps - steps_done, 1)
+            while steps_done < num_steps:
+                window = _Window.of(
+                    self.plan, steps_done, min(interval, num_steps - steps_done), store
+                )
+                result = run_segment(
+                    dataclasses.replace(
+                        self.plan, length=window.length, emit=window.emit
+                    ),
+                    self.step,
+                    self.shared,
+                    self.one_chain,
+                    chains,
+                    np.int32(steps_done),
+                    progress,
+                    trace_buffer,
+                )
+                chains, trace_buffer = result.chains, result.trace_buffer
+                if progress is not None:
+                    progress = progress._replace(due=result.due)
+                steps_done += window.length
+                if store is not None:
+                    store.write(
+                        _snapshot(
+                            placement, steps_done, chains, result.new_draws, window
+                        )
+                    )
+        return (
+            placement.real_chains(chains),
+            None if trace_buffer is None else placement.real_chains(trace_buffer),
+        )
+
+    def identity(self, chains: ChainState, num_chains: int) -> RunIdentity:
+        """The identity of the run of these chains (raw data)."""
+        init_like = _with_leading(self.one_chain.state, num_chains)
+        return RunIdentity.of(
+            self.program,
+            eqx.combine(chains.states, self.shared),
+            eqx.combine(init_like, self.shared),
+            chains.keys,
+            _with_leading(self.one_chain.key, num_chains),
+            self.counts,
+        )
+
+
+def _with_leading(like: Any, *sizes: int) -> Any:
+    """Shape-dtype structs of `like`'s with leading axes of `sizes` added."""
+    return jtu.tree_map(
+        lambda x: jax.ShapeDtypeStruct((*sizes, *x.shape), x.dtype), like
+    )
+
+
+def _shapes(tree: Any) -> Any:
+    return jtu.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _chain_count(states: Any) -> int:
+    return common_size(
+        axis_sizes(mapped_leaves(states, 0, "init"), "init"),
+        what="chain axis (axis 0)",
+        fix="Every array leaf of `init` needs one entry per chain along axis 0.",
+    )
+
+
+def _chain_keys(key: Any, num_chains: int) -> tuple[jax.Array, bool]:
+    """One typed key per chain, and whether `key` was given as legacy `uint32` data."""
+    if isinstance(key, jax.Array) and is_key(key):
+        legacy = False
+    elif is_array(key) and key.dtype == np.uint32 and np.ndim(key) in (1, 2):
+        legacy = True
+        key = jr.wrap_key_data(jnp.asarray(key))
+    else:
+        raise BatchError(
+            f"`key` is {describe(key)}; pass one PRNG key (`jr.key(0)`, or legacy "
+            f"`jr.PRNGKey(0)`) or an array of {num_chains} keys, one per chain."
+        )
+    if key.ndim == 0:
+        return jr.split(key, num_chains), legacy
+    if key.shape != (num_chains,):
+        raise BatchError(
+            f"`key` holds {key.shape[0] if key.ndim == 1 else key.shape} keys but "
+            f"`init` has {num_chains} chains. Pass one key per chain, or a single key "
+            f"to be split with `jax.random.split(key, {num_chains})`."
+        )
+    return key, legacy
+
+
+class _Window(NamedTuple):
+    """One segment's steps and, when checkpointing, where its new draws lie."""
+
+    length: int
+    emit: int  # see `SegmentPlan.emit`
+    draw_file: DrawFile | None  # the file for the segment's draws, if it records any
+    offset: int  # where they start in the emitted slice
+
+    @classmethod
+    def of(
+        cls, plan: SegmentPlan, start: int, length: int, store: Checkpoint | None
+    ) -> "_Window":
+        if store is None or not plan.record:
+            return cls(length, 0, None, 0)
+        first = draws_before(start, plan.burn_in, plan.thin)
+        stop = draws_before(start + length, plan.burn_in, plan.thin)
+        if stop == first:
+            return cls(length, 0, None, 0)
+        emit = min(-(-length // plan.thin), plan.num_draws)
+        draw_file = DrawFile(store.draws_name(first, stop), first, stop)
+        return cls(length, emit, draw_file, first - min(first, plan.num_draws - emit))
+
+
+class _Placed(NamedTuple):
+    steps_done: int
+    chains: ChainState
+    trace_buffer: Any  # with the draws already made; None without a trace
+
+
+def _place(
+    placement: Placement,
+    chains: ChainState,
+    trace_like: Any,
+    restored: Restored | None,
+) -> _Placed:
+    """The chains and trace buffer on the devices, at the start or as checkpointed."""
+    if restored is None:
+        trace_buffer = None if trace_like is None else placement.zeros(trace_like)
+        return _Placed(0, placement.put(chains), trace_buffer)
+    trace_buffer = None
+    if trace_like is not None:
+        made = jtu.tree_leaves(restored.draws)[0].shape[1]
+        if made == jtu.tree_leaves(trace_like)[0].shape[1]:
+            # A finished run: the draws are the whole trace, placed once.
+            trace_buffer = placement.put(restored.draws)
+        else:
+            trace_buffer = placement.zeros(trace_like)
+            if made:
+                trace_buffer = put_draws(placement.put(restored.draws), trace_buffer)
+    return _Placed(restored.steps_done, placement.put(restored.chains), trace_buffer)
+
+
+def _snapshot(
+    placement: Placement,
+    steps_done: int,
+    chains: ChainState,
+    new_draws: Any,
+    window: _Window,
+) -> Snapshot:
+    """What to checkpoint after `steps_done` steps."""
+    if jax.process_count() > 1:
+        # Every process takes part in gathering (a collective); process 0 writes.
+        chains, new_draws = placement.replicated((chains, new_draws))
+    return Snapshot(
+        steps_done,
+        chains,
+        draws=new_draws,
+        draw_file=window.draw_file,
+        offset=window.offset,
+    )

@@ -1,0 +1,164 @@
+"""The compiled segment: `length` steps of every chain, in one program.
+
+The program is a `lax.scan` over steps whose body `vmap`s one step over all chains.
+Keeping the step counter outside the `vmap` leaves it unbatched, so the trace write,
+the progress bar and the segment offsets are plain scalar logic, and nothing about one
+chain depends on how many others run beside it.
+
+Typed PRNG keys enter and leave the program as their raw data (`as_key_data`), so that
+everything outside it (placement, chunks, checkpoints) handles plain arrays; they are
+keys again only inside, where wrapping and unwrapping cost nothing. This module knows
+nothing about files.
+"""
+
+import dataclasses
+import functools as ft
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+
+from .._dispatch import AsyncJit
+from .._progress import ProgressHandle
+from .._tree import as_key_data, as_keys_like, is_array
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentPlan:
+    """Everything about a segment that is fixed at trace time."""
+
+    length: int
+    num_draws: int
+    thin: int
+    burn_in: int
+    with_output: bool
+    record: bool
+    legacy: bool  # `step` takes legacy `uint32` keys rather than typed ones
+    # How many draws from the segment's first one on to return a copy of, for the
+    # checkpoint (the next segment takes over, donates, the trace buffer while they
+    # are written). The most any segment of this length records, so that segments
+    # that record fewer share the compiled loop; the slice then ends at the buffer's
+    # end and starts before the segment's first draw.
+    emit: int = 0
+
+
+class ChainState(NamedTuple):
+    """Every chain between two steps, as raw data: the array leaves of its state and
+    its key (typed keys as `as_key_data` makes them), and its NaN report."""
+
+    # JAX arrays on the devices, or NumPy arrays on the host before they are placed.
+    states: Any
+    keys: Any
+    first_bad: Any  # the first non-finite step, counted from 1; 0 while finite
+
+
+class OneChain(NamedTuple):
+    """One chain's state (array leaves) and key as shape-dtype structs, typed keys as
+    keys: what the raw data of `ChainState` is wrapped back into inside the program."""
+
+    state: Any
+    key: jax.ShapeDtypeStruct
+
+
+class SegmentProgress(NamedTuple):
+    """The progress bar as a segment drives it."""
+
+    handle: ProgressHandle
+    due: Any  # the step at which the next report is due
+    steps_before: Any  # steps of chunks run before this one (`int32`, so chunks
+    # share the program)
+
+
+class SegmentResult(NamedTuple):
+    chains: ChainState
+    trace_buffer: Any
+    due: Any  # the due step of the next progress report; None without a bar
+    new_draws: Any  # the draws around the segment's, if `plan.emit`; else None
+
+
+def draws_before(step: int, burn_in: int, thin: int) -> int:
+    """How many draws are recorded in the first `step` steps."""
+    return max(0, -(-(step - burn_in) // thin))
+
+
+def _all_finite(state: Any) -> jax.Array:
+    checks = [
+        jnp.all(jnp.isfinite(x))
+        for x in jtu.tree_leaves(state)
+        if is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return ft.reduce(jnp.logical_and, checks, jnp.array(True))
+
+
+def _segment(
+    plan: SegmentPlan,
+    step: Callable,
+    shared: Any,
+    one_chain_like: OneChain,
+    chains: ChainState,
+    start: jax.Array,
+    progress: SegmentProgress | None,
+    trace_buffer: Any,
+) -> SegmentResult:
+    """Runs `plan.length` steps of every chain from step `start`.
+
+    `shared` holds the non-array leaves of the state. The trace buffer holds every
+    draw of the run (`[chains, draws, ...]` per leaf, raw data) and is written in place.
+    """
+
+    def one_chain(raw_state: Any, raw_key: jax.Array) -> tuple:
+        key, subkey = jr.split(as_keys_like(raw_key, one_chain_like.key))
+        state = as_keys_like(raw_state, one_chain_like.state)
+        result = step(
+            eqx.combine(state, shared), jr.key_data(subkey) if plan.legacy else subkey
+        )
+        new, output = result if plan.with_output else (result, None)
+        new = eqx.filter(new, is_array)
+        finite = _all_finite(new)
+        return as_key_data(new), jr.key_data(key), finite, as_key_data(output)
+
+    def body(carry: tuple, _: None) -> tuple:
+        (states, keys, first_bad), buffer, t, due = carry
+        states, keys, finite, output = jax.vmap(one_chain)(states, keys)
+        first_bad = jnp.where((first_bad == 0) & ~finite, t + 1, first_bad)
+        if plan.record:
+            # A read-modify-write of one slot (clamped into range) rather than a
+            # `lax.cond`, which XLA may turn into a copy of the whole buffer per step.
+            keep = (t >= plan.burn_in) & ((t - plan.burn_in) % plan.thin == 0)
+            slot = jnp.clip((t - plan.burn_in) // plan.thin, 0, plan.num_draws - 1)
+
+            def write(draws: jax.Array, x: jax.Array) -> jax.Array:
+                old = lax.dynamic_index_in_dim(draws, slot, 1, keepdims=False)
+                new = jnp.where(keep, x, old)
+                return lax.dynamic_update_index_in_dim(draws, new, slot, 1)
+
+            recorded = output if plan.with_output else states
+            buffer = jtu.tree_map(write, buffer, recorded)
+        if progress is not None:
+            # Counted over the whole run: chains run earlier (in chunks) included.
+            due = progress.handle(progress.steps_before + t + 1, due)
+        return (ChainState(states, keys, first_bad), buffer, t + 1, due), None
+
+    due = None if progress is None else progress.due
+    (chains, trace_buffer, _, due), _ = lax.scan(
+        body, (chains, trace_buffer, start, due), None, length=plan.length
+    )
+    new_draws = None
+    if plan.emit:
+        # In the same program as the loop: no extra dispatch, and XLA can overlap it.
+        first = jnp.maximum(0, -((plan.burn_in - start) // plan.thin))
+        new_draws = jtu.tree_map(
+            lambda b: lax.dynamic_slice_in_dim(b, first, plan.emit, 1), trace_buffer
+        )
+    return SegmentResult(chains, trace_buffer, due, new_draws)
+
+
+# Dispatched without waiting: the next segment is queued while this one runs, and the
+# checkpoint writer waits on the results it needs, not the loop. The trace buffer is
+# donated and updated in place.
+run_segment = AsyncJit(_segment, donate=(7,))

@@ -1,0 +1,91 @@
+"""The user's step, traced on one chain and checked before anything runs."""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.extend
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from .._errors import BatchError, bullet_list, describe, leaf_name
+from .._tree import is_array
+
+
+def per_chain(states: Any) -> Any:
+    """Shape-dtype structs of one chain's state (array leaves; others kept as they
+    are)."""
+    return jtu.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if is_array(x) else x,
+        states,
+    )
+
+
+class TracedStep(NamedTuple):
+    """`step` traced on one chain: its program (for the run's identity) and output."""
+
+    program: jax.extend.core.ClosedJaxpr
+    output: Any  # the structure of its second output with `with_output`, else None
+
+
+def trace_step(
+    step: Callable, states: Any, key: jax.Array, legacy: bool, with_output: bool
+) -> TracedStep:
+    """Traces `step` on one chain of `states` with one of `key`'s keys.
+
+    **Raises:**
+
+    `BatchError` if the new state's structure, shapes or dtypes differ from the
+    state's (`lax.scan` would refuse too, but naming neither the step nor the leaf), or
+    if `step` does not return a pair with `with_output`.
+    """
+    one_key = jax.ShapeDtypeStruct(
+        (2,) if legacy else (), jnp.uint32 if legacy else key.dtype
+    )
+    # Through a closure, so that the arrays of a partial are the program's constants.
+    program, dynamic, static = eqx.filter_make_jaxpr(lambda s, k: step(s, k))(
+        per_chain(states), one_key
+    )
+    result = eqx.combine(dynamic, static)
+    if with_output:
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise BatchError(
+                "`step` must return `(new_state, output)` when `with_output=True`, but "
+                f"returned {jtu.tree_structure(result)}."
+            )
+        new, output = result
+    else:
+        new, output = result, None
+    before = jtu.tree_flatten_with_path(per_chain(states))
+    after = jtu.tree_flatten_with_path(new)
+    if before[1] != after[1]:
+        raise BatchError(_structure_change(before, after))
+    changed = [
+        f"`{leaf_name('init', path)}` is {describe(old)} per chain, but `step` "
+        f"returned {describe(new_leaf)}"
+        for (path, old), (_, new_leaf) in zip(before[0], after[0], strict=True)
+        if describe(old) != describe(new_leaf)
+    ]
+    if changed:
+        raise BatchError(
+            "`step` changed the shape or dtype of the state:\n"
+            + bullet_list(changed)
+            + "\nIt must return every leaf with the shape and dtype it was given "
+            "(cast with `.astype`)."
+        )
+    return TracedStep(program, output)
+
+
+def _structure_change(before: tuple, after: tuple) -> str:
+    old = {jtu.keystr(path) for path, _ in before[0]}
+    new = {jtu.keystr(path) for path, _ in after[0]}
+    lines = [f"`init{p}` is missing from the new state" for p in sorted(old - new)]
+    lines += [f"`new_state{p}` is not in `init`" for p in sorted(new - old)]
+    if not lines:
+        lines = [f"init (per chain): {before[1]}", f"step returned:    {after[1]}"]
+    return (
+        "`step` changed the structure of the state:\n"
+        + bullet_list(lines)
+        + "\nIt must return a state with the same containers, keys and static fields."
+    )
