@@ -167,12 +167,14 @@ class Checkpoint:
         return Restored(progress["steps_done"], ChainState(**saved), draws)
 
     def _read_draws(self, trace_like: Any) -> Any:
-        pieces = [self._read_draw_file(entry, trace_like) for entry in self.draw_files]
-        if not pieces:
+        per_file = [
+            self._read_draw_file(entry, trace_like) for entry in self.draw_files
+        ]
+        if not per_file:
             return jtu.tree_map(
                 lambda x: np.zeros((x.shape[0], 0, *x.shape[2:]), x.dtype), trace_like
             )
-        return jtu.tree_map(lambda *xs: np.concatenate(xs, axis=1), *pieces)
+        return jtu.tree_map(lambda *xs: np.concatenate(xs, axis=1), *per_file)
 
     def _read_draw_file(self, entry: DrawFile, trace_like: Any) -> Any:
         count = entry.stop - entry.first
@@ -283,7 +285,8 @@ class Checkpoint:
 
     def _write(self, snapshot: Snapshot) -> None:
         # On the writer thread: each host copy waits for its segment to finish.
-        rows = self.num_chains
+        # Padding chains (beyond the run's own) are not written.
+        real = slice(self.num_chains)
         draw_files = self.draw_files
         try:
             if snapshot.draw_file is not None:
@@ -291,7 +294,7 @@ class Checkpoint:
                 count = draw_file.stop - draw_file.first
                 window = slice(snapshot.offset, snapshot.offset + count)
                 draws = jtu.tree_map(
-                    lambda x: np.asarray(x)[:rows, window], snapshot.draws
+                    lambda x: np.asarray(x)[real, window], snapshot.draws
                 )
                 write_tree(
                     self.path.with_name(draw_file.name),
@@ -304,7 +307,7 @@ class Checkpoint:
                 )
                 draw_files = [*draw_files, draw_file]
             state = jtu.tree_map(
-                lambda x: np.asarray(x)[:rows], snapshot.chains._asdict()
+                lambda x: np.asarray(x)[real], snapshot.chains._asdict()
             )
             progress = {
                 "steps_done": snapshot.steps_done,

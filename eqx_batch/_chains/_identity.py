@@ -56,7 +56,9 @@ def _values_digest(tree: Any, like: Any) -> str:
     raw data where `like` (shape-dtype structs, or arrays) has keys."""
     parts = []
     leaves, treedef = jtu.tree_flatten_with_path(tree)
-    for (path, leaf), like_leaf in zip(leaves, treedef.flatten_up_to(like), strict=True):
+    for (path, leaf), like_leaf in zip(
+        leaves, treedef.flatten_up_to(like), strict=True
+    ):
         parts.append(jtu.keystr(path).encode())
         if is_array(leaf):
             data = np.ascontiguousarray(host_array(leaf))

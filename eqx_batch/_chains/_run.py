@@ -228,15 +228,12 @@ def run_chains(
     chains = ChainState(
         as_key_data(init_arrays), jr.key_data(keys), np.zeros(num_chains, np.int32)
     )
-    chunked = chunk_size is not None and chunk_size < num_chains
-    if chunked:
-        assert chunk_size is not None
-        chunks = [
-            range(first, min(first + chunk_size, num_chains))
-            for first in range(0, num_chains, chunk_size)
-        ]
-    else:
-        chunks = [range(num_chains)]
+    size = num_chains if chunk_size is None else min(chunk_size, num_chains)
+    chunks = [
+        range(first, min(first + size, num_chains))
+        for first in range(0, num_chains, max(size, 1))
+    ] or [range(0)]
+    chunked = len(chunks) > 1
     # In a job of several processes, process 0 writes checkpoints for all of them.
     writes = jax.process_index() == 0
 
@@ -262,7 +259,7 @@ def run_chains(
             results.append(
                 run.run_chunk(
                     chunk_chains,
-                    pad_to=chunk_size if chunked else 0,
+                    pad_to=size if chunked else 0,
                     checkpoint=chunk_checkpoint,
                     locks=not chunked,
                     writes=writes,
@@ -357,7 +354,7 @@ class _Run:
                 stack.enter_context(store)
                 restored = store.restore(_shapes(chains), trace_like)
             placement = Placement(num_chains, pad_to=pad_to)
-            steps_done, chains, trace_buffer = _place(
+            steps_done, chains, trace_buffer = _start(
                 placement, chains, trace_like, restored
             )
             progress = None
@@ -476,22 +473,22 @@ class _Window(NamedTuple):
         return cls(length, emit, draw_file, first - min(first, plan.num_draws - emit))
 
 
-class _Placed(NamedTuple):
+class _Start(NamedTuple):
     steps_done: int
     chains: ChainState
     trace_buffer: Any  # with the draws already made; None without a trace
 
 
-def _place(
+def _start(
     placement: Placement,
     chains: ChainState,
     trace_like: Any,
     restored: Restored | None,
-) -> _Placed:
+) -> _Start:
     """The chains and trace buffer on the devices, at the start or as checkpointed."""
     if restored is None:
         trace_buffer = None if trace_like is None else placement.zeros(trace_like)
-        return _Placed(0, placement.put(chains), trace_buffer)
+        return _Start(0, placement.put(chains), trace_buffer)
     trace_buffer = None
     if trace_like is not None:
         made = jtu.tree_leaves(restored.draws)[0].shape[1]
@@ -502,7 +499,7 @@ def _place(
             trace_buffer = placement.zeros(trace_like)
             if made:
                 trace_buffer = put_draws(placement.put(restored.draws), trace_buffer)
-    return _Placed(restored.steps_done, placement.put(restored.chains), trace_buffer)
+    return _Start(restored.steps_done, placement.put(restored.chains), trace_buffer)
 
 
 def _snapshot(
