@@ -35,7 +35,7 @@ def atomic_write(
     folder = target.parent
     # A random name opened with O_EXCL, rather than `tempfile` (which creates 0600
     # files), gives the file the permissions the user's umask asks for, as `open` does.
-    temporary = folder / f".{target.name}.{secrets.token_hex(8)}.tmp"
+    temporary = folder / temporary_name(target.name)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     descriptor = os.open(temporary, flags, 0o666)
     try:
@@ -50,6 +50,12 @@ def atomic_write(
         temporary.unlink(missing_ok=True)
         raise
     _fsync_folder(folder)
+
+
+def temporary_name(name: str) -> str:
+    """The name of a temporary file that `atomic_write` writes before renaming it to
+    `name`: hidden, random, and 22 characters longer."""
+    return f".{name}.{secrets.token_hex(8)}.tmp"
 
 
 def _fsync_folder(folder: pathlib.Path) -> None:

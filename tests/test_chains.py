@@ -458,3 +458,20 @@ def test_numpy_integer_counts_are_taken(tmp_path):
         chunk_size=np.int64(2),
     )
     assert_trees_identical(outputs(counted), outputs(plain))
+
+
+def test_python_numbers_in_outputs_are_recorded_as_arrays():
+    def step(x: jax.Array, key: jax.Array) -> tuple:
+        return x + 1.0, {"constant": 0.5, "total": jnp.sum(x), "name": "sum"}
+
+    result = eb.run_chains(step, jnp.zeros((3, 2)), jr.key(0), 4, with_output=True)
+    assert result.trace["name"] == "sum"
+    assert result.trace["constant"].shape == (3, 4)
+    assert np.all(result.trace["constant"] == 0.5)
+    np.testing.assert_array_equal(result.trace["total"][0], [0.0, 2.0, 4.0, 6.0])
+
+
+@pytest.mark.parametrize("shape", [(3,), (4, 3)])
+def test_key_data_of_the_wrong_shape_is_refused(shape):
+    with pytest.raises(eb.BatchError, match=r"`key` is uint32\[.*not legacy key data"):
+        eb.run_chains(metropolis, make_init(4), jnp.zeros(shape, jnp.uint32), 5)

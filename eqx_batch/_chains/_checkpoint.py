@@ -9,7 +9,7 @@ A checkpoint at `path` is a few safetensors files in one folder:
     is a digest of the run's identity, so two runs never share a file name, and each
     file repeats the identity in its metadata, which is checked when it is read.
 - `path.chains-A-B` and its draw files: with `chunk_size`, the checkpoint of chains `A`
-    to `B`, a run of its own (the chunks share the lock of `path`, `job_lock`).
+    to `B`, a run of its own (the chunks share the lock of `path`).
 - `path.lock`: locked (`flock`) by the process writing the run. The operating system
     releases the lock when that process ends, however it ends, so a crashed run never
     blocks its own resume while a live one keeps every other run out (`_lock.py`).
@@ -18,21 +18,26 @@ Everything here is raw data: typed PRNG keys are stored as their key data.
 """
 
 import concurrent.futures
+import errno
 import json
 import os
 import pathlib
-from collections.abc import Mapping
+import re
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.tree_util as jtu
 import numpy as np
 
+from .._atomic import temporary_name
 from .._errors import BatchError, bullet_list
 from .._file_format import BadFileError, ForeignFileError, read_metadata
 from .._serialise import read_tree, write_tree
+from .._tree import is_int
 from ._identity import RunIdentity
-from ._lock import check_writable, take_lock
+from ._lock import WriteAccess
 from ._segment import ChainState
 
 
@@ -67,6 +72,8 @@ class Snapshot(NamedTuple):
     offset: int = 0
 
 
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
 # Metadata entries of every file of a run.
 _IDENTITY = "run_chains.run"
 _RUN_ID = "run_chains.run_id"
@@ -81,14 +88,54 @@ def chunk_path(path: pathlib.Path, first: int, stop: int) -> pathlib.Path:
     return path.with_name(f"{path.name}.chains-{first}-{stop}")
 
 
-class Checkpoint:
-    """A run's checkpoint files: checked, locked, read back, written in the background.
+def warn_of_other_chunkings(path: pathlib.Path, chunks: list[range] | None) -> None:
+    """Warns of the checkpoints at `path` that a run in `chunks` (None: unchunked)
+    does not read: those of chains split another way, by another `chunk_size`.
 
-    Used as a context manager. Entering it checks, before any work, that the folder
-    exists and takes a file; in the process that writes (`writes=True`, process 0 of a
-    job), it takes the lock (unless `locks=False`: a chunk of a chunked run, whose job
-    holds the lock of the user's path, `job_lock`) and starts the writer thread. Leaving
-    it waits for the last write and releases both.
+    Chunks that coincide are read back as they are; the chains of the others would be
+    computed again, which can be days of work, so the user hears of it.
+    """
+    pattern = re.compile(rf"{re.escape(path.name)}\.chains-(\d+)-(\d+)")
+    planned = {(chunk.start, chunk.stop) for chunk in chunks or []}
+    other_sizes = set()
+    for entry in os.scandir(path.parent):
+        match = pattern.fullmatch(entry.name)
+        if match and (int(match[1]), int(match[2])) not in planned:
+            if int(match[1]) == 0:  # a chunking's first chunk has its full size
+                other_sizes.add(int(match[2]))
+    written = [f"with `chunk_size={size}`" for size in sorted(other_sizes)]
+    if chunks is not None and path.exists():
+        written.append("without `chunk_size`")
+    if not written:
+        return
+    now = "without `chunk_size`" if chunks is None else f"`chunk_size={len(chunks[0])}`"
+    warnings.warn(
+        f"`checkpoint` ({path}) holds checkpoints written {' and '.join(written)}, "
+        f"which this call ({now}) does not read: it computes those chains again. To "
+        f"resume from them, call `run_chains` {' or '.join(written)}.",
+        stacklevel=3,
+    )
+
+
+def longest_file_name(
+    path: pathlib.Path, *, num_chains: int, num_draws: int, chunked: bool
+) -> str:
+    """The longest name of a file that a run checkpointed at `path` may write: the
+    temporary file of a draw file (of a chunk, if `chunked`)."""
+    name = chunk_path(path, num_chains, num_chains).name if chunked else path.name
+    if num_draws:
+        name = f"{name}.{'f' * 16}.draws-{num_draws}-{num_draws}"
+    return temporary_name(name)
+
+
+class Checkpoint:
+    """A run's checkpoint files: read back, then written in the background.
+
+    Used as a context manager. `restore` reads what is there without writing; a run
+    with steps left then calls `start_writing`, which checks that the folder can be
+    written and takes the lock (`access`, shared by every chunk of a chunked run), and,
+    in the process that writes (`writes=True`, process 0 of a job), starts the writer
+    thread. Leaving it waits for the last write.
     """
 
     def __init__(
@@ -97,17 +144,16 @@ class Checkpoint:
         identity: RunIdentity,
         num_chains: int,
         *,
+        access: WriteAccess,
         writes: bool,
-        locks: bool = True,
     ):
         self.path = path
         self.identity = identity
         self.num_chains = num_chains
+        self.access = access
         self.writes = writes
-        self.locks = locks
         self.draw_files: list[DrawFile] = []
         self.steps_written: int | None = None
-        self._lock: int | None = None
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
         self._metadata = {
@@ -118,32 +164,36 @@ class Checkpoint:
     # -- entering and leaving --------------------------------------------------------
 
     def __enter__(self) -> "Checkpoint":
-        check_writable(self.path)
-        if self.writes:
-            if self.locks:
-                self._lock = take_lock(self.path)
-            self._thread = concurrent.futures.ThreadPoolExecutor(1)
         return self
 
     def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
-        try:
-            if self._thread is not None:
-                self._thread.shutdown(wait=True)
-            if kind is None:
-                self._wait()
-        finally:
-            if self._lock is not None:
-                os.close(self._lock)  # releases the `flock`
-                self._lock = None
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+        if kind is None:
+            self._wait()
+
+    def start_writing(self) -> None:
+        """Takes the right to write (see `WriteAccess`) and starts the writer."""
+        self.access.acquire()
+        if self.writes and self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1)
 
     # -- reading back ----------------------------------------------------------------
 
-    def restore(self, chains_like: ChainState, trace_like: Any) -> Restored | None:
+    def restore(
+        self,
+        chains_like: ChainState,
+        trace_like: Any,
+        *,
+        num_steps: int,
+        draws_after: Callable[[int], int],
+    ) -> Restored | None:
         """The run as last checkpointed, on the host; None if there is no checkpoint.
 
         `chains_like` and `trace_like` (the whole trace, or None) are shape-dtype
-        structs. Draw files are read on the host and joined there, so reading
-        back compiles nothing whatever their number.
+        structs; `draws_after(n)` is how many draws the first `n` steps record. Draw
+        files are read on the host and joined there, so reading back compiles nothing
+        whatever their number. Nothing is written.
 
         Raises if the file is not a checkpoint, is corrupt, or belongs to another run.
         """
@@ -157,14 +207,62 @@ class Checkpoint:
                 "path: this one would be overwritten."
             )
         self._check_run(self.path, metadata, "checkpoint")
+        steps_done, draw_files = self._progress(
+            metadata[_PROGRESS],
+            num_steps=num_steps,
+            num_draws=0 if trace_like is None else draws_after,
+        )
         saved = self._read(self.path, chains_like._asdict(), "checkpoint")
-        progress = json.loads(metadata[_PROGRESS])
-        self.draw_files = [DrawFile(*entry) for entry in progress["draws"]]
-        self.steps_written = progress["steps_done"]
+        self.draw_files = draw_files
+        self.steps_written = steps_done
         draws = None
         if trace_like is not None:
             draws = self._read_draws(trace_like)
-        return Restored(progress["steps_done"], ChainState(**saved), draws)
+        return Restored(steps_done, ChainState(**saved), draws)
+
+    def _progress(
+        self, text: str, *, num_steps: int, num_draws: Any
+    ) -> tuple[int, list[DrawFile]]:
+        """The steps done and the draw files of a progress record, checked: the
+        steps in range, and draw files named as this run names them that hold every
+        draw of those steps, in order, with no gap."""
+        try:
+            progress = json.loads(text)
+            steps_done = progress["steps_done"]
+            draw_files = [DrawFile(*entry) for entry in progress["draws"]]
+        except (ValueError, TypeError, KeyError) as e:
+            raise self._damaged(f"its progress record does not parse ({e})") from None
+        if not (is_int(steps_done) and 0 <= steps_done <= num_steps):
+            raise self._damaged(
+                f"its progress says {steps_done!r} steps were done, of {num_steps}"
+            )
+        expected = num_draws(steps_done) if callable(num_draws) else num_draws
+        made = 0
+        for entry in draw_files:
+            if not (
+                entry.first == made
+                and is_int(entry.stop)
+                and entry.stop > entry.first
+                and entry.name == self.draws_name(entry.first, entry.stop)
+            ):
+                raise self._damaged(
+                    f"its progress lists the draw file {entry.name!r} for draws "
+                    f"{entry.first!r}-{entry.stop!r}, where this run's file for "
+                    f"draws {made} on is expected"
+                )
+            made = entry.stop
+        if made != expected:
+            raise self._damaged(
+                f"its progress lists draw files for {made} draws, but {steps_done} "
+                f"steps record {expected}"
+            )
+        return steps_done, draw_files
+
+    def _damaged(self, problem: str) -> BatchError:
+        return BatchError(
+            f"`checkpoint` ({self.path}) cannot be resumed: {problem}. Delete the "
+            "checkpoint's files (or pass another path) to start this run afresh."
+        )
 
     def _read_draws(self, trace_like: Any) -> Any:
         per_file = [
@@ -324,10 +422,11 @@ class Checkpoint:
                 if self.steps_written is None
                 else f"the checkpoint of step {self.steps_written} is kept"
             )
+            fix = "Free space" if e.errno in _DISK_FULL else "Fix the cause"
             raise BatchError(
                 f"writing `checkpoint` ({self.path}) after step {snapshot.steps_done} "
-                f"failed: {e.strerror or e}; {kept}. Free space (or fix the folder) "
-                "and call `run_chains` again to resume."
+                f"failed: {e.strerror or e} ({e.filename or self.path}); {kept}. "
+                f"{fix} and call `run_chains` again to resume."
             ) from e
         self.draw_files = draw_files
         self.steps_written = snapshot.steps_done

@@ -1,5 +1,5 @@
-"""Before any work: the checkpoint's folder can be written, and no other live run holds
-its path.
+"""Before a run writes its checkpoint: the folder can be written, and no other live
+run holds the path.
 
 The process that writes a run takes `path.lock` with `flock`. The operating system
 releases the lock when that process ends, however it ends, so a crashed run never
@@ -8,12 +8,14 @@ blocks its own resume while a live one keeps every other run out. Windows has no
 """
 
 import contextlib
+import errno
 import os
 import pathlib
 import re
 import secrets
+import stat
 import sys
-from collections.abc import Iterator
+from typing import Any
 
 from .._errors import BatchError
 
@@ -22,8 +24,11 @@ if sys.platform != "win32":
     import fcntl
 
 
-def check_writable(path: pathlib.Path) -> None:
-    """Raises, naming `path`, unless a file can be created in its folder."""
+def check_folder(path: pathlib.Path) -> None:
+    """Raises, naming `path`, unless it can be a file in an existing folder.
+
+    Reads only, so that a finished run can be read back from read-only storage.
+    """
     folder = path.parent
     if path.is_dir():
         raise BatchError(
@@ -36,14 +41,32 @@ def check_writable(path: pathlib.Path) -> None:
             f"`checkpoint` ({path}) cannot be written: its folder {folder} {what}. "
             "Create the folder first, or pass a path in an existing one."
         )
+
+
+def check_writable(path: pathlib.Path, longest_name: str) -> None:
+    """Raises, naming `path`, unless a file named as long as `longest_name` (the
+    longest name the run will write) can be created in its folder."""
+    check_folder(path)
+    folder = path.parent
     # A real write, not `os.access`: permission bits say nothing of a read-only
     # mount, and nothing to root. Found now, not after the run.
-    probe = folder / f".{path.name}.{secrets.token_hex(8)}.probe"
+    probe_name = f".{path.name}.{secrets.token_hex(8)}.probe"
+    padding = len(longest_name.encode()) - len(probe_name.encode())
+    if padding > 0:
+        probe_name = probe_name[: -len(".probe")] + "p" * padding + ".probe"
+    probe = folder / probe_name
     try:
         descriptor = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         os.close(descriptor)
         probe.unlink()
     except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            raise BatchError(
+                f"`checkpoint` ({path}) cannot be written: the run's files get names "
+                f"of up to {len(longest_name.encode())} bytes (such as "
+                f"{longest_name}), more than the file system of {folder} allows. "
+                "Pass a shorter file name."
+            ) from None
         raise BatchError(
             f"`checkpoint` ({path}) cannot be written: creating a file in {folder} "
             f"failed ({e.strerror or e}). Pass a path in a folder you can write to."
@@ -53,23 +76,44 @@ def check_writable(path: pathlib.Path) -> None:
 def take_lock(path: pathlib.Path) -> int | None:
     """Locks `path.lock` for this process; returns its descriptor (close to release).
 
-    Raises if another live process holds it. Returns None on Windows, which has no
-    `flock`: no lock there.
+    The lock file is opened without following a link, and only a regular file that
+    is empty or holds a process id (what this function writes) is used: anything else
+    at that path may be the user's, and is neither truncated nor written.
+
+    **Raises:**
+
+    `BatchError` if another live process holds the lock, or if `path.lock` is a link,
+    not a regular file, or a file that is not a lock of eqx_batch. Returns None on
+    Windows, which has no `flock`: no lock there.
     """
     if sys.platform == "win32":
         return None
     lock_path = path.with_name(f"{path.name}.lock")
-    descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    # No link is followed (a link there could point at any file), and opening a FIFO
+    # does not wait for a writer.
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip()
-        os.close(descriptor)
-        who = f"process {holder}" if holder.isdigit() else "another process"
-        raise BatchError(
-            f"`checkpoint` ({path}) is in use: a live run ({who}) holds "
-            f"its lock {lock_path}. Wait for it to finish, or pass another path."
-        ) from None
+        descriptor = os.open(lock_path, flags, 0o666)
+    except OSError as e:
+        raise _not_a_lock(path, lock_path, _kind_at(lock_path) or e.strerror) from None
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            raise _not_a_lock(path, lock_path, _kind_at(lock_path))
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip()
+            who = f"process {holder}" if holder.isdigit() else "another process"
+            raise BatchError(
+                f"`checkpoint` ({path}) is in use: a live run ({who}) holds "
+                f"its lock {lock_path}. Wait for it to finish, or pass another path."
+            ) from None
+        # Only a file this function wrote (or created just now) is rewritten: a hard
+        # link, or a file with other contents, is someone else's.
+        content = os.pread(descriptor, 64, 0)
+        if status.st_nlink != 1 or not re.fullmatch(rb"(\d+\n)?", content):
+            raise _not_a_lock(path, lock_path, "a file that is not a lock of eqx_batch")
     except BaseException:
         os.close(descriptor)
         raise
@@ -79,21 +123,64 @@ def take_lock(path: pathlib.Path) -> int | None:
     return descriptor
 
 
-@contextlib.contextmanager
-def job_lock(path: pathlib.Path, *, writes: bool) -> Iterator[None]:
-    """Holds the lock of `path` for a whole chunked run (in the process that writes).
-
-    The chunks' checkpoints (`chunk_path`) are written under it without locks of
-    their own, so a second live run on `path` is refused at once, whichever chunk the
-    first one is running.
-    """
-    check_writable(path)
-    descriptor = take_lock(path) if writes else None
+def _kind_at(path: pathlib.Path) -> str | None:
+    """What is at `path` if it is not a regular file (a link, a FIFO...), else None."""
     try:
-        yield
-    finally:
-        if descriptor is not None:
-            os.close(descriptor)  # releases the `flock`
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    return "not a regular file"
+
+
+def _not_a_lock(path: pathlib.Path, lock_path: pathlib.Path, what: Any) -> BatchError:
+    return BatchError(
+        f"`checkpoint` ({path}) cannot be locked: its lock file {lock_path} is {what}, "
+        "which `run_chains` neither follows nor overwrites. Move it away, or pass "
+        "another path."
+    )
+
+
+class WriteAccess:
+    """The right to write a run's checkpoint files, taken when first needed.
+
+    Taking it checks that the folder can be written (`check_writable`) and, in the
+    process that writes (`writes=True`), takes the lock of `path`. A chunked run
+    shares one among its chunks (`chunk_path`), so a second live run on `path` is
+    refused whichever chunk the first one is running; a run whose checkpoints are all
+    finished never takes it, so it reads back from read-only storage. Used as a context
+    manager, which releases the lock.
+    """
+
+    def __init__(self, path: pathlib.Path, longest_name: str, *, writes: bool):
+        self.path = path
+        self.longest_name = longest_name
+        self.writes = writes
+        self._taken = False
+        self._lock: int | None = None
+
+    def acquire(self) -> None:
+        if self._taken:
+            return
+        check_writable(self.path, self.longest_name)
+        if self.writes:
+            self._lock = take_lock(self.path)
+        self._taken = True
+
+    def __enter__(self) -> "WriteAccess":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # releases the `flock`
+            self._lock = None
 
 
 def _remove_torn_writes(path: pathlib.Path) -> None:

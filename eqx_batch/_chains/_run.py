@@ -36,9 +36,17 @@ from .._tree import (
     is_key,
     mapped_leaves,
 )
-from ._checkpoint import Checkpoint, chunk_path, DrawFile, Restored, Snapshot
+from ._checkpoint import (
+    Checkpoint,
+    chunk_path,
+    DrawFile,
+    longest_file_name,
+    Restored,
+    Snapshot,
+    warn_of_other_chunkings,
+)
 from ._identity import RunIdentity
-from ._lock import job_lock
+from ._lock import check_folder, WriteAccess
 from ._placement import Placement, put_draws
 from ._result import Chains, NonFinite
 from ._segment import (
@@ -196,6 +204,9 @@ def run_chains(
     traced = trace_step(step, init, keys, legacy, with_output)
     num_draws = draws_before(num_steps, burn_in, thin)
     one_chain = OneChain(per_chain(init_arrays), jax.ShapeDtypeStruct((), keys.dtype))
+    # One chain's recorded leaves: shape-dtype structs for the arrays, and the leaves
+    # that are the same in every draw (an MLP's activation) as they are.
+    recorded = traced.output if with_output else per_chain(init)
     run = _Run(
         step=step,
         shared=shared,
@@ -210,9 +221,8 @@ def run_chains(
             legacy=legacy,
         ),
         num_steps=num_steps,
-        recorded=(
-            None if not trace else traced.output if with_output else one_chain.state
-        ),
+        recorded=None if not trace else eqx.filter(recorded, _is_struct),
+        recorded_static=eqx.filter(recorded, _is_struct, inverse=True),
         program=traced.program,
         counts={
             "num_steps": num_steps,
@@ -243,25 +253,34 @@ def run_chains(
             # One bar over every chunk's steps.
             total = num_steps * len(chunks)
             bar = stack.enter_context(ProgressBar(total, "run_chains")).handle
-        path = None if checkpoint is None else pathlib.Path(checkpoint)
-        if path is not None and chunked:
-            stack.enter_context(job_lock(path, writes=writes))
+        access = None
+        if checkpoint is not None:
+            path = pathlib.Path(checkpoint)
+            check_folder(path)
+            warn_of_other_chunkings(path, chunks if chunked else None)
+            longest = longest_file_name(
+                path, num_chains=num_chains, num_draws=num_draws, chunked=chunked
+            )
+            access = stack.enter_context(WriteAccess(path, longest, writes=writes))
         results = []
         for index, chunk in enumerate(chunks):
             if chunked:
                 # Gathered (one program per chunk size), not sliced (one per chunk).
                 chunk_chains = take(chains, np.asarray(chunk))
-                chunk_checkpoint = (
-                    None if path is None else chunk_path(path, chunk.start, chunk.stop)
-                )
             else:
-                chunk_chains, chunk_checkpoint = chains, path
+                chunk_chains = chains
             results.append(
                 run.run_chunk(
                     chunk_chains,
                     pad_to=size if chunked else 0,
-                    checkpoint=chunk_checkpoint,
-                    locks=not chunked,
+                    access=access,
+                    checkpoint=(
+                        None
+                        if access is None
+                        else chunk_path(access.path, chunk.start, chunk.stop)
+                        if chunked
+                        else access.path
+                    ),
                     writes=writes,
                     bar=bar,
                     steps_before=index * num_steps,
@@ -284,10 +303,9 @@ def run_chains(
         traces = [trace for _, trace in results]
         recorded = None if traces[0] is None else join(traces)
     if recorded is not None:
-        recorded = as_keys_like(recorded, run.recorded)
-        if not with_output:
-            # Non-array leaves (an MLP's activation) are shared, so the trace has them.
-            recorded = eqx.combine(recorded, shared)
+        recorded = eqx.combine(
+            as_keys_like(recorded, run.recorded), run.recorded_static
+        )
     nonfinite_steps = np.asarray(chains.first_bad)
     bad_chains = np.flatnonzero(nonfinite_steps)
     keys = as_keys_like(chains.keys, one_chain.key)
@@ -312,7 +330,8 @@ class _Run:
     one_chain: OneChain  # one chain's state and key, typed keys as keys
     plan: SegmentPlan  # with `length` 0: set per segment
     num_steps: int
-    recorded: Any  # one chain's recorded leaves, as shape-dtype structs; None if none
+    recorded: Any  # one chain's recorded arrays, as shape-dtype structs; None if none
+    recorded_static: Any  # the recorded leaves that are the same in every draw
     program: jax.extend.core.ClosedJaxpr  # `step`, traced: for the run's identity
     counts: dict[str, Any]  # the arguments that change results, for the identity
     checkpoint_every: int | None
@@ -323,7 +342,7 @@ class _Run:
         *,
         pad_to: int,
         checkpoint: pathlib.Path | None,
-        locks: bool,
+        access: WriteAccess | None,
         writes: bool,
         bar: ProgressHandle | None,
         steps_before: int,
@@ -344,15 +363,26 @@ class _Run:
         with contextlib.ExitStack() as stack:
             store = restored = None
             if checkpoint is not None:
-                store = Checkpoint(
-                    checkpoint,
-                    self.identity(chains, num_chains),
-                    num_chains,
-                    writes=writes,
-                    locks=locks,
+                assert access is not None
+                store = stack.enter_context(
+                    Checkpoint(
+                        checkpoint,
+                        self.identity(chains, num_chains),
+                        num_chains,
+                        access=access,
+                        writes=writes,
+                    )
                 )
-                stack.enter_context(store)
-                restored = store.restore(_shapes(chains), trace_like)
+                restored = store.restore(
+                    _shapes(chains),
+                    trace_like,
+                    num_steps=self.num_steps,
+                    draws_after=ft.partial(
+                        draws_before, burn_in=self.plan.burn_in, thin=self.plan.thin
+                    ),
+                )
+                if restored is None or restored.steps_done < self.num_steps:
+                    store.start_writing()
             placement = Placement(num_chains, pad_to=pad_to)
             steps_done, chains, trace_buffer = _start(
                 placement, chains, trace_like, restored
@@ -408,6 +438,10 @@ class _Run:
         )
 
 
+def _is_struct(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
 def _with_leading(like: Any, *sizes: int) -> Any:
     """Shape-dtype structs of `like`'s with leading axes of `sizes` added."""
     return jtu.tree_map(
@@ -433,7 +467,17 @@ def _chain_keys(key: Any, num_chains: int) -> tuple[jax.Array, bool]:
         legacy = False
     elif is_array(key) and key.dtype == np.uint32 and np.ndim(key) in (1, 2):
         legacy = True
-        key = jr.wrap_key_data(jnp.asarray(key))
+        try:
+            key = jr.wrap_key_data(jnp.asarray(key))
+        except TypeError:
+            # Legacy keys are raw data of the default implementation's key shape.
+            key_shape = jr.key_data(jr.key(0)).shape
+            raise BatchError(
+                f"`key` is {describe(key)}, which is not legacy key data: each legacy "
+                f"key (`jr.PRNGKey(0)`) is uint32{list(key_shape)}, so one key per "
+                f"chain is uint32[{num_chains},{','.join(map(str, key_shape))}]. Pass "
+                "such keys, or typed keys (`jr.key(0)`)."
+            ) from None
     else:
         raise BatchError(
             f"`key` is {describe(key)}; pass one PRNG key (`jr.key(0)`, or legacy "

@@ -26,6 +26,7 @@ import jax.tree_util as jtu
 from .._dispatch import AsyncJit
 from .._progress import ProgressHandle
 from .._tree import as_key_data, as_keys_like, is_array
+from ._step import numbers_as_arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +120,8 @@ def _segment(
         )
         new, output = result if plan.with_output else (result, None)
         new = eqx.filter(new, is_array)
+        # Only arrays are recorded: the output's other leaves are the same every step.
+        output = eqx.filter(numbers_as_arrays(output), is_array)
         finite = _all_finite(new)
         return as_key_data(new), jr.key_data(key), finite, as_key_data(output)
 

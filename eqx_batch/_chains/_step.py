@@ -22,11 +22,25 @@ def per_chain(states: Any) -> Any:
     )
 
 
+# Python numbers in an output are JAX values that happen to start as numbers, as in
+# the outputs of `lax.scan`: they are recorded as arrays.
+_NUMBERS = (bool, int, float, complex)
+
+
+def numbers_as_arrays(tree: Any) -> Any:
+    """`tree` with its Python numbers as JAX arrays."""
+    return jtu.tree_map(
+        lambda x: jnp.asarray(x) if isinstance(x, _NUMBERS) else x, tree
+    )
+
+
 class TracedStep(NamedTuple):
     """`step` traced on one chain: its program (for the run's identity) and output."""
 
     program: jax.extend.core.ClosedJaxpr
-    output: Any  # the structure of its second output with `with_output`, else None
+    # With `with_output`, its second output: shape-dtype structs of its arrays and
+    # numbers (see `numbers_as_arrays`), its other leaves as they are. Else None.
+    output: Any
 
 
 def trace_step(
@@ -55,6 +69,10 @@ def trace_step(
                 f"returned {jtu.tree_structure(result)}."
             )
         new, output = result
+        output = jtu.tree_map(
+            lambda x: jax.eval_shape(jnp.asarray, x) if isinstance(x, _NUMBERS) else x,
+            output,
+        )
     else:
         new, output = result, None
     before = jtu.tree_flatten_with_path(per_chain(states))
