@@ -1,16 +1,21 @@
 """A run's identity: what makes two calls of `run_chains` the same run.
 
 It is what decides the run's results: `init`'s structure and values, the chains' keys,
-the counts, and what `step` computes: a digest of its traced program (the jaxpr) and of
-the values of its constants, never its name. Every checkpoint file records it, and a
+the counts, what `step` computes (a digest of its traced program, the jaxpr, of the
+values of its constants and of the code and data of its host callbacks, never its name),
+and what decides JAX's random bits (the versions of JAX and jaxlib and its PRNG
+configuration). Every checkpoint file records it, and a
 checkpoint of another run is refused, saying what differs.
 """
 
 import dataclasses
+import functools as ft
 import hashlib
+import importlib.metadata
 import json
 import re
-from collections.abc import Mapping
+import types
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -20,7 +25,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import describe, qualified_name
+from .._errors import BatchError, describe, qualified_name
 from .._tree import host_array, is_array, is_key
 
 
@@ -69,6 +74,115 @@ def _values_digest(tree: Any, like: Any) -> str:
     return _digest(*parts)
 
 
+class _Unidentifiable(Exception):
+    """A host callback reaches a value whose identity cannot be written down."""
+
+
+def _host_callbacks(jaxpr: jax.extend.core.Jaxpr) -> Iterator[tuple[str, Any]]:
+    """`(primitive name, function)` of every host callback in `jaxpr`, nested ones
+    included, whose result the program uses (`jax.debug.callback` returns nothing)."""
+    for equation in jaxpr.eqns:
+        name = equation.primitive.name
+        if name.endswith("callback") and name != "debug_callback":
+            callback = equation.params.get("callback")
+            # JAX wraps the user's function; its attribute is not public API, so a
+            # JAX that names it otherwise gets the wrapper, which is refused below.
+            yield name, getattr(callback, "callback_func", callback)
+        for value in equation.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _host_callbacks(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _host_callbacks(sub)
+
+
+def _code_parts(x: Any, seen: set[int]) -> Iterator[bytes]:
+    """What identifies `x`, reached from a host callback: the code of functions (with
+    the functions and values they use, recursively), the values of arrays, numbers,
+    strings and containers of them, the name of modules and classes, and the repr of
+    other objects when it holds no memory address. Raises `_Unidentifiable` else."""
+    if id(x) in seen:
+        return
+    seen.add(id(x))
+    if x is None or isinstance(x, bool | int | float | complex | str | bytes):
+        yield repr(x).encode()
+    elif is_array(x):
+        data = np.ascontiguousarray(host_array(x))
+        yield f"{data.dtype}{data.shape}".encode() + data.tobytes()
+    elif isinstance(x, tuple | list | dict):
+        items = x.items() if isinstance(x, dict) else enumerate(x)
+        for key, value in items:
+            yield repr(key).encode()
+            yield from _code_parts(value, seen)
+    elif isinstance(x, types.ModuleType):
+        yield x.__name__.encode()
+    elif isinstance(x, ft.partial):
+        yield from _code_parts((x.func, x.args, x.keywords), seen)
+    elif isinstance(x, types.MethodType):
+        yield from _code_parts((x.__func__, x.__self__), seen)
+    elif isinstance(x, types.FunctionType):
+        yield from _function_parts(x, seen)
+    elif isinstance(x, type) or isinstance(x, types.BuiltinFunctionType | np.ufunc):
+        # Compiled code: its name says what it is.
+        yield (qualified_name(x) or repr(x)).encode()
+    elif " at 0x" not in repr(x):
+        yield f"{type(x).__qualname__}:{repr(x)}".encode()
+    else:
+        raise _Unidentifiable(f"{type(x).__qualname__} {_without_addresses(repr(x))}")
+
+
+def _function_parts(function: types.FunctionType, seen: set[int]) -> Iterator[bytes]:
+    code = function.__code__
+    yield from _code_object_parts(code)
+    for cell in function.__closure__ or ():
+        yield from _code_parts(cell.cell_contents, seen)
+    yield from _code_parts(function.__defaults__, seen)
+    for name in sorted(_global_names(code)):
+        if name in function.__globals__:
+            yield name.encode()
+            yield from _code_parts(function.__globals__[name], seen)
+
+
+def _code_object_parts(code: types.CodeType) -> Iterator[bytes]:
+    yield code.co_code
+    yield repr(code.co_names).encode()
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _code_object_parts(constant)
+        else:
+            yield repr(constant).encode()
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The names `code` (nested functions included) may look up as globals."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _global_names(constant)
+    return names
+
+
+def _callbacks_digest(program: jax.extend.core.ClosedJaxpr) -> str | None:
+    """A digest of the code and data of the step's host callbacks; None if it has
+    none. The jaxpr names a callback by its function's name only, so an edited
+    function would otherwise resume the run it no longer computes."""
+    parts = []
+    for primitive, function in _host_callbacks(program.jaxpr):
+        parts.append(primitive.encode())
+        try:
+            parts.extend(_code_parts(function, set()))
+        except _Unidentifiable as e:
+            raise BatchError(
+                f"`step` calls `{primitive}` with "
+                f"{qualified_name(function) or describe(function)}, which reaches a "
+                f"value that cannot be identified across processes ({e}). A "
+                "checkpoint must recognise the run that wrote it, and this callback "
+                "could change what it computes unseen. Pass such data to the callback "
+                "as arrays, or run without `checkpoint`."
+            ) from None
+    return _digest(*parts) if parts else None
+
+
 def _step_digests(program: jax.extend.core.ClosedJaxpr) -> dict[str, str]:
     """Digests of what a step computes: its traced program and its constants' values.
 
@@ -79,9 +193,26 @@ def _step_digests(program: jax.extend.core.ClosedJaxpr) -> dict[str, str]:
     """
     text = _without_addresses(str(program.jaxpr))
     consts = list(program.consts)
-    return {
+    digests = {
         "step program": _digest(text.encode()),
         "step constants": _values_digest(consts, consts),
+    }
+    callbacks = _callbacks_digest(program)
+    if callbacks is not None:
+        digests["step callbacks"] = callbacks
+    return digests
+
+
+def _jax_versions() -> dict[str, str]:
+    """What decides JAX's random bits besides the keys: its version, and its PRNG
+    configuration (`jax_threefry_partitionable` changed its default in JAX 0.5)."""
+    return {
+        "jax": jax.__version__,
+        "jaxlib": importlib.metadata.version("jaxlib"),
+        "prng": (
+            f"default {jax.config.jax_default_prng_impl}, threefry_partitionable="
+            f"{jax.config.jax_threefry_partitionable}"
+        ),
     }
 
 
@@ -93,7 +224,12 @@ _EXPLAINED = {
     ),
     "init values": "`init` holds other values",
     "keys": "the chains' keys differ (another `key`)",
+    "step callbacks": (
+        "the code or data of a host callback of `step` differs (an edited function)"
+    ),
 }
+# Random bits may change with these, so a run must not continue across them.
+_RANDOM_BITS = ("jax", "jaxlib", "prng")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +268,7 @@ class RunIdentity:
             "keys": _values_digest(keys, keys_like),
             **{name: str(value) for name, value in counts.items()},
             **_step_digests(program),
+            **_jax_versions(),
         }
         return cls(fields)
 
@@ -148,6 +285,13 @@ class RunIdentity:
                 continue
             if name in _EXPLAINED:
                 lines.append(f"{name}: {_EXPLAINED[name]}")
+            elif name in _RANDOM_BITS:
+                lines.append(
+                    f"{name}: the checkpoint was written with "
+                    f"{saved.get(name, 'an older eqx_batch that did not record it')}, "
+                    f"this call runs {value}; JAX's random bits may differ between "
+                    "them, so the run cannot continue bit for bit"
+                )
             else:
                 lines.append(
                     f"{name}: the checkpoint has {saved.get(name, '(nothing)')}, this "
