@@ -117,16 +117,19 @@ def run_chains(
     - `checkpoint`: a file path. The run state is written there atomically, new
         draws to files named after it and the run in the same folder (all safetensors
         files), and a call of the same run resumes from it, bit for bit; if the run
-        finished, its result is read back without recomputing. A run is identified by
-        the structure, shapes, dtypes and values of `init`, the keys, `num_steps`,
-        `thin`, `burn_in`, `with_output`, `trace`, and what `step` computes (a digest
-        of its traced program and of its constants' values, not its name); every
-        file records it, and a checkpoint of another run is refused. Before any step,
-        the folder is checked by creating a file in it, and the process that writes
-        takes a lock (`path.lock`, released by the operating system when the process
-        ends, killed or not), so a second live run on the same path is refused. In a
-        job of several processes, process 0 writes it and every process reads it (a
-        folder they all see).
+        finished, its result is read back without recomputing or writing anything
+        (read-only storage included). A run is identified by the structure, shapes,
+        dtypes and values of `init`, the keys, `num_steps`, `thin`, `burn_in`,
+        `with_output`, `trace`, what `step` computes (a digest of its traced program,
+        of its constants' values and of the code and data of its host callbacks, not
+        its name), and the versions of JAX and jaxlib and their PRNG configuration;
+        every file records it, and a checkpoint of another run is refused, saying
+        what differs. Before the first step, the folder is checked by creating a file
+        in it with the longest name the run will write, and the process that writes
+        takes a lock (`path.lock`, never followed if it is a link, released by the
+        operating system when the process ends, killed or not), so a second live run
+        on the same path is refused. In a job of several processes, process 0 writes
+        it and every process reads it (a folder they all see).
     - `checkpoint_every`: write the checkpoint after every this many steps (while the
         next steps run). `None` writes it once, at the end.
     - `chunk_size`: run this many chains at a time, for more chains than fit in memory
@@ -139,7 +142,8 @@ def run_chains(
         already run (the result holds every chain). With `checkpoint`, each chunk is
         checkpointed to its own files, `checkpoint.chains-A-B` for chains `A` to `B`
         (and its draw files), under the one lock of `checkpoint`; a finished chunk is
-        read back when the run resumes. The progress bar counts the steps of every
+        read back when the run resumes. Checkpoints of the same path written with
+        another `chunk_size` (or none) are not read, and a warning names it. The progress bar counts the steps of every
         chunk. `None` (the default), or at least the number of chains, runs them all
         at once.
 
@@ -155,12 +159,14 @@ def run_chains(
         dtype (naming the leaf), or does not return a pair with `with_output=True`;
         if `key` does not hold one key or one key per chain; if the array leaves of
         `init` disagree on the number of chains; if `num_steps`, `thin`, `burn_in`,
-        `checkpoint_every` or `chunk_size` are out of range. For `checkpoint`:
-        before any step, if its folder is missing or cannot be written, or another
-        live run holds it; if it holds a checkpoint of a different run (saying what
-        differs), a file that is not a checkpoint, or a corrupt one; and, during the
-        run, if writing it fails (a full disk: the last good checkpoint is kept, to
-        resume from).
+        `checkpoint_every` or `chunk_size` are out of range (a bool is no count).
+        For `checkpoint`: before any step, if its folder is missing or cannot be
+        written (names too long included), another live run holds it, or its lock
+        path holds a link or a file that is not a lock; if it holds a checkpoint of
+        a different run (saying what differs), a file that is not a checkpoint, or a
+        corrupt one; if `step` calls a host callback whose code or data cannot be
+        identified; and, during the run, if writing it fails (a full disk: the last
+        good checkpoint is kept, to resume from).
 
     !!! Example
 
