@@ -25,8 +25,6 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ._checkpoint import (
-    as_key_data,
-    as_keys_like,
     Checkpoint,
     chunk_path,
     DrawFile,
@@ -41,7 +39,15 @@ from ._errors import BatchError, bullet_list, describe, leaf_name
 from ._pmap import member_mesh, shard
 from ._progress import ProgressBar
 from ._stack import take
-from ._tree import axis_sizes, common_size, is_array, is_key, mapped_leaves
+from ._tree import (
+    as_key_data,
+    as_keys_like,
+    axis_sizes,
+    common_size,
+    is_array,
+    is_key,
+    mapped_leaves,
+)
 
 
 if TYPE_CHECKING:

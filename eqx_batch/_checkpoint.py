@@ -34,7 +34,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.extend
-import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
@@ -42,43 +41,11 @@ import numpy as np
 from ._errors import BatchError, bullet_list, describe
 from ._file_format import BadFileError, ForeignFileError, read_metadata
 from ._serialise import read_tree, write_tree
-from ._stack import host_array
-from ._tree import is_array, is_key
+from ._tree import as_key_data, host_array, is_array, is_key
 
 
 if sys.platform != "win32":
     import fcntl
-
-
-# ------------------------------------------------------------------------------------
-# Typed PRNG keys travel through files (and across processes) as their raw data.
-
-
-def as_key_data(tree: Any) -> Any:
-    """`tree` with its typed PRNG keys (arrays or `ShapeDtypeStruct`s) as raw data."""
-
-    def raw(x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct) and is_key(x):
-            return jax.eval_shape(jr.key_data, x)
-        if isinstance(x, jax.Array) and is_key(x):
-            return jr.key_data(x)
-        return x
-
-    return jtu.tree_map(raw, tree)
-
-
-def as_keys_like(tree: Any, like: Any) -> Any:
-    """The inverse of `as_key_data`: leaves that are keys in `like` made keys again."""
-
-    def wrap(x: Any, like_leaf: Any) -> Any:
-        if not (hasattr(like_leaf, "dtype") and is_key(like_leaf)):
-            return x
-        if not is_array(like_leaf):
-            # A `ShapeDtypeStruct`: JAX offers the implementation of arrays only.
-            like_leaf = jnp.zeros((0,), like_leaf.dtype)
-        return jr.wrap_key_data(x, impl=jr.key_impl(like_leaf))
-
-    return jtu.tree_map(wrap, tree, like)
 
 
 # ------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import jax
-import jax.core
 import jax.tree_util as jtu
 import numpy as np
 
@@ -28,7 +27,7 @@ from ._file_format import (
     write_file,
 )
 from ._stack import unstack
-from ._tree import is_array, is_key, make_weak
+from ._tree import is_array, is_key, is_tracer, is_weak, make_weak
 
 
 Tree = TypeVar("Tree")
@@ -94,7 +93,7 @@ def _leaf_records(tree: Any) -> tuple[list[dict], list[Any]]:
     for key_path, leaf in leaves:
         name = leaf_name("tree", key_path)
         record: dict[str, Any] = {"path": jtu.keystr(key_path)}
-        if isinstance(leaf, jax.core.Tracer):
+        if is_tracer(leaf):
             raise BatchError(
                 f"`{name}` is a traced array ({describe(leaf)}): `save` reads concrete "
                 "values on the host. Call it outside `jax.jit`, `jax.vmap` and friends."
@@ -111,12 +110,11 @@ def _leaf_records(tree: Any) -> tuple[list[dict], list[Any]]:
                     "integer, floating, complex and ml_dtypes such as bfloat16) can "
                     "be saved."
                 )
-            weak = bool(getattr(leaf, "weak_type", False))
             record.update(
                 kind="array",
                 dtype=np.dtype(leaf.dtype).name,
                 shape=list(np.shape(leaf)),
-                weak=weak,
+                weak=is_weak(leaf),
             )
             on_device.append(leaf)
         else:

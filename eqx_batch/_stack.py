@@ -26,7 +26,6 @@ from typing import Any, Literal, NamedTuple, overload, TypeVar
 
 import equinox as eqx
 import jax
-import jax.core
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -36,8 +35,12 @@ from ._errors import BatchError, describe, KeyPath, leaf_name
 from ._tree import (
     axis_sizes,
     common_size,
+    host_array,
     is_array,
     is_key,
+    is_numpy,
+    is_tracer,
+    is_weak,
     make_weak,
     mapped_leaves,
     resolve_axes,
@@ -56,24 +59,11 @@ _SAME_STRUCTURE_FIX = (
 # Leaf kinds.
 
 
-def _is_tracer(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-def _is_numpy(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, np.generic))
-
-
 def _on_cpu(x: jax.Array) -> bool:
     """Whether a concrete JAX array can go through host NumPy without a transfer."""
     return x.is_fully_addressable and all(
         device.platform == "cpu" for device in x.sharding.device_set
     )
-
-
-def _is_weak(x: Any) -> bool:
-    # Typed PRNG key arrays have no `weak_type` attribute; they are never weak.
-    return getattr(x, "weak_type", False)
 
 
 class _Placement(NamedTuple):
@@ -93,13 +83,6 @@ def _placement(x: jax.Array) -> _Placement:
     return _Placement(None, next(iter(devices)) if len(devices) == 1 else None)
 
 
-def host_array(x: Any) -> np.ndarray:
-    """The raw bits of a concrete leaf as NumPy (key data for typed PRNG keys)."""
-    if isinstance(x, jax.Array) and is_key(x):
-        x = jax.random.key_data(x)
-    return np.asarray(x)
-
-
 def _key_impl(x: Any) -> Any:
     return jax.random.key_impl(x) if is_key(x) else None
 
@@ -117,7 +100,7 @@ def _put(host: np.ndarray, like: jax.Array) -> jax.Array:
     else:
         with jax.default_device(placement.device):
             out = jax.device_put(host)
-    if _is_weak(like):
+    if is_weak(like):
         return make_weak([out])[0]
     impl = _key_impl(like)
     return out if impl is None else jax.random.wrap_key_data(out, impl=impl)
@@ -222,11 +205,11 @@ def _same_value(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if is_array(a):
-        if _is_tracer(a) or _is_tracer(b):
+        if is_tracer(a) or is_tracer(b):
             return False
         if np.shape(a) != np.shape(b) or a.dtype != b.dtype:
             return False
-        if _is_weak(a) != _is_weak(b):
+        if is_weak(a) != is_weak(b):
             return False
         return host_array(a).tobytes() == host_array(b).tobytes()
     if isinstance(a, float):
@@ -269,7 +252,7 @@ def _check_kept_once(column: list[Any], path: KeyPath, layout: _Layout) -> None:
                 "once, give every member the same non-array value."
             )
         if is_array(first) or is_array(leaf):
-            if (_is_tracer(first) or _is_tracer(leaf)) and type(first) is type(leaf):
+            if (is_tracer(first) or is_tracer(leaf)) and type(first) is type(leaf):
                 raise BatchError(
                     f"`{here}` has axis spec None (shared: kept once), but it is a "
                     f"traced array other than `{there}`, so it cannot be checked to be "
@@ -425,8 +408,8 @@ def _check_column(
                 f"`{here}` has dtype {leaf.dtype} but `{there}` has dtype "
                 f"{first.dtype}. Cast the members to one dtype before stacking."
             )
-        if _is_weak(leaf) != _is_weak(first):
-            weak, strong = (here, there) if _is_weak(leaf) else (there, here)
+        if is_weak(leaf) != is_weak(first):
+            weak, strong = (here, there) if is_weak(leaf) else (there, here)
             raise BatchError(
                 f"`{weak}` is weakly typed ({describe(leaf)}, as made from a Python "
                 f"scalar) but `{strong}` is not. A stacked array has one weak type, "
@@ -448,12 +431,12 @@ def _join(column: list[Any], axis: int, new_axis: bool) -> Any:
     """Stacks (`new_axis`) or concatenates `column` along `axis`."""
     np_join = np.stack if new_axis else np.concatenate
     jnp_join = jnp.stack if new_axis else jnp.concatenate
-    if all(_is_numpy(leaf) for leaf in column):
+    if all(is_numpy(leaf) for leaf in column):
         return np_join(column, axis=axis)
     # `_check_column` has made sure that the weak types agree, so `_put` makes the
     # result weak like member 0's leaf.
     jax_leaves = [leaf for leaf in column if isinstance(leaf, jax.Array)]
-    if not any(_is_tracer(leaf) for leaf in column) and all(
+    if not any(is_tracer(leaf) for leaf in column) and all(
         _on_cpu(leaf) for leaf in jax_leaves
     ):
         host = np_join([host_array(leaf) for leaf in column], axis=axis)
@@ -514,7 +497,7 @@ def _join_members(
 
 def _reshape(leaf: Any, shape: tuple[int, ...]) -> Any:
     """`leaf` reshaped, NumPy staying NumPy; JAX keeps weak types and typed keys."""
-    return np.reshape(leaf, shape) if _is_numpy(leaf) else jnp.reshape(leaf, shape)
+    return np.reshape(leaf, shape) if is_numpy(leaf) else jnp.reshape(leaf, shape)
 
 
 def _split_axis(leaf: Any, axis: int, grid: tuple[int, ...]) -> Any:
@@ -595,15 +578,15 @@ def _split_leaves(
     for _, leaf, axis in leaves:
         if axis is None:
             columns.append([leaf] * size)
-        elif _is_numpy(leaf):
+        elif is_numpy(leaf):
             # `np.array` keeps 0-d pieces ndarrays (iteration gives NumPy scalars).
             columns.append([np.array(piece) for piece in np.moveaxis(leaf, axis, 0)])
-        elif _is_tracer(leaf):
+        elif is_tracer(leaf):
             pieces = [
                 lax.index_in_dim(leaf, i, axis, keepdims=False) for i in range(size)
             ]
             columns.append(pieces)
-        elif _on_cpu(leaf) and _is_weak(leaf):
+        elif _on_cpu(leaf) and is_weak(leaf):
             # Rare (stacked Python scalars), so one program call per piece.
             rows = np.moveaxis(host_array(leaf), axis, 0)
             columns.append([_put(np.asarray(row), leaf) for row in rows])
@@ -628,8 +611,8 @@ def _select(leaf: Any, where: Any, axis: int) -> Any:
     Integers must be in range when concrete; traced ones wrap once if negative and
     are then clamped.
     """
-    concrete = not _is_tracer(leaf) and not _is_tracer(where)
-    if concrete and _is_numpy(leaf):
+    concrete = not is_tracer(leaf) and not is_tracer(where)
+    if concrete and is_numpy(leaf):
         # `np.array` keeps a 0-d result an ndarray rather than a NumPy scalar.
         return np.array(np.take(leaf, where, axis=axis))
     if concrete and _on_cpu(leaf):
@@ -1004,7 +987,7 @@ def index(tree: Tree, i: int, *, axes: Any = eqx.if_array(0)) -> Tree:
         ```
     """
     leaves, size = _sizes(tree, axes, "tree")
-    if _is_tracer(i):
+    if is_tracer(i):
         _check_traced_index(i, "i")
     else:
         i = _check_index(i, size, "i")
@@ -1046,7 +1029,7 @@ def take(tree: Tree, indices: Any, *, axes: Any = eqx.if_array(0)) -> Tree:
         ```
     """
     leaves, size = _sizes(tree, axes, "tree")
-    traced = _is_tracer(indices)
+    traced = is_tracer(indices)
     positions = indices if traced else np.asarray(indices)
     # An empty Python list becomes a float array; it selects nothing either way.
     empty = not traced and positions.size == 0
