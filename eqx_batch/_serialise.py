@@ -18,7 +18,14 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
+from ._errors import (
+    BatchError,
+    bullet_list,
+    describe,
+    KeyPath,
+    leaf_name,
+    qualified_name,
+)
 from ._file_format import (
     check_caller_metadata,
     CheckedFile,
@@ -61,24 +68,12 @@ def _is_array_template(x: Any) -> bool:
     return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
-def _describe(x: Any) -> str:
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return f"{x.dtype}[{','.join(map(str, x.shape))}]"
-    return describe(x)
-
-
 def _object_name(x: Any) -> str:
     """What is recorded of a leaf JSON cannot hold: its qualified name or its type's."""
-    module = getattr(x, "__module__", None)
-    qualname = getattr(x, "__qualname__", None)
-    if (
-        isinstance(module, str)
-        and isinstance(qualname, str)
-        and not isinstance(x, type)
-    ):
-        return f"{module}.{qualname}"
-    kind = type(x)
-    return f"instance of {kind.__module__}.{kind.__qualname__}"
+    name = qualified_name(x)
+    if name is not None and not isinstance(x, type):
+        return name
+    return f"instance of {qualified_name(type(x))}"
 
 
 # ------------------------------------------------------------------------------------
@@ -247,7 +242,7 @@ def _leaf_problem(record: dict, like_leaf: Any, shape: tuple[int, ...]) -> str |
     kind = _expected_kind(like_leaf)
     if record["kind"] != kind:
         shown = (
-            _describe(like_leaf)
+            describe(like_leaf)
             if _is_array_template(like_leaf)
             else f"{describe(like_leaf)} ({type(like_leaf).__name__})"
         )

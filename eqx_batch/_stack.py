@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError, describe, KeyPath, leaf_name
+from ._errors import BatchError, check_int, describe, is_bool, KeyPath, leaf_name
 from ._tree import (
     axis_sizes,
     common_size,
@@ -49,6 +49,10 @@ from ._tree import (
 
 Tree = TypeVar("Tree")
 
+_NDIM_HINT = (
+    "It is the number of member axes: 1 for a sequence of members, 2 for a grid of "
+    "rows of members."
+)
 _SAME_STRUCTURE_FIX = (
     "stack and concat need members with the same structure: the same containers, "
     "keys, module types and static fields."
@@ -225,14 +229,6 @@ def _same_value(a: Any, b: Any) -> bool:
     return isinstance(equal, (bool, np.bool_)) and bool(equal)
 
 
-def _describe_leaf(x: Any) -> str:
-    """`describe`, but functions by name: wrappers such as `jax.jit` hide it in repr."""
-    name = getattr(x, "__qualname__", None) or getattr(x, "__name__", None)
-    if callable(x) and not isinstance(x, type) and isinstance(name, str):
-        return f"<function {name}>"
-    return describe(x)
-
-
 def _check_kept_once(column: list[Any], path: KeyPath, layout: _Layout) -> None:
     """Raises unless every member holds the same non-stacked leaf."""
     first = column[0]
@@ -244,11 +240,11 @@ def _check_kept_once(column: list[Any], path: KeyPath, layout: _Layout) -> None:
         if is_array(leaf) and not is_array(first):
             raise BatchError(
                 f"`{here}` is an array ({describe(leaf)}) but `{there}` is "
-                f"{_describe_leaf(first)} ({type(first).__name__}), not an array. "
+                f"{describe(first)} ({type(first).__name__}), not an array. "
                 "Member 0 decides a leaf's axis spec (`eqx.if_array(0)`, the default, "
                 "maps arrays only), so this leaf is kept once and must be equal across "
                 "members. To stack it, make it an array in every member, "
-                f"`jnp.asarray({_describe_leaf(first)})` in `{there}` too; to keep it "
+                f"`jnp.asarray({describe(first)})` in `{there}` too; to keep it "
                 "once, give every member the same non-array value."
             )
         if is_array(first) or is_array(leaf):
@@ -269,8 +265,8 @@ def _check_kept_once(column: list[Any], path: KeyPath, layout: _Layout) -> None:
                 "`axes=eqx.if_array(0)`) to stack it, or make the members equal."
             )
         message = (
-            f"`{here}` is {_describe_leaf(leaf)} ({type(leaf).__name__}) but "
-            f"`{there}` is {_describe_leaf(first)} ({type(first).__name__}). "
+            f"`{here}` is {describe(leaf)} ({type(leaf).__name__}) but "
+            f"`{there}` is {describe(first)} ({type(first).__name__}). "
             "Non-array leaves are kept once, so they must be equal (same type and "
             "value) across members."
         )
@@ -328,8 +324,8 @@ def _first_difference(a: Any, b: Any, path: KeyPath) -> tuple[KeyPath, str, str]
                 if not _same_value(value_a, value_b):
                     return (
                         path + (jtu.GetAttrKey(field.name),),
-                        f"static field {_describe_leaf(value_a)}",
-                        f"static field {_describe_leaf(value_b)}",
+                        f"static field {describe(value_a)}",
+                        f"static field {describe(value_b)}",
                     )
     if (
         is_node_a
@@ -622,10 +618,6 @@ def _select(leaf: Any, where: Any, axis: int) -> Any:
     return _take_many(jnp.asarray(leaf), jnp.asarray(where), axis)
 
 
-def _is_bool(x: Any) -> bool:
-    return isinstance(x, (bool, np.bool_)) or getattr(x, "dtype", None) == np.bool_
-
-
 def _check_traced_index(i: Any, argname: str) -> None:
     if not jnp.issubdtype(i.dtype, jnp.integer):
         raise BatchError(
@@ -635,7 +627,7 @@ def _check_traced_index(i: Any, argname: str) -> None:
 
 
 def _check_index(i: Any, size: int, argname: str) -> int:
-    if _is_bool(i):
+    if is_bool(i):
         raise BatchError(
             f"`{argname}` is {i!r}, a bool; an index must be an integer (bools are "
             "refused, not read as 0 and 1)."
@@ -724,21 +716,6 @@ def _grid_members(rows: list[Any], ndim: int, argname: str) -> tuple[list, tuple
     return flat, (len(rows),) + (inner if inner is not None else (0,) * (ndim - 1))
 
 
-def _check_ndim(ndim: Any) -> int:
-    if isinstance(ndim, (bool, np.bool_)) or not isinstance(ndim, (int, np.integer)):
-        raise BatchError(
-            f"`ndim` is {describe(ndim)} ({type(ndim).__qualname__}); it must be an "
-            "int, the number of member axes (1 for a sequence of members, 2 for a "
-            "grid of rows of members)."
-        )
-    if ndim < 1:
-        raise BatchError(
-            f"`ndim` is {ndim}; it must be at least 1, the number of member axes (1 "
-            "for a sequence of members, 2 for a grid of rows of members)."
-        )
-    return int(ndim)
-
-
 @overload
 def stack(
     trees: Sequence[Tree] | Iterator[Tree],
@@ -796,15 +773,14 @@ def stack(trees: Any, *, axes: Any = eqx.if_array(0), ndim: int = 1) -> Any:
 
     **Raises:**
 
-    `BatchError` if `ndim` is not an int of at least 1; if `trees` is not a sequence
-    of members (with `ndim > 1`: of rows, each a sequence of members), or is empty;
-    if the rows of a grid differ in length (naming the row); if the members differ
-    in structure (naming the first differing path); if a mapped leaf is not an
-    array, or differs in shape, dtype or weak type across members (a weakly typed
-    leaf in one member and a strongly typed one in another cannot both survive a
-    round trip, so the mix is refused); or if a leaf kept once differs across members
-    (same type and value are needed: two separately created lambdas are different
-    objects).
+    `BatchError` if `ndim` is not an int of at least 1 (a bool is refused); if `trees`
+    is not a sequence of members (with `ndim > 1`: of rows, each a sequence of members),
+    or is empty; if the rows of a grid differ in length (naming the row); if the members
+    differ in structure (naming the first differing path); if a mapped leaf is not an
+    array, or differs in shape, dtype or weak type across members (a weakly typed leaf
+    in one member and a strongly typed one in another cannot both survive a round trip,
+    so the mix is refused); or if a leaf kept once differs across members (same type and
+    value are needed: two separately created lambdas are different objects).
 
     !!! Example
 
@@ -818,7 +794,7 @@ def stack(trees: Any, *, axes: Any = eqx.if_array(0), ndim: int = 1) -> Any:
         eb.stack(grid, ndim=2).weight.shape  # (4, 5, 3, 2)
         ```
     """
-    ndim = _check_ndim(ndim)
+    ndim = check_int(ndim, "ndim", minimum=1, hint=_NDIM_HINT)
     members, grid = _grid_members(_members(trees, "stack"), ndim, "trees")
     layout = _Layout("trees", grid)
     return _join_members(members, axes, layout, "stack", new_axis=True)
@@ -867,11 +843,11 @@ def unstack(tree: Any, *, axes: Any = eqx.if_array(0), ndim: int = 1) -> list[An
 
     **Raises:**
 
-    `BatchError` if `ndim` is not an int of at least 1; if mapped array leaves
-    disagree on the size of a member axis (every offending leaf is listed); if a
-    mapped leaf is not an array or has fewer axes than its member axes need (a 0-d
-    leaf, or one with fewer than `ndim` axes from its member axis on); or if no leaf
-    is mapped (the number of members is undefined).
+    `BatchError` if `ndim` is not an int of at least 1 (a bool is refused); if mapped
+    array leaves disagree on the size of a member axis (every offending leaf is listed);
+    if a mapped leaf is not an array or has fewer axes than its member axes need (a 0-d
+    leaf, or one with fewer than `ndim` axes from its member axis on); or if no leaf is
+    mapped (the number of members is undefined).
 
     !!! Example
 
@@ -885,7 +861,7 @@ def unstack(tree: Any, *, axes: Any = eqx.if_array(0), ndim: int = 1) -> list[An
         rows[3][2]["w"].shape  # (2,)
         ```
     """
-    ndim = _check_ndim(ndim)
+    ndim = check_int(ndim, "ndim", minimum=1, hint=_NDIM_HINT)
     leaves, grid = _grid_sizes(tree, axes, ndim, "tree")
     if ndim > 1:
         # Split once along the merged member axes, then regroup into rows.
@@ -949,7 +925,7 @@ def batch_size(
         eb.batch_size({"w": jnp.zeros((4, 5, 2))}, ndim=2)  # (4, 5)
         ```
     """
-    ndim = _check_ndim(ndim)
+    ndim = check_int(ndim, "ndim", minimum=1, hint=_NDIM_HINT)
     grid = _grid_sizes(tree, axes, ndim, "tree")[1]
     return grid[0] if ndim == 1 else grid
 
@@ -1034,7 +1010,7 @@ def take(tree: Tree, indices: Any, *, axes: Any = eqx.if_array(0)) -> Tree:
     # An empty Python list becomes a float array; it selects nothing either way.
     empty = not traced and positions.size == 0
     # NumPy reads `[1, True]` as integers; a bool is refused wherever it is.
-    has_bool = isinstance(indices, (list, tuple)) and any(map(_is_bool, indices))
+    has_bool = isinstance(indices, (list, tuple)) and any(map(is_bool, indices))
     if (
         positions.ndim != 1
         or not (jnp.issubdtype(positions.dtype, jnp.integer) or empty)

@@ -95,10 +95,16 @@ def test_rbg_warns():
     assert models.layers[0].weight.shape == (3, 4, 2)
 
 
-@pytest.mark.parametrize("n", [0, -2, 2.0, True, "3", None])
+@pytest.mark.parametrize("n", [0, -2, 2.0, True, np.bool_(True), "3", None])
 def test_bad_n(n, getkey):
-    with pytest.raises(eb.BatchError, match="`n`"):
+    with pytest.raises(eb.BatchError, match="`n` is"):
         eb.ensemble(make_mlp, n, key=getkey())
+
+
+def test_n_takes_numpy_integers(getkey):
+    key = getkey()
+    models = eb.ensemble(make_mlp, np.int64(3), key=key)
+    assert_trees_identical(models, eb.ensemble(make_mlp, 3, key=key))
 
 
 def test_traced_n(getkey):

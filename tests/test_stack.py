@@ -813,12 +813,20 @@ def test_unstack_of_stack_is_identity_for_grids(spec, grid, seed):
         _assert_members_identical(row_again, row)
 
 
-@pytest.mark.parametrize("ndim", [0, -1, True, 1.5, "2", None])
+@pytest.mark.parametrize("ndim", [0, -1, True, np.bool_(True), 1.5, "2", None])
 def test_bad_ndim(ndim):
     tree = {"w": jnp.zeros((2, 3))}
     for call in (eb.stack, eb.unstack, eb.batch_size):
         arg = [tree] if call is eb.stack else tree
         _raises("`ndim`", lambda: call(arg, ndim=ndim))  # noqa: B023
+
+
+def test_ndim_takes_numpy_integers():
+    tree = {"w": jnp.arange(6.0).reshape(2, 3)}
+    assert eb.batch_size(tree, ndim=np.int64(2)) == (2, 3)
+    assert len(eb.unstack(tree, ndim=np.int64(2))) == 2
+    stacked = eb.stack([tree, tree], ndim=np.int64(1))
+    assert_trees_identical(stacked, eb.stack([tree, tree]))
 
 
 def test_grid_rows_of_different_lengths():
