@@ -1,11 +1,15 @@
-"""Comparisons shared by the tests."""
+"""Comparisons and error checks shared by the tests."""
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+import pytest
+
+import eqx_batch as eb
 
 
 def _raw(x: Any) -> np.ndarray:
@@ -52,3 +56,23 @@ def tree_allclose(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-6) -> boo
         elif x != y:
             return False
     return True
+
+
+def assert_members_identical(a: list, b: list) -> None:
+    """Two lists of members, each pair identical as by `assert_trees_identical`."""
+    assert type(a) is list and type(b) is list
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert_trees_identical(x, y)
+
+
+def raises(match: str, fn: Callable[[], Any], *names: str) -> str:
+    """The message of the `BatchError` (a `ValueError`) that `fn()` raises, which
+    matches `match` and holds every one of `names`."""
+    with pytest.raises(eb.BatchError, match=match) as info:
+        fn()
+    message = str(info.value)
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+    assert isinstance(info.value, ValueError)
+    return message
