@@ -594,14 +594,6 @@ def test_safetensors_file_of_another_tool(tmp_path):
     assert "safetensors.numpy.load_file" in message
 
 
-def test_file_of_the_former_container_format(tmp_path):
-    path = tmp_path / "old.eqx"
-    path.write_bytes(b"\x89EQXBATCH\r\n\x1a\n" + bytes(100))
-    with pytest.raises(BadFileError, match="container format it used before") as info:
-        eb.load(path, like=jnp.zeros(3))
-    assert "`eb.save` it again" in str(info.value)
-
-
 class _Payload:
     """Unpickling this would create a file: proof that code ran."""
 
