@@ -101,9 +101,11 @@ def test_bad_n(n, getkey):
         eb.ensemble(make_mlp, n, key=getkey())
 
 
-def test_n_takes_numpy_integers(getkey):
+@pytest.mark.parametrize("n", [3, np.int64(3)])
+def test_n_takes_numpy_integers(n, getkey):
     key = getkey()
-    models = eb.ensemble(make_mlp, np.int64(3), key=key)
+    models = eb.ensemble(make_mlp, n, key=key)
+    assert models.layers[0].weight.shape == (3, 4, 2)
     assert_trees_identical(models, eb.ensemble(make_mlp, 3, key=key))
 
 

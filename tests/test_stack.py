@@ -682,12 +682,12 @@ def test_bad_ndim(ndim):
         raises("`ndim`", lambda: call(arg, ndim=ndim))  # noqa: B023
 
 
-def test_ndim_takes_numpy_integers():
+@pytest.mark.parametrize("one, two", [(1, 2), (np.int64(1), np.int64(2))])
+def test_ndim_takes_numpy_integers(one, two):
     tree = {"w": jnp.arange(6.0).reshape(2, 3)}
-    assert eb.batch_size(tree, ndim=np.int64(2)) == (2, 3)
-    assert len(eb.unstack(tree, ndim=np.int64(2))) == 2
-    stacked = eb.stack([tree, tree], ndim=np.int64(1))
-    assert_trees_identical(stacked, eb.stack([tree, tree]))
+    assert eb.batch_size(tree, ndim=two) == (2, 3)
+    assert len(eb.unstack(tree, ndim=two)) == 2
+    assert_trees_identical(eb.stack([tree, tree], ndim=one), eb.stack([tree, tree]))
 
 
 def test_grid_rows_of_different_lengths():

@@ -622,9 +622,10 @@ def test_error_bad_chunk_size(chunk_size):
         eb.filter_vmap(jnp.sin, chunk_size=chunk_size)
 
 
-def test_chunk_size_takes_numpy_integers():
-    ours = eb.filter_vmap(jnp.sin, chunk_size=np.int64(2))(_arange(5))
-    assert_trees_identical(ours, eb.filter_vmap(jnp.sin, chunk_size=2)(_arange(5)))
+@pytest.mark.parametrize("chunk_size", [2, np.int64(2)])
+def test_chunk_size_takes_numpy_integers(chunk_size):
+    ours = eb.filter_vmap(jnp.sin, chunk_size=chunk_size)(_arange(5))
+    assert_trees_identical(ours, eb.filter_vmap(jnp.sin)(_arange(5)))
 
 
 def test_check_mapped_sizes():
