@@ -1,7 +1,6 @@
 """Building an ensemble: n members from one constructor, in one vectorised call."""
 
 import inspect
-import operator
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -11,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 
-from ._errors import BatchError, describe
+from ._errors import BatchError, check_int, describe
 from ._tree import is_key
 from ._typing import Stacked
 
@@ -62,10 +61,10 @@ def ensemble(
 
     **Raises:**
 
-    `BatchError` if `n` is not a positive `int`; if `key` is not a single PRNG key
-    (not a key at all, or already split into several); if `make` is not callable or
-    does not accept `key=` alongside `kwargs`; or if `make` raises while building the
-    members, with the original exception chained.
+    `BatchError` if `n` is not a positive `int` (a bool is refused); if `key` is not a
+    single PRNG key (not a key at all, or already split into several); if `make` is not
+    callable or does not accept `key=` alongside `kwargs`; or if `make` raises while
+    building the members, with the original exception chained.
 
     !!! Example
 
@@ -80,7 +79,13 @@ def ensemble(
         models.layers[0].weight.shape  # (8, 32, 2)
         ```
     """
-    n = _check_n(n)
+    n = check_int(
+        n,
+        "n",
+        minimum=1,
+        hint="It is the number of members, a Python int (under `jax.jit`, mark it "
+        "static).",
+    )
     _check_key(key)
     _check_make(make, kwargs)
     keys = jr.split(key, n)
@@ -97,21 +102,6 @@ def ensemble(
             "key(0))` works alone, and that it has no Python control flow on the key "
             "or on values drawn from it (use `jnp.where`/`jax.lax.cond` instead)."
         ) from e
-
-
-def _check_n(n: Any) -> int:
-    if isinstance(n, bool):
-        raise BatchError(f"`n` is {n!r}; pass the number of members as a positive int.")
-    try:
-        size = operator.index(n)
-    except TypeError:
-        raise BatchError(
-            f"`n` is {describe(n)}; pass the number of members as a positive Python "
-            "int (under `jax.jit`, mark it static)."
-        ) from None
-    if size < 1:
-        raise BatchError(f"`n` is {size}; an ensemble needs at least one member.")
-    return size
 
 
 def _check_key(key: Any) -> None:

@@ -1,8 +1,11 @@
-"""`BatchError` and the helpers that make its messages name leaves the user's way."""
+"""`BatchError` and the helpers that make its messages name leaves and values the
+user's way, and check the integer arguments of the public functions."""
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.tree_util as jtu
 import numpy as np
 
@@ -37,13 +40,84 @@ def leaf_name(argname: str, path: KeyPath) -> str:
 
 
 def describe(x: Any) -> str:
-    """A short description of a leaf: `float32[3,4]` for arrays, `repr` otherwise."""
-    if isinstance(x, (np.ndarray, np.generic)) or hasattr(x, "aval") or type(x).__name__ == "ShapeDtypeStruct":
-        dtype = getattr(x, "dtype", None)
+    """A short description of a leaf for a message.
+
+    Arrays, tracers and `jax.ShapeDtypeStruct`s as `float32[3,4]`; functions by name
+    as `<function name>` (wrappers such as `jax.jit` hide the name in their repr);
+    anything else by its `repr`, cut to 80 characters.
+    """
+    if isinstance(x, (np.ndarray, np.generic, jax.ShapeDtypeStruct)) or hasattr(
+        x, "aval"
+    ):
         shape = ",".join(str(d) for d in np.shape(x))
-        return f"{dtype}[{shape}]"
+        return f"{getattr(x, 'dtype', None)}[{shape}]"
+    name = getattr(x, "__qualname__", None) or getattr(x, "__name__", None)
+    if callable(x) and not isinstance(x, type) and isinstance(name, str):
+        return f"<function {name}>"
     text = repr(x)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def qualified_name(x: Any) -> str | None:
+    """`module.qualname` of `x` if it has both as strings, else `None`.
+
+    Functions, classes and wrappers such as `jax.custom_jvp` (`jax.nn.relu`) have
+    both; their name is the same in every process, where their repr holds an address.
+    """
+    module = getattr(x, "__module__", None)
+    qualname = getattr(x, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str):
+        return f"{module}.{qualname}"
+    return None
+
+
+def check_int(
+    value: Any,
+    name: str,
+    *,
+    minimum: int = 0,
+    maximum: int | None = None,
+    hint: str = "",
+) -> int:
+    """`value`, an integer argument of a public function, as a Python `int`.
+
+    One rule everywhere: Python ints and NumPy integers (anything `operator.index`
+    takes) are integers, and bools are not, although Python counts `True` as 1.
+
+    **Arguments:**
+
+    - `value`: what the user passed.
+    - `name`: the argument's name, for the message.
+    - `minimum`, `maximum`: the range `value` must lie in (`maximum=None`: no upper
+        bound).
+    - `hint`: a sentence appended to the message, saying what the argument means.
+
+    **Returns:**
+
+    `int(value)`.
+
+    **Raises:**
+
+    `BatchError` if `value` is a bool, is not an integer, or is out of range.
+    """
+    try:
+        number = None if is_bool(value) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < minimum or (maximum is not None and number > maximum):
+        shown = describe(value) if getattr(value, "ndim", 0) else repr(value)
+        if maximum is None:
+            rule = f"an int >= {minimum}"
+        else:
+            rule = f"an int from {minimum} to {maximum}"
+        message = f"`{name}` is {shown}; it must be {rule}."
+        raise BatchError(message + (f" {hint}" if hint else ""))
+    return number
+
+
+def is_bool(x: Any) -> bool:
+    """Whether `x` is a bool: Python's, NumPy's, or an array of bools."""
+    return isinstance(x, (bool, np.bool_)) or getattr(x, "dtype", None) == np.bool_
 
 
 def bullet_list(lines: Sequence[str], limit: int = 20) -> str:
@@ -52,21 +126,3 @@ def bullet_list(lines: Sequence[str], limit: int = 20) -> str:
     if len(lines) > limit:
         shown.append(f"  ... and {len(lines) - limit} more")
     return "\n".join(shown)
-
-
-# TEMPORARY until the bottom branch lands.
-def check_int(value, name, *, minimum=0, maximum=None, hint=""):
-    import numpy as np
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-    if not ok or value < minimum or (maximum is not None and value > maximum):
-        rng = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
-        raise BatchError(f"`{name}` is {value!r}; it must be an int {rng}{hint}.")
-    return int(value)
-
-
-def qualified_name(x):
-    module = getattr(x, "__module__", None)
-    qualname = getattr(x, "__qualname__", None)
-    if isinstance(module, str) and isinstance(qualname, str):
-        return f"{module}.{qualname}"
-    return None

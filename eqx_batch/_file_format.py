@@ -79,8 +79,6 @@ _FIXED_END = _DATA_CRC_AT + 8
 # safetensors refuses headers over 100 MB; so do we, before reading one.
 _MAX_HEADER = 100_000_000
 _CHUNK = 1 << 22
-# Files of the container format eqx_batch wrote before it wrote safetensors.
-_OLD_MAGIC = b"\x89EQXBATCH\r\n\x1a\n"
 _NATIVE = {
     "bool": "BOOL",
     "uint8": "U8",
@@ -403,12 +401,6 @@ def _data_nbytes(header: dict[str, Any]) -> int | None:
 def _check_envelope(path: str, descriptor: int, size: int) -> _Envelope:
     """Checks sizes and the header's checksum and version, without reading tensors."""
     head = _read_at(descriptor, 0, _FIXED_END)
-    if head.startswith(_OLD_MAGIC):
-        raise BadFileError(
-            f"`{path}` was written by an earlier eqx_batch, in the container format "
-            "it used before its files became safetensors files. Load it with the "
-            "eqx_batch that wrote it and `eb.save` it again."
-        )
     if size < _LENGTH.size:
         raise ForeignFileError(
             f"`{path}` is not an eqx_batch file: it has {size} bytes, fewer than any "

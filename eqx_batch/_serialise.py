@@ -15,11 +15,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import jax
-import jax.core
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
+from ._errors import (
+    BatchError,
+    bullet_list,
+    describe,
+    KeyPath,
+    leaf_name,
+    qualified_name,
+)
 from ._file_format import (
     check_caller_metadata,
     CheckedFile,
@@ -28,7 +34,7 @@ from ._file_format import (
     write_file,
 )
 from ._stack import unstack
-from ._tree import is_array, is_key, make_weak
+from ._tree import is_array, is_key, is_tracer, is_weak, make_weak
 
 
 Tree = TypeVar("Tree")
@@ -62,24 +68,12 @@ def _is_array_template(x: Any) -> bool:
     return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
-def _describe(x: Any) -> str:
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return f"{x.dtype}[{','.join(map(str, x.shape))}]"
-    return describe(x)
-
-
 def _object_name(x: Any) -> str:
     """What is recorded of a leaf JSON cannot hold: its qualified name or its type's."""
-    module = getattr(x, "__module__", None)
-    qualname = getattr(x, "__qualname__", None)
-    if (
-        isinstance(module, str)
-        and isinstance(qualname, str)
-        and not isinstance(x, type)
-    ):
-        return f"{module}.{qualname}"
-    kind = type(x)
-    return f"instance of {kind.__module__}.{kind.__qualname__}"
+    name = qualified_name(x)
+    if name is not None and not isinstance(x, type):
+        return name
+    return f"instance of {qualified_name(type(x))}"
 
 
 # ------------------------------------------------------------------------------------
@@ -94,7 +88,7 @@ def _leaf_records(tree: Any) -> tuple[list[dict], list[Any]]:
     for key_path, leaf in leaves:
         name = leaf_name("tree", key_path)
         record: dict[str, Any] = {"path": jtu.keystr(key_path)}
-        if isinstance(leaf, jax.core.Tracer):
+        if is_tracer(leaf):
             raise BatchError(
                 f"`{name}` is a traced array ({describe(leaf)}): `save` reads concrete "
                 "values on the host. Call it outside `jax.jit`, `jax.vmap` and friends."
@@ -111,12 +105,11 @@ def _leaf_records(tree: Any) -> tuple[list[dict], list[Any]]:
                     "integer, floating, complex and ml_dtypes such as bfloat16) can "
                     "be saved."
                 )
-            weak = bool(getattr(leaf, "weak_type", False))
             record.update(
                 kind="array",
                 dtype=np.dtype(leaf.dtype).name,
                 shape=list(np.shape(leaf)),
-                weak=weak,
+                weak=is_weak(leaf),
             )
             on_device.append(leaf)
         else:
@@ -249,7 +242,7 @@ def _leaf_problem(record: dict, like_leaf: Any, shape: tuple[int, ...]) -> str |
     kind = _expected_kind(like_leaf)
     if record["kind"] != kind:
         shown = (
-            _describe(like_leaf)
+            describe(like_leaf)
             if _is_array_template(like_leaf)
             else f"{describe(like_leaf)} ({type(like_leaf).__name__})"
         )

@@ -9,7 +9,6 @@ every member uses, or `eb.stack` for a Python list of members. Only shapes are r
 under `jax.jit` this runs once per trace and costs nothing per call.
 """
 
-import operator
 from collections import Counter
 from typing import Any
 
@@ -18,7 +17,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._bind import DEFAULT_AXIS, LeavesByArgument
-from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
+from ._errors import BatchError, bullet_list, check_int, describe, KeyPath, leaf_name
 from ._tree import is_array, is_int, mapped_leaves
 
 
@@ -28,21 +27,17 @@ def check_axis_size(axis_size: Any) -> int | None:
 
     **Raises:**
 
-    `BatchError` if `axis_size` is neither `None` nor a non-negative integer.
+    `BatchError` if `axis_size` is neither `None` nor a non-negative integer (bools
+    are refused).
     """
     if axis_size is None:
         return None
-    try:
-        size = operator.index(axis_size)
-    except TypeError:
-        size = -1
-    if size < 0:
-        raise BatchError(
-            f"axis_size={axis_size!r}; it must be a non-negative int (the number of "
-            "members, needed only when no argument is mapped), or None to take it "
-            "from the mapped arguments."
-        )
-    return size
+    return check_int(
+        axis_size,
+        "axis_size",
+        hint="It is the number of members, needed only when no argument is mapped; "
+        "None takes it from the mapped arguments.",
+    )
 
 
 def check_mapped_sizes(

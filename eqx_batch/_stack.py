@@ -1,44 +1,53 @@
 """Stacking and unstacking pytrees along a member axis: `stack`, `unstack` and friends.
 
 Concrete arrays that live on the CPU are stacked and split through host NumPy (a view,
-not a copy). The pieces of a split become JAX arrays through one small compiled
-identity program per *structure*: it takes a chunk of `_CHUNK` member rows of every
-split leaf and returns them, so JAX's compiled-call path creates the arrays in bulk.
-Its cache key is the member shapes and dtypes, never the number of members, and
-compiling an identity is cheap. Stacking makes one array per leaf with
-`jax.device_put`. `jax.device_put` makes strongly typed arrays, so weakly typed leaves
-(stacked Python scalars) pass through an identity program compiled for a weak argument,
-whose result is weak. Tracers (inside `jax.jit`) use `jax.numpy`. Arrays on other
-platforms (GPU, TPU) are split by one compiled indexing program per leaf shape and
-stacked by `jnp.stack`, so that they never leave their device.
+not a copy), and the results become JAX arrays through `_from_host.py`. Tracers (inside
+`jax.jit`) use `jax.numpy`. Arrays on other platforms (GPU, TPU) are split by one
+compiled indexing program per leaf shape and stacked by `jnp.stack`, so that they never
+leave their device. Why members cannot be stacked is diagnosed in
+`_member_mismatch.py`.
 
 A grid (`ndim` member axes) goes through the same machinery as one member axis of all
 its members, row by row: `unstack` merges the member axes with a reshape and splits
 once, `stack` stacks along one new axis and reshapes it into the grid's axes.
 """
 
-import dataclasses
 import functools as ft
 import math
 import operator
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple, overload, TypeVar
+from typing import Any, Literal, overload, TypeVar
 
 import equinox as eqx
 import jax
-import jax.core
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError, describe, KeyPath, leaf_name
+from ._errors import BatchError, check_int, describe, is_bool, KeyPath, leaf_name
+from ._from_host import (
+    key_impl,
+    on_cpu,
+    Placement,
+    placement_of,
+    put_like,
+    rows_as_arrays,
+)
+from ._member_mismatch import (
+    check_kept_once,
+    check_mapped_column,
+    flatten_members,
+    MemberGrid,
+)
 from ._tree import (
     axis_sizes,
     common_size,
+    host_array,
     is_array,
-    is_key,
-    make_weak,
+    is_numpy,
+    is_tracer,
+    is_weak,
     mapped_leaves,
     resolve_axes,
 )
@@ -46,81 +55,10 @@ from ._tree import (
 
 Tree = TypeVar("Tree")
 
-_SAME_STRUCTURE_FIX = (
-    "stack and concat need members with the same structure: the same containers, "
-    "keys, module types and static fields."
+_NDIM_HINT = (
+    "It is the number of member axes: 1 for a sequence of members, 2 for a grid of "
+    "rows of members."
 )
-
-
-# ------------------------------------------------------------------------------------
-# Leaf kinds.
-
-
-def _is_tracer(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-def _is_numpy(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, np.generic))
-
-
-def _on_cpu(x: jax.Array) -> bool:
-    """Whether a concrete JAX array can go through host NumPy without a transfer."""
-    return x.is_fully_addressable and all(
-        device.platform == "cpu" for device in x.sharding.device_set
-    )
-
-
-def _is_weak(x: Any) -> bool:
-    # Typed PRNG key arrays have no `weak_type` attribute; they are never weak.
-    return getattr(x, "weak_type", False)
-
-
-class _Placement(NamedTuple):
-    """Where new arrays derived from a concrete array go."""
-
-    committed_to: jax.sharding.Sharding | None  # committed there, if not None
-    device: Any  # else uncommitted, on this device (None: the default device)
-
-
-def _placement(x: jax.Array) -> _Placement:
-    sharding = x.sharding
-    if x.committed and isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return _Placement(sharding, None)
-    # Uncommitted arrays stay where they are; pieces of an array sharded over several
-    # devices go, uncommitted, to the default device like `jnp` results.
-    devices = sharding.device_set
-    return _Placement(None, next(iter(devices)) if len(devices) == 1 else None)
-
-
-def host_array(x: Any) -> np.ndarray:
-    """The raw bits of a concrete leaf as NumPy (key data for typed PRNG keys)."""
-    if isinstance(x, jax.Array) and is_key(x):
-        x = jax.random.key_data(x)
-    return np.asarray(x)
-
-
-def _key_impl(x: Any) -> Any:
-    return jax.random.key_impl(x) if is_key(x) else None
-
-
-# ------------------------------------------------------------------------------------
-# New arrays from host data. Compiled programs here and below are cached by shapes,
-# dtypes and axes.
-
-
-def _put(host: np.ndarray, like: jax.Array) -> jax.Array:
-    """A new JAX array holding `host`, placed and typed (weak, key) like `like`."""
-    placement = _placement(like)
-    if placement.committed_to is not None:
-        out = jax.device_put(host, placement.committed_to)
-    else:
-        with jax.default_device(placement.device):
-            out = jax.device_put(host)
-    if _is_weak(like):
-        return make_weak([out])[0]
-    impl = _key_impl(like)
-    return out if impl is None else jax.random.wrap_key_data(out, impl=impl)
 
 
 @ft.partial(jax.jit, static_argnums=2)
@@ -136,363 +74,56 @@ def _take_many(x: jax.Array, indices: jax.Array, axis: int) -> jax.Array:
     return jnp.take(x, indices, axis=axis, mode="clip")
 
 
-# Members per call of the rows program. Its compile time grows with the number of
-# arrays it returns, its per-call overhead shrinks with it; 8 members keep the first
-# call about as fast as a transfer per piece, and later calls faster.
-_CHUNK = 8
-
-
-def _rows_identity(
-    columns: list[list[jax.Array]], key_impls: tuple[Any, ...]
-) -> list[list[jax.Array]]:
-    # Traced: the rows arrive as the program's arguments.
-    return [
-        column
-        if impl is None
-        else [jax.random.wrap_key_data(r, impl=impl) for r in column]
-        for column, impl in zip(columns, key_impls, strict=True)
-    ]
-
-
-@ft.cache
-def _rows_program(committed_to: jax.sharding.Sharding | None) -> Any:
-    if committed_to is None:
-        return jax.jit(_rows_identity, static_argnums=1)
-    return jax.jit(_rows_identity, static_argnums=1, out_shardings=committed_to)
-
-
-def _arrays_from_rows(
-    hosts: list[np.ndarray], key_impls: tuple[Any, ...], placement: _Placement
-) -> list[list[jax.Array]]:
-    """For each host array (member axis first), its rows as new JAX arrays.
-
-    `jax.device_put` of a list spends most of its time in Python, deriving the abstract
-    value and sharding of every piece. A compiled call takes its NumPy arguments and
-    makes its results in C++, so an identity program over `_CHUNK` rows of every leaf
-    (wrapping key data into typed keys) creates the pieces in bulk. The program is the
-    same for every chunk and every member count of this structure.
-    """
-    size = len(hosts[0])
-    columns: list[list[jax.Array]] = [[] for _ in hosts]
-    if size == 0:
-        return columns
-    program = _rows_program(placement.committed_to)
-    chunk = min(_CHUNK, size)
-    with jax.default_device(placement.device):
-        for start in range(0, size, chunk):
-            # The last chunk overlaps the one before instead of being shorter, so
-            # that it runs the same program.
-            first = min(start, size - chunk)
-            rows = [list(host[first : first + chunk]) for host in hosts]
-            for column, pieces in zip(columns, program(rows, key_impls), strict=True):
-                column.extend(pieces[start - first :])
-    return columns
-
-
-# ------------------------------------------------------------------------------------
-# Naming members in messages.
-
-
-class _Layout(NamedTuple):
-    """How the members given to `stack` or `concat` are arranged, for messages.
-
-    `grid` is `(n,)` for a sequence of `n` members, `(m, n)` for `m` rows of `n`
-    (`ndim=2`), and so on; members are numbered row by row.
-    """
-
-    argname: str
-    grid: tuple[int, ...]
-
-    def member(self, i: int) -> str:
-        """Member `i`'s name: `trees[3]`, or `trees[0][3]` in a grid."""
-        if len(self.grid) == 1:
-            return f"{self.argname}[{i}]"
-        indices = np.unravel_index(i, self.grid)
-        return self.argname + "".join(f"[{int(j)}]" for j in indices)
-
-
-# ------------------------------------------------------------------------------------
-# Equality of leaves that are kept once.
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    """Same type and value; floats bit-for-bit (so -0.0 and NaN round-trip)."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if is_array(a):
-        if _is_tracer(a) or _is_tracer(b):
-            return False
-        if np.shape(a) != np.shape(b) or a.dtype != b.dtype:
-            return False
-        if _is_weak(a) != _is_weak(b):
-            return False
-        return host_array(a).tobytes() == host_array(b).tobytes()
-    if isinstance(a, float):
-        return (
-            a == b
-            and math.copysign(1, a) == math.copysign(1, b)
-            or (math.isnan(a) and math.isnan(b))
-        )
-    try:
-        equal = a == b
-    except Exception:
-        return False
-    return isinstance(equal, (bool, np.bool_)) and bool(equal)
-
-
-def _describe_leaf(x: Any) -> str:
-    """`describe`, but functions by name: wrappers such as `jax.jit` hide it in repr."""
-    name = getattr(x, "__qualname__", None) or getattr(x, "__name__", None)
-    if callable(x) and not isinstance(x, type) and isinstance(name, str):
-        return f"<function {name}>"
-    return describe(x)
-
-
-def _check_kept_once(column: list[Any], path: KeyPath, layout: _Layout) -> None:
-    """Raises unless every member holds the same non-stacked leaf."""
-    first = column[0]
-    for i, leaf in enumerate(column[1:], start=1):
-        if _same_value(first, leaf):
-            continue
-        here = leaf_name(layout.member(i), path)
-        there = leaf_name(layout.member(0), path)
-        if is_array(leaf) and not is_array(first):
-            raise BatchError(
-                f"`{here}` is an array ({describe(leaf)}) but `{there}` is "
-                f"{_describe_leaf(first)} ({type(first).__name__}), not an array. "
-                "Member 0 decides a leaf's axis spec (`eqx.if_array(0)`, the default, "
-                "maps arrays only), so this leaf is kept once and must be equal across "
-                "members. To stack it, make it an array in every member, "
-                f"`jnp.asarray({_describe_leaf(first)})` in `{there}` too; to keep it "
-                "once, give every member the same non-array value."
-            )
-        if is_array(first) or is_array(leaf):
-            if (_is_tracer(first) or _is_tracer(leaf)) and type(first) is type(leaf):
-                raise BatchError(
-                    f"`{here}` has axis spec None (shared: kept once), but it is a "
-                    f"traced array other than `{there}`, so it cannot be checked to be "
-                    "equal. Give it a member axis to stack it, or pass the same array "
-                    "object to every member."
-                )
-            what = f"is {describe(leaf)} but `{there}` is {describe(first)}"
-            if describe(leaf) == describe(first) and type(leaf) is type(first):
-                what = f"({describe(leaf)}) holds other values than `{there}`"
-            raise BatchError(
-                f"`{here}` {what}, "
-                "and the leaf has axis spec None (shared: kept once), so it must be "
-                "equal across members. Give it a member axis (e.g. "
-                "`axes=eqx.if_array(0)`) to stack it, or make the members equal."
-            )
-        message = (
-            f"`{here}` is {_describe_leaf(leaf)} ({type(leaf).__name__}) but "
-            f"`{there}` is {_describe_leaf(first)} ({type(first).__name__}). "
-            "Non-array leaves are kept once, so they must be equal (same type and "
-            "value) across members."
-        )
-        if isinstance(first, (bool, int, float, complex)) and isinstance(
-            leaf, (bool, int, float, complex)
-        ):
-            message += (
-                " To let it differ per member, make it an array "
-                "(`jnp.asarray(...)`) so that it is stacked."
-            )
-        elif callable(first):
-            message += (
-                " Two separately created functions (e.g. two lambdas) are different "
-                "objects; create the function once and share it."
-            )
-        raise BatchError(message)
-
-
-# ------------------------------------------------------------------------------------
-# Structure.
-
-
-def _node_summary(treedef: Any) -> str:
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
-        return "a leaf"
-    node_type, aux = treedef.node_data()
-    if node_type is dict:
-        return f"a dict with keys {list(aux)}"
-    if node_type in (list, tuple):
-        return f"a {node_type.__name__} of length {len(treedef.children())}"
-    if node_type is type(None):
-        return "None"
-    return (
-        f"a {node_type.__name__} with {len(treedef.children())} children and static "
-        f"data {describe(aux)}"
-    )
-
-
-def _first_difference(a: Any, b: Any, path: KeyPath) -> tuple[KeyPath, str, str]:
-    """The first path where `a` and `b` differ in structure, and the nodes there."""
-    treedef_a = jtu.tree_structure(a)
-    treedef_b = jtu.tree_structure(b)
-    is_node_a = not (treedef_a.num_nodes == 1 and treedef_a.num_leaves == 1)
-    is_node_b = not (treedef_b.num_nodes == 1 and treedef_b.num_leaves == 1)
-    if (
-        is_node_a
-        and is_node_b
-        and isinstance(a, eqx.Module)
-        and treedef_a.node_data()[0] is treedef_b.node_data()[0]
-    ):
-        for field in dataclasses.fields(a):
-            if field.metadata.get("static", False):
-                value_a = getattr(a, field.name, None)
-                value_b = getattr(b, field.name, None)
-                if not _same_value(value_a, value_b):
-                    return (
-                        path + (jtu.GetAttrKey(field.name),),
-                        f"static field {_describe_leaf(value_a)}",
-                        f"static field {_describe_leaf(value_b)}",
-                    )
-    if (
-        is_node_a
-        and is_node_b
-        and treedef_a.node_data() == treedef_b.node_data()
-        and len(treedef_a.children()) == len(treedef_b.children())
-    ):
-        children_a, children_b = _children(a), _children(b)
-        for (key, child_a), (_, child_b) in zip(children_a, children_b, strict=True):
-            if jtu.tree_structure(child_a) != jtu.tree_structure(child_b):
-                return _first_difference(child_a, child_b, path + (key,))
-    return path, _node_summary(treedef_a), _node_summary(treedef_b)
-
-
-def _children(node: Any) -> list[tuple[Any, Any]]:
-    """The (key, child) pairs one level below `node`.
-
-    `jax.tree_util.flatten_one_level_with_keys` says this, but only from JAX 0.10.2 on.
-    """
-    flat = jtu.tree_flatten_with_path(node, is_leaf=lambda child: child is not node)[0]
-    return [(path[0], child) for path, child in flat]
-
-
-def _flatten_members(
-    trees: Sequence[Any], layout: _Layout, verb: str
-) -> tuple[Any, list]:
-    """Flattens every member, raising at the first that differs from `trees[0]`."""
-    if len(trees) == 0:
-        raise BatchError(
-            f"`{layout.argname}` is empty: {verb} needs at least one member."
-        )
-    treedef = jtu.tree_structure(trees[0])
-    columns_by_member = []
-    for i, tree in enumerate(trees):
-        leaves, member_treedef = jtu.tree_flatten(tree)
-        if member_treedef != treedef:
-            path, first, other = _first_difference(trees[0], tree, ())
-            raise BatchError(
-                f"`{leaf_name(layout.member(i), path)}` is {other} but "
-                f"`{leaf_name(layout.member(0), path)}` is {first}. "
-                + _SAME_STRUCTURE_FIX
-            )
-        columns_by_member.append(leaves)
-    return treedef, columns_by_member
-
-
-# ------------------------------------------------------------------------------------
-# Joining a column of leaves.
-
-
-def _check_column(
-    column: list[Any], path: KeyPath, layout: _Layout, axis: int | None
-) -> None:
-    """Every member leaf is an array with the shape and dtype of member 0's.
-
-    With `axis` given (concat), shapes may differ along that axis.
-    """
-    first = column[0]
-    there = leaf_name(layout.member(0), path)
-    if not is_array(first):
-        raise BatchError(
-            f"`{there}` is {describe(first)}, not an array, but is asked to have a "
-            "member axis. Make it an array, or give the leaf the axis spec None to "
-            "keep it once."
-        )
-    for i, leaf in enumerate(column[1:], start=1):
-        here = leaf_name(layout.member(i), path)
-        if not is_array(leaf):
-            raise BatchError(
-                f"`{here}` is {describe(leaf)}, not an array, but `{there}` is an "
-                f"array ({describe(first)}) with a member axis. Make it an array, or "
-                "give the leaf the axis spec None to keep it once."
-            )
-        if leaf.dtype != first.dtype:
-            raise BatchError(
-                f"`{here}` has dtype {leaf.dtype} but `{there}` has dtype "
-                f"{first.dtype}. Cast the members to one dtype before stacking."
-            )
-        if _is_weak(leaf) != _is_weak(first):
-            weak, strong = (here, there) if _is_weak(leaf) else (there, here)
-            raise BatchError(
-                f"`{weak}` is weakly typed ({describe(leaf)}, as made from a Python "
-                f"scalar) but `{strong}` is not. A stacked array has one weak type, "
-                "so unstacking could not give both back. Make every member's leaf "
-                f"strongly typed: `jnp.asarray(x, dtype=jnp.{leaf.dtype})`."
-            )
-        shape, first_shape = list(np.shape(leaf)), list(np.shape(first))
-        if axis is not None and len(shape) == len(first_shape):
-            shape[axis] = first_shape[axis] = -1
-        if shape != first_shape:
-            what = "shape" if axis is None else f"shape (apart from member axis {axis})"
-            raise BatchError(
-                f"`{here}` has shape {tuple(np.shape(leaf))} but `{there}` has shape "
-                f"{tuple(np.shape(first))}; members need the same {what}."
-            )
-
-
 def _join(column: list[Any], axis: int, new_axis: bool) -> Any:
     """Stacks (`new_axis`) or concatenates `column` along `axis`."""
     np_join = np.stack if new_axis else np.concatenate
     jnp_join = jnp.stack if new_axis else jnp.concatenate
-    if all(_is_numpy(leaf) for leaf in column):
+    if all(is_numpy(leaf) for leaf in column):
         return np_join(column, axis=axis)
-    # `_check_column` has made sure that the weak types agree, so `_put` makes the
-    # result weak like member 0's leaf.
+    # `check_mapped_column` has made sure that the weak types agree, so `put_like`
+    # makes the result weak like member 0's leaf.
     jax_leaves = [leaf for leaf in column if isinstance(leaf, jax.Array)]
-    if not any(_is_tracer(leaf) for leaf in column) and all(
-        _on_cpu(leaf) for leaf in jax_leaves
+    if not any(is_tracer(leaf) for leaf in column) and all(
+        on_cpu(leaf) for leaf in jax_leaves
     ):
         host = np_join([host_array(leaf) for leaf in column], axis=axis)
-        return _put(host, jax_leaves[0])
+        return put_like(host, jax_leaves[0])
     return jnp_join([jnp.asarray(leaf) for leaf in column], axis=axis)
 
 
 def _join_members(
-    trees: Sequence[Any], axes: Any, layout: _Layout, verb: str, new_axis: bool
+    trees: Sequence[Any], axes: Any, member_grid: MemberGrid, verb: str, new_axis: bool
 ) -> Any:
-    """Stacks (`new_axis`) or concatenates the members `trees`, in `layout` order.
+    """Stacks (`new_axis`) or concatenates the members `trees`, in `member_grid` order.
 
     Stacking a grid stacks its members along one new axis, then splits that axis
     into the grid's axes.
     """
-    treedef, by_member = _flatten_members(trees, layout, verb)
+    treedef, by_member = flatten_members(trees, member_grid, verb)
     if new_axis:
-        resolved = resolve_axes(trees[0], axes, layout.member(0))
+        resolved = resolve_axes(trees[0], axes, member_grid.member(0))
         axis_leaves = treedef.flatten_up_to(resolved)
     else:
-        # Every tree's own mapped leaves must agree on its member count; `_sizes` also
-        # checks member 0's axes against its leaves and makes them non-negative.
-        mapped, _ = _sizes(trees[0], axes, layout.member(0))
+        # Every tree's own mapped leaves must agree on its member count;
+        # `_leaves_and_count` also checks member 0's axes against its leaves and makes
+        # them non-negative.
+        mapped, _ = _leaves_and_count(trees[0], axes, member_grid.member(0))
         axis_leaves = [axis for _, _, axis in mapped]
         for i, tree in enumerate(trees[1:], start=1):
-            _sizes(tree, axes, layout.member(i))
+            _leaves_and_count(tree, axes, member_grid.member(i))
     paths = [path for path, _ in jtu.tree_flatten_with_path(trees[0])[0]]
-    grid_ndim = len(layout.grid)
+    grid_ndim = len(member_grid.shape)
     out = []
     for j, (path, axis) in enumerate(zip(paths, axis_leaves, strict=True)):
         column = [leaves[j] for leaves in by_member]
         if axis is None:
-            _check_kept_once(column, path, layout)
+            check_kept_once(column, path, member_grid)
             out.append(column[0])
             continue
         first = column[0]
         if new_axis and is_array(first):
             # The new axes count among the stacked leaf's axes, and the spec names
-            # the first of them. A non-array member 0 is reported by `_check_column`.
+            # the first of them. `check_mapped_column` reports a non-array member 0.
             ndim = np.ndim(first) + grid_ndim
             if not -ndim <= axis < ndim or axis % ndim > np.ndim(first):
                 axes_named = (
@@ -502,19 +133,21 @@ def _join_members(
                 )
                 raise BatchError(
                     f"{axes_named} is out of range for "
-                    f"`{leaf_name(layout.member(0), path)}`, which has {ndim} axes "
-                    f"after {verb}."
+                    f"`{leaf_name(member_grid.member(0), path)}`, which has {ndim} "
+                    f"axes after {verb}."
                 )
             axis %= ndim
-        _check_column(column, path, layout, None if new_axis else axis)
+        check_mapped_column(column, path, member_grid, None if new_axis else axis)
         joined = _join(column, axis, new_axis)
-        out.append(_split_axis(joined, axis, layout.grid) if grid_ndim > 1 else joined)
+        out.append(
+            _split_axis(joined, axis, member_grid.shape) if grid_ndim > 1 else joined
+        )
     return jtu.tree_unflatten(treedef, out)
 
 
 def _reshape(leaf: Any, shape: tuple[int, ...]) -> Any:
     """`leaf` reshaped, NumPy staying NumPy; JAX keeps weak types and typed keys."""
-    return np.reshape(leaf, shape) if _is_numpy(leaf) else jnp.reshape(leaf, shape)
+    return np.reshape(leaf, shape) if is_numpy(leaf) else jnp.reshape(leaf, shape)
 
 
 def _split_axis(leaf: Any, axis: int, grid: tuple[int, ...]) -> Any:
@@ -534,7 +167,7 @@ def _merge_axes(leaf: Any, axis: int, ndim: int) -> Any:
 # Splitting a leaf.
 
 
-def _sizes(tree: Any, axes: Any, argname: str) -> tuple[list, int]:
+def _leaves_and_count(tree: Any, axes: Any, argname: str) -> tuple[list, int]:
     """`mapped_leaves` of `tree` and the common member-axis size."""
     leaves = mapped_leaves(tree, axes, argname)
     size = common_size(
@@ -545,7 +178,7 @@ def _sizes(tree: Any, axes: Any, argname: str) -> tuple[list, int]:
     return leaves, size
 
 
-def _grid_sizes(
+def _leaves_and_grid(
     tree: Any, axes: Any, ndim: int, argname: str
 ) -> tuple[list[tuple[KeyPath, Any, int | None]], tuple[int, ...]]:
     """`mapped_leaves` of `tree` and the common sizes of its `ndim` member axes.
@@ -554,7 +187,7 @@ def _grid_sizes(
     its spec names.
     """
     if ndim == 1:
-        leaves, size = _sizes(tree, axes, argname)
+        leaves, size = _leaves_and_count(tree, axes, argname)
         return leaves, (size,)
     leaves = mapped_leaves(tree, axes, argname)
     for path, leaf, axis in leaves:
@@ -590,33 +223,33 @@ def _split_leaves(
     """
     columns: list[list[Any]] = []
     # CPU leaves, by where their pieces go: their member rows (host views) and
-    # their positions in `columns`, split together by `_arrays_from_rows`.
-    by_placement: dict[_Placement, list[tuple[int, np.ndarray, Any]]] = {}
+    # their positions in `columns`, split together by `rows_as_arrays`.
+    by_placement: dict[Placement, list[tuple[int, np.ndarray, Any]]] = {}
     for _, leaf, axis in leaves:
         if axis is None:
             columns.append([leaf] * size)
-        elif _is_numpy(leaf):
+        elif is_numpy(leaf):
             # `np.array` keeps 0-d pieces ndarrays (iteration gives NumPy scalars).
             columns.append([np.array(piece) for piece in np.moveaxis(leaf, axis, 0)])
-        elif _is_tracer(leaf):
+        elif is_tracer(leaf):
             pieces = [
                 lax.index_in_dim(leaf, i, axis, keepdims=False) for i in range(size)
             ]
             columns.append(pieces)
-        elif _on_cpu(leaf) and _is_weak(leaf):
+        elif on_cpu(leaf) and is_weak(leaf):
             # Rare (stacked Python scalars), so one program call per piece.
             rows = np.moveaxis(host_array(leaf), axis, 0)
-            columns.append([_put(np.asarray(row), leaf) for row in rows])
-        elif _on_cpu(leaf):
+            columns.append([put_like(np.asarray(row), leaf) for row in rows])
+        elif on_cpu(leaf):
             rows = np.moveaxis(host_array(leaf), axis, 0)
-            group = by_placement.setdefault(_placement(leaf), [])
-            group.append((len(columns), rows, _key_impl(leaf)))
+            group = by_placement.setdefault(placement_of(leaf), [])
+            group.append((len(columns), rows, key_impl(leaf)))
             columns.append([])
         else:
             columns.append([_index_one(leaf, i, axis) for i in range(size)])
     for placement, group in by_placement.items():
         positions, hosts, key_impls = zip(*group, strict=True)
-        split = _arrays_from_rows(list(hosts), key_impls, placement)
+        split = rows_as_arrays(list(hosts), key_impls, placement)
         for position, pieces in zip(positions, split, strict=True):
             columns[position] = pieces
     return columns
@@ -628,19 +261,15 @@ def _select(leaf: Any, where: Any, axis: int) -> Any:
     Integers must be in range when concrete; traced ones wrap once if negative and
     are then clamped.
     """
-    concrete = not _is_tracer(leaf) and not _is_tracer(where)
-    if concrete and _is_numpy(leaf):
+    concrete = not is_tracer(leaf) and not is_tracer(where)
+    if concrete and is_numpy(leaf):
         # `np.array` keeps a 0-d result an ndarray rather than a NumPy scalar.
         return np.array(np.take(leaf, where, axis=axis))
-    if concrete and _on_cpu(leaf):
-        return _put(np.asarray(np.take(host_array(leaf), where, axis=axis)), leaf)
+    if concrete and on_cpu(leaf):
+        return put_like(np.asarray(np.take(host_array(leaf), where, axis=axis)), leaf)
     if np.ndim(where) == 0:
         return _index_one(jnp.asarray(leaf), where, axis)
     return _take_many(jnp.asarray(leaf), jnp.asarray(where), axis)
-
-
-def _is_bool(x: Any) -> bool:
-    return isinstance(x, (bool, np.bool_)) or getattr(x, "dtype", None) == np.bool_
 
 
 def _check_traced_index(i: Any, argname: str) -> None:
@@ -652,7 +281,7 @@ def _check_traced_index(i: Any, argname: str) -> None:
 
 
 def _check_index(i: Any, size: int, argname: str) -> int:
-    if _is_bool(i):
+    if is_bool(i):
         raise BatchError(
             f"`{argname}` is {i!r}, a bool; an index must be an integer (bools are "
             "refused, not read as 0 and 1)."
@@ -741,21 +370,6 @@ def _grid_members(rows: list[Any], ndim: int, argname: str) -> tuple[list, tuple
     return flat, (len(rows),) + (inner if inner is not None else (0,) * (ndim - 1))
 
 
-def _check_ndim(ndim: Any) -> int:
-    if isinstance(ndim, (bool, np.bool_)) or not isinstance(ndim, (int, np.integer)):
-        raise BatchError(
-            f"`ndim` is {describe(ndim)} ({type(ndim).__qualname__}); it must be an "
-            "int, the number of member axes (1 for a sequence of members, 2 for a "
-            "grid of rows of members)."
-        )
-    if ndim < 1:
-        raise BatchError(
-            f"`ndim` is {ndim}; it must be at least 1, the number of member axes (1 "
-            "for a sequence of members, 2 for a grid of rows of members)."
-        )
-    return int(ndim)
-
-
 @overload
 def stack(
     trees: Sequence[Tree] | Iterator[Tree],
@@ -813,15 +427,14 @@ def stack(trees: Any, *, axes: Any = eqx.if_array(0), ndim: int = 1) -> Any:
 
     **Raises:**
 
-    `BatchError` if `ndim` is not an int of at least 1; if `trees` is not a sequence
-    of members (with `ndim > 1`: of rows, each a sequence of members), or is empty;
-    if the rows of a grid differ in length (naming the row); if the members differ
-    in structure (naming the first differing path); if a mapped leaf is not an
-    array, or differs in shape, dtype or weak type across members (a weakly typed
-    leaf in one member and a strongly typed one in another cannot both survive a
-    round trip, so the mix is refused); or if a leaf kept once differs across members
-    (same type and value are needed: two separately created lambdas are different
-    objects).
+    `BatchError` if `ndim` is not an int of at least 1 (a bool is refused); if `trees`
+    is not a sequence of members (with `ndim > 1`: of rows, each a sequence of members),
+    or is empty; if the rows of a grid differ in length (naming the row); if the members
+    differ in structure (naming the first differing path); if a mapped leaf is not an
+    array, or differs in shape, dtype or weak type across members (a weakly typed leaf
+    in one member and a strongly typed one in another cannot both survive a round trip,
+    so the mix is refused); or if a leaf kept once differs across members (same type and
+    value are needed: two separately created lambdas are different objects).
 
     !!! Example
 
@@ -835,10 +448,10 @@ def stack(trees: Any, *, axes: Any = eqx.if_array(0), ndim: int = 1) -> Any:
         eb.stack(grid, ndim=2).weight.shape  # (4, 5, 3, 2)
         ```
     """
-    ndim = _check_ndim(ndim)
+    ndim = check_int(ndim, "ndim", minimum=1, hint=_NDIM_HINT)
     members, grid = _grid_members(_members(trees, "stack"), ndim, "trees")
-    layout = _Layout("trees", grid)
-    return _join_members(members, axes, layout, "stack", new_axis=True)
+    member_grid = MemberGrid("trees", grid)
+    return _join_members(members, axes, member_grid, "stack", new_axis=True)
 
 
 @overload
@@ -884,11 +497,11 @@ def unstack(tree: Any, *, axes: Any = eqx.if_array(0), ndim: int = 1) -> list[An
 
     **Raises:**
 
-    `BatchError` if `ndim` is not an int of at least 1; if mapped array leaves
-    disagree on the size of a member axis (every offending leaf is listed); if a
-    mapped leaf is not an array or has fewer axes than its member axes need (a 0-d
-    leaf, or one with fewer than `ndim` axes from its member axis on); or if no leaf
-    is mapped (the number of members is undefined).
+    `BatchError` if `ndim` is not an int of at least 1 (a bool is refused); if mapped
+    array leaves disagree on the size of a member axis (every offending leaf is listed);
+    if a mapped leaf is not an array or has fewer axes than its member axes need (a 0-d
+    leaf, or one with fewer than `ndim` axes from its member axis on); or if no leaf is
+    mapped (the number of members is undefined).
 
     !!! Example
 
@@ -902,8 +515,8 @@ def unstack(tree: Any, *, axes: Any = eqx.if_array(0), ndim: int = 1) -> list[An
         rows[3][2]["w"].shape  # (2,)
         ```
     """
-    ndim = _check_ndim(ndim)
-    leaves, grid = _grid_sizes(tree, axes, ndim, "tree")
+    ndim = check_int(ndim, "ndim", minimum=1, hint=_NDIM_HINT)
+    leaves, grid = _leaves_and_grid(tree, axes, ndim, "tree")
     if ndim > 1:
         # Split once along the merged member axes, then regroup into rows.
         leaves = [
@@ -966,8 +579,8 @@ def batch_size(
         eb.batch_size({"w": jnp.zeros((4, 5, 2))}, ndim=2)  # (4, 5)
         ```
     """
-    ndim = _check_ndim(ndim)
-    grid = _grid_sizes(tree, axes, ndim, "tree")[1]
+    ndim = check_int(ndim, "ndim", minimum=1, hint=_NDIM_HINT)
+    grid = _leaves_and_grid(tree, axes, ndim, "tree")[1]
     return grid[0] if ndim == 1 else grid
 
 
@@ -1003,8 +616,8 @@ def index(tree: Tree, i: int, *, axes: Any = eqx.if_array(0)) -> Tree:
         eb.index(stacked, -1)["w"]  # [4., 5.]
         ```
     """
-    leaves, size = _sizes(tree, axes, "tree")
-    if _is_tracer(i):
+    leaves, size = _leaves_and_count(tree, axes, "tree")
+    if is_tracer(i):
         _check_traced_index(i, "i")
     else:
         i = _check_index(i, size, "i")
@@ -1045,13 +658,13 @@ def take(tree: Tree, indices: Any, *, axes: Any = eqx.if_array(0)) -> Tree:
         eb.take(stacked, [3, 0])["w"]  # [3., 0.]
         ```
     """
-    leaves, size = _sizes(tree, axes, "tree")
-    traced = _is_tracer(indices)
+    leaves, size = _leaves_and_count(tree, axes, "tree")
+    traced = is_tracer(indices)
     positions = indices if traced else np.asarray(indices)
     # An empty Python list becomes a float array; it selects nothing either way.
     empty = not traced and positions.size == 0
     # NumPy reads `[1, True]` as integers; a bool is refused wherever it is.
-    has_bool = isinstance(indices, (list, tuple)) and any(map(_is_bool, indices))
+    has_bool = isinstance(indices, (list, tuple)) and any(map(is_bool, indices))
     if (
         positions.ndim != 1
         or not (jnp.issubdtype(positions.dtype, jnp.integer) or empty)
@@ -1114,5 +727,5 @@ def concat(
         ```
     """
     members = _members(trees, "concat")
-    layout = _Layout("trees", (len(members),))
-    return _join_members(members, axes, layout, "concat", new_axis=False)
+    member_grid = MemberGrid("trees", (len(members),))
+    return _join_members(members, axes, member_grid, "concat", new_axis=False)

@@ -1,4 +1,9 @@
-"""Axis-spec resolution and member-axis bookkeeping shared by everything above.
+"""Leaf predicates, axis-spec resolution and member-axis bookkeeping shared by
+everything above.
+
+What kind of leaf a value is (array, tracer, NumPy, weakly typed, typed PRNG key), its
+raw bits on the host, and the codec between typed PRNG keys and their raw key data are
+here, so that no module spells them again.
 
 An *axis spec* is Equinox's vocabulary: a pytree prefix of `None` (not mapped / shared),
 an `int` (the member axis of that leaf), or a callable such as `eqx.if_array(0)` that is
@@ -12,6 +17,7 @@ from typing import Any, TypeGuard
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
@@ -28,6 +34,56 @@ def is_array(x: Any) -> bool:
 def is_key(x: Any) -> bool:
     """Whether `x`, an array or `jax.ShapeDtypeStruct`, holds typed PRNG keys."""
     return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def is_tracer(x: Any) -> bool:
+    """Whether `x` is a tracer (a value inside `jax.jit`, `jax.vmap` and friends)."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def is_numpy(x: Any) -> bool:
+    """Whether `x` is a NumPy array or scalar."""
+    return isinstance(x, (np.ndarray, np.generic))
+
+
+def is_weak(x: Any) -> bool:
+    """Whether `x` is a weakly typed array (as `jnp.asarray(1.0)` is)."""
+    # Typed PRNG key arrays have no `weak_type` attribute; they are never weak.
+    return bool(getattr(x, "weak_type", False))
+
+
+def host_array(x: Any) -> np.ndarray:
+    """The raw bits of a concrete leaf as NumPy (key data for typed PRNG keys)."""
+    if isinstance(x, jax.Array) and is_key(x):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def as_key_data(tree: Any) -> Any:
+    """`tree` with its typed PRNG keys (arrays or `ShapeDtypeStruct`s) as raw data."""
+
+    def raw(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct) and is_key(x):
+            return jax.eval_shape(jr.key_data, x)
+        if isinstance(x, jax.Array) and is_key(x):
+            return jr.key_data(x)
+        return x
+
+    return jtu.tree_map(raw, tree)
+
+
+def as_keys_like(tree: Any, like: Any) -> Any:
+    """The inverse of `as_key_data`: leaves that are keys in `like` made keys again."""
+
+    def wrap(x: Any, like_leaf: Any) -> Any:
+        if not (hasattr(like_leaf, "dtype") and is_key(like_leaf)):
+            return x
+        if not is_array(like_leaf):
+            # A `ShapeDtypeStruct`: JAX offers the implementation of arrays only.
+            like_leaf = jnp.zeros((0,), like_leaf.dtype)
+        return jr.wrap_key_data(x, impl=jr.key_impl(like_leaf))
+
+    return jtu.tree_map(wrap, tree, like)
 
 
 def make_weak(arrays: Sequence[jax.Array]) -> list[jax.Array]:
@@ -198,37 +254,3 @@ def common_size(
     if fix:
         message += "\n" + fix
     raise BatchError(message)
-
-
-def as_key_data(tree: Any) -> Any:
-    """`tree` with its typed PRNG keys (arrays or `ShapeDtypeStruct`s) as raw data."""
-
-    def raw(x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct) and is_key(x):
-            return jax.eval_shape(jr.key_data, x)
-        if isinstance(x, jax.Array) and is_key(x):
-            return jr.key_data(x)
-        return x
-
-    return jtu.tree_map(raw, tree)
-
-
-def as_keys_like(tree: Any, like: Any) -> Any:
-    """The inverse of `as_key_data`: leaves that are keys in `like` made keys again."""
-
-    def wrap(x: Any, like_leaf: Any) -> Any:
-        if not (hasattr(like_leaf, "dtype") and is_key(like_leaf)):
-            return x
-        if not is_array(like_leaf):
-            # A `ShapeDtypeStruct`: JAX offers the implementation of arrays only.
-            like_leaf = jnp.zeros((0,), like_leaf.dtype)
-        return jr.wrap_key_data(x, impl=jr.key_impl(like_leaf))
-
-    return jtu.tree_map(wrap, tree, like)
-
-
-# TEMPORARY until the bottom branch lands.
-def host_array(x: Any) -> np.ndarray:
-    if isinstance(x, jax.Array) and is_key(x):
-        x = jax.random.key_data(x)
-    return np.asarray(x)

@@ -16,10 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from ._bind import bind_arguments, MappedCall
-from ._errors import BatchError, leaf_name
+from ._errors import BatchError, check_int, leaf_name
 from ._outputs import join_output, OutputLayout, split_output
 from ._sizes import check_axis_size, mapped_size
-from ._tree import is_int
 
 
 def bind_call(
@@ -272,7 +271,7 @@ def filter_vmap(
         output when nothing is mapped and `axis_size` is not given; if an output with
         `out_axes` `None` differs between members.
     - `BatchError` (at decoration): if `chunk_size` is not a positive int, or
-        `axis_size` is neither `None` nor a non-negative int.
+        `axis_size` is neither `None` nor a non-negative int (bools are refused).
     - `TypeError`: if a call does not fit `fun`'s signature, as calling `fun` would.
 
     !!! Example
@@ -308,10 +307,13 @@ def filter_vmap(
             axis_size=axis_size,
             chunk_size=chunk_size,
         )
-    if chunk_size is not None and (not is_int(chunk_size) or chunk_size < 1):
-        raise BatchError(
-            f"chunk_size={chunk_size!r}; it must be a positive int (members mapped at "
-            "a time), or None to map all members at once."
+    if chunk_size is not None:
+        chunk_size = check_int(
+            chunk_size,
+            "chunk_size",
+            minimum=1,
+            hint="It is the number of members mapped at a time; None maps all "
+            "members at once.",
         )
     axis_size = check_axis_size(axis_size)
     wrapper = _VmapWrapper(fun, in_axes, out_axes, axis_name, axis_size, chunk_size)

@@ -1,11 +1,17 @@
-"""Comparisons shared by the tests."""
+"""Comparisons and error checks shared by the tests."""
 
+from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
+import pytest
+
+import eqx_batch as eb
 
 
 def _raw(x: Any) -> np.ndarray:
@@ -52,3 +58,45 @@ def tree_allclose(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-6) -> boo
         elif x != y:
             return False
     return True
+
+
+def assert_members_identical(a: list, b: list) -> None:
+    """Two lists of members, each pair identical as by `assert_trees_identical`."""
+    assert type(a) is list and type(b) is list
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert_trees_identical(x, y)
+
+
+def raises(match: str, fn: Callable[[], Any], *names: str) -> str:
+    """The message of the `BatchError` (a `ValueError`) that `fn()` raises, which
+    matches `match` and holds every one of `names`."""
+    with pytest.raises(eb.BatchError, match=match) as info:
+        fn()
+    message = str(info.value)
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+    assert isinstance(info.value, ValueError)
+    return message
+
+
+def mixed_tree(key):
+    """A tree with a leaf of every kind a file stores: arrays of many dtypes, typed
+    keys of two implementations, weak arrays, NumPy arrays and Python scalars."""
+    model_key, chain_key = jr.split(key)
+    return {
+        "model": eqx.nn.MLP(2, 1, 4, 2, key=model_key),
+        "keys": jr.split(chain_key, 3),
+        "rbg_key": jr.key(1, impl="rbg"),
+        "half": jnp.arange(3, dtype=jnp.bfloat16),
+        "fp8": np.linspace(-1, 1, 4).astype(jnp.float8_e4m3fn),
+        "int4": jnp.arange(-2, 3, dtype=jnp.int4),
+        "complex": jnp.asarray([1 + 2j, -0.5j], dtype=jnp.complex64),
+        "host": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "host_scalar": np.float32(-0.0),
+        "empty": jnp.zeros((0, 3)),
+        "weak": jnp.asarray(0.5),
+        "weak_vector": jnp.full((3,), 2),
+        "flags": jnp.array([True, False]),
+        "settings": [1.5, 3, True, "adam", 1 - 2j],
+    }

@@ -95,10 +95,18 @@ def test_rbg_warns():
     assert models.layers[0].weight.shape == (3, 4, 2)
 
 
-@pytest.mark.parametrize("n", [0, -2, 2.0, True, "3", None])
+@pytest.mark.parametrize("n", [0, -2, 2.0, True, np.bool_(True), "3", None])
 def test_bad_n(n, getkey):
-    with pytest.raises(eb.BatchError, match="`n`"):
+    with pytest.raises(eb.BatchError, match="`n` is"):
         eb.ensemble(make_mlp, n, key=getkey())
+
+
+@pytest.mark.parametrize("n", [3, np.int64(3)])
+def test_n_takes_numpy_integers(n, getkey):
+    key = getkey()
+    models = eb.ensemble(make_mlp, n, key=key)
+    assert models.layers[0].weight.shape == (3, 4, 2)
+    assert_trees_identical(models, eb.ensemble(make_mlp, 3, key=key))
 
 
 def test_traced_n(getkey):

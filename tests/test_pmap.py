@@ -168,12 +168,13 @@ def test_dict_in_axes_and_keyword_arguments():
     assert tree_allclose(ours, expected)
 
 
-def test_axis_size_without_mapped_arguments():
+@pytest.mark.parametrize("axis_size", [6, np.int64(6)])
+def test_axis_size_without_mapped_arguments(axis_size):
     f = eb.filter_pmap(
         lambda x: x + jax.lax.axis_index("i").astype(jnp.float32),
         in_axes=None,
         axis_name="i",
-        axis_size=6,
+        axis_size=axis_size,
     )
     out = f(jnp.float32(1.0))
     assert_trees_identical(out, jnp.arange(1.0, 7.0, dtype=jnp.float32))
@@ -361,8 +362,9 @@ def test_dict_naming_a_parameter_left_at_its_default_is_refused():
     "kwargs, message",
     [
         ({"devices": []}, "devices is empty"),
-        ({"axis_size": -1}, "axis_size=-1"),
-        ({"axis_size": 2.0}, "axis_size=2.0"),
+        ({"axis_size": -1}, "`axis_size` is -1"),
+        ({"axis_size": 2.0}, "`axis_size` is 2.0"),
+        ({"axis_size": True}, "`axis_size` is True"),
     ],
 )
 def test_error_bad_devices_or_axis_size(kwargs, message):

@@ -13,7 +13,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from helpers import assert_trees_identical
+from helpers import assert_members_identical, assert_trees_identical, raises
 from hypothesis import given, settings
 
 import eqx_batch as eb
@@ -39,13 +39,6 @@ def _mlps(n: int, key=None, **kwargs) -> list[eqx.nn.MLP]:
     return [eqx.nn.MLP(4, 3, 5, 2, key=k, **kwargs) for k in keys]
 
 
-def _assert_members_identical(a: list, b: list) -> None:
-    assert type(a) is list and type(b) is list
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert_trees_identical(x, y)
-
-
 # ------------------------------------------------------------------------------------
 # Happy paths.
 
@@ -56,7 +49,7 @@ def test_stack_mlps_and_back():
     assert stacked.layers[0].weight.shape == (3, 5, 4)
     assert stacked.activation is members[0].activation
     assert eb.batch_size(stacked) == 3
-    _assert_members_identical(eb.unstack(stacked), members)
+    assert_members_identical(eb.unstack(stacked), members)
 
 
 def test_unstack_filter_vmap_output():
@@ -89,7 +82,7 @@ def test_non_array_leaves_kept_once_and_given_to_every_member():
     assert stacked["tag"] == "x" and stacked["n"] is None
     back = eb.unstack(stacked)
     assert all(m["lr"] == 0.5 and m["tag"] == "x" for m in back)
-    _assert_members_identical(back, members)
+    assert_members_identical(back, members)
 
 
 def test_numpy_stays_numpy_and_jax_stays_jax():
@@ -100,7 +93,7 @@ def test_numpy_stays_numpy_and_jax_stays_jax():
     stacked = eb.stack(members)
     assert type(stacked["np"]) is np.ndarray
     assert isinstance(stacked["jax"], jax.Array)
-    _assert_members_identical(eb.unstack(stacked), members)
+    assert_members_identical(eb.unstack(stacked), members)
 
 
 def test_axes_int_and_none():
@@ -111,7 +104,7 @@ def test_axes_int_and_none():
     assert stacked["shared"] is shared
     back = eb.unstack(stacked, axes={"w": 1, "shared": None})
     assert all(m["shared"] is shared for m in back)
-    _assert_members_identical(back, members)
+    assert_members_identical(back, members)
     assert eb.batch_size(stacked, axes={"w": -2, "shared": None}) == 4
 
 
@@ -134,7 +127,7 @@ def test_concat():
     b = eb.stack(_mlps(3, jr.key(2)))
     joined = eb.concat([a, b])
     assert eb.batch_size(joined) == 5
-    _assert_members_identical(eb.unstack(joined), eb.unstack(a) + eb.unstack(b))
+    assert_members_identical(eb.unstack(joined), eb.unstack(a) + eb.unstack(b))
     nested = {"w": jnp.zeros((2, 3)), "n": np.ones((3, 2))}
     joined = eb.concat([nested, nested], axes={"w": 0, "n": 1})
     assert joined["w"].shape == (4, 3) and joined["n"].shape == (3, 4)
@@ -145,7 +138,7 @@ def test_one_member_and_zero_size_leaves():
     members = [{"empty": jnp.zeros((0, 2)), "scalar": jnp.float32(3.0)}]
     stacked = eb.stack(members)
     assert stacked["empty"].shape == (1, 0, 2) and stacked["scalar"].shape == (1,)
-    _assert_members_identical(eb.unstack(stacked), members)
+    assert_members_identical(eb.unstack(stacked), members)
 
 
 def test_typed_and_legacy_keys():
@@ -153,7 +146,7 @@ def test_typed_and_legacy_keys():
     stacked = eb.stack(members)
     assert jnp.issubdtype(stacked["key"].dtype, jax.dtypes.prng_key)
     assert stacked["key"].shape == (3,) and stacked["legacy"].shape == (3, 2)
-    _assert_members_identical(eb.unstack(stacked), members)
+    assert_members_identical(eb.unstack(stacked), members)
     keys = jr.split(jr.key(5), 4)
     assert_trees_identical(eb.stack(eb.unstack(keys)), keys)
     assert_trees_identical(eb.index(keys, 2), keys[2])
@@ -165,7 +158,7 @@ def test_float64_under_x64():
         members = [jnp.array([i, -0.0, np.nan], dtype=jnp.float64) for i in range(3)]
         stacked = eb.stack(members)
         assert stacked.dtype == jnp.float64
-        _assert_members_identical(eb.unstack(stacked), members)
+        assert_members_identical(eb.unstack(stacked), members)
 
 
 def test_weak_type_round_trips():
@@ -374,7 +367,7 @@ def test_unstack_of_stack_is_identity(spec, n, seed):
     stacked = eb.stack(members)
     if _has_mapped_leaf(stacked):
         assert eb.batch_size(stacked) == n
-        _assert_members_identical(eb.unstack(stacked), members)
+        assert_members_identical(eb.unstack(stacked), members)
         for i in (0, n - 1, -1):
             assert_trees_identical(eb.index(stacked, i), members[i])
     else:
@@ -408,120 +401,16 @@ def test_unstack_under_jit_matches_eager(spec, n, seed):
     as_jax = jtu.tree_map(lambda x: jnp.asarray(x) if eqx.is_array(x) else x, stacked)
     eager = eb.unstack(as_jax)
     traced = eqx.filter_jit(eb.unstack)(as_jax)
-    _assert_members_identical(traced, eager)
+    assert_members_identical(traced, eager)
 
 
 # ------------------------------------------------------------------------------------
 # Errors: each is a BatchError naming the leaf by argument name and path.
 
 
-def _raises(match: str, fn: Callable[[], Any], *names: str) -> str:
-    with pytest.raises(eb.BatchError, match=match) as info:
-        fn()
-    message = str(info.value)
-    for name in names:
-        assert name in message, f"{name!r} not in {message!r}"
-    assert isinstance(info.value, ValueError)
-    return message
-
-
-def test_stack_empty():
-    _raises("empty", lambda: eb.stack([]), "`trees`")
-    _raises("empty", lambda: eb.concat([]), "`trees`")
-
-
-def test_stack_different_structure():
-    a = {"layer1": [1.0, jnp.zeros(2)], "layer2": {"weights": jnp.zeros(2)}}
-    b = {"layer1": [1.0, jnp.zeros(2)], "layer2": {"weight": jnp.zeros(2)}}
-    _raises("same structure", lambda: eb.stack([a, a, a, b]), "trees[3]['layer2']")
-    c = {"layer1": [1.0], "layer2": {"weights": jnp.zeros(2)}}
-    _raises("length 1", lambda: eb.stack([a, c]), "trees[1]['layer1']")
-    _raises("same structure", lambda: eb.concat([a, b]), "trees[1]['layer2']")
-
-
-def test_stack_different_static_field():
-    a = Block(jnp.zeros(2), 1.0, jax.nn.relu, name="a")
-    b = Block(jnp.zeros(2), 1.0, jax.nn.relu, name="b")
-    message = _raises("same structure", lambda: eb.stack([a, b]), "trees[1].name")
-    assert "'a'" in message and "'b'" in message
-    mlp = _mlps(1)[0]
-    deeper = eqx.nn.MLP(4, 3, 5, 3, key=jr.key(0))
-    _raises("static field", lambda: eb.stack([mlp, deeper]), "trees[1].depth", "3")
-
-
-def test_stack_shape_mismatch():
-    members = _mlps(2)
-    odd = eqx.tree_at(lambda m: m.layers[1].weight, members[0], jnp.zeros((5, 6)))
-    message = _raises(
-        "shape", lambda: eb.stack([*members, odd]), "trees[2].layers[1].weight"
-    )
-    assert "(5, 6)" in message and "(5, 5)" in message
-
-
-def test_stack_dtype_mismatch():
-    a, b = {"w": jnp.zeros(2)}, {"w": jnp.zeros(2, jnp.int32)}
-    _raises("dtype", lambda: eb.stack([a, b]), "trees[1]['w']", "int32", "float32")
-
-
-def test_stack_different_activation():
-    # The partition/combine idiom would silently keep member 0's activation.
-    relu = _mlps(1)[0]
-    tanh = eqx.nn.MLP(4, 3, 5, 2, activation=jax.nn.tanh, key=jr.key(0))
-    message = _raises(
-        "must be equal", lambda: eb.stack([relu, relu, tanh]), "trees[2].activation"
-    )
-    assert "relu" in message and "tanh" in message
-
-
-def test_stack_two_lambdas_differ():
-    a, b = {"f": lambda x: x}, {"f": lambda x: x}
-    _raises("different objects", lambda: eb.stack([a, b]), "trees[1]['f']")
-
-
-def test_stack_python_scalar_differs():
-    a, b = {"lr": 0.1, "w": jnp.zeros(1)}, {"lr": 0.2, "w": jnp.zeros(1)}
-    _raises("make it an array", lambda: eb.stack([a, b]), "trees[1]['lr']", "0.2")
-    c = {"lr": 1, "w": jnp.zeros(1)}
-    _raises("same type", lambda: eb.stack([{"lr": 1.0, "w": jnp.zeros(1)}, c]), "int")
-    d = {"lr": -0.0, "w": jnp.zeros(1)}
-    _raises("must be equal", lambda: eb.stack([{"lr": 0.0, "w": jnp.zeros(1)}, d]))
-
-
-def test_stack_shared_leaf_differs():
-    axes = {"w": 0, "shared": None}
-    a = {"w": jnp.zeros(2), "shared": jnp.arange(3.0)}
-    b = {"w": jnp.zeros(2), "shared": jnp.arange(3.0) + 1}
-    _raises("other values", lambda: eb.stack([a, b], axes=axes), "trees[1]['shared']")
-    c = {"w": jnp.zeros(2), "shared": jnp.arange(4.0)}
-    _raises("float32\\[4\\]", lambda: eb.stack([a, c], axes=axes), "trees[1]")
-    equal = {"w": jnp.ones(2), "shared": jnp.arange(3.0)}
-    assert eb.stack([a, equal], axes=axes)["shared"] is a["shared"]
-
-
-def test_stack_shared_traced_leaf():
-    axes = {"w": 0, "shared": None}
-
-    @jax.jit
-    def f(x, y):
-        return eb.stack([{"w": x, "shared": x}, {"w": y, "shared": y}], axes=axes)
-
-    with pytest.raises(eb.BatchError, match="traced") as info:
-        f(jnp.zeros(2), jnp.ones(2))
-    assert "trees[1]['shared']" in str(info.value)
-
-
-def test_stack_array_versus_non_array():
-    a, b = {"w": jnp.zeros(2)}, {"w": 2.0}
-    _raises("not an array", lambda: eb.stack([a, b], axes=0), "trees[1]['w']")
-    _raises("must be equal", lambda: eb.stack([b, a]), "trees[1]['w']")
-    # Member 0 itself not an array: the message is about member 0 alone.
-    message = _raises("not an array", lambda: eb.stack([b, a], axes=0), "trees[0]['w']")
-    assert "trees[1]" not in message
-
-
 def test_stack_axis_out_of_range():
     a = {"w": jnp.zeros(2)}
-    _raises("out of range", lambda: eb.stack([a, a], axes=2), "trees[0]['w']")
+    raises("out of range", lambda: eb.stack([a, a], axes=2), "trees[0]['w']")
 
 
 def test_member_axis_sizes_disagree():
@@ -537,10 +426,10 @@ def test_member_axis_sizes_disagree():
         lambda t: eb.index(t, 0),
         lambda t: eb.take(t, [0]),
     ):
-        message = _raises("disagree", lambda fn=fn: fn(tree), "tree['b']", "tree['d']")
+        message = raises("disagree", lambda fn=fn: fn(tree), "tree['b']", "tree['d']")
         assert "4" in message and "5" in message and "tree['a']" in message
     bad = {"w": jnp.zeros((2, 3)), "v": jnp.zeros((3, 3))}
-    _raises(
+    raises(
         "disagree",
         lambda: eb.concat([{"w": jnp.zeros((2, 3)), "v": jnp.zeros((2, 3))}, bad]),
         "trees[1]['v']",
@@ -555,8 +444,8 @@ def test_zero_d_leaf():
         lambda t: eb.index(t, 0),
         lambda t: eb.take(t, [0]),
     ):
-        _raises("0-d", lambda fn=fn: fn(tree), "tree['t']", "None")
-    _raises("0-d", lambda: eb.concat([tree, tree]), "trees[0]['t']")
+        raises("0-d", lambda fn=fn: fn(tree), "tree['t']", "None")
+    raises("0-d", lambda: eb.concat([tree, tree]), "trees[0]['t']")
 
 
 def test_no_array_leaf():
@@ -566,8 +455,8 @@ def test_no_array_leaf():
         lambda t: eb.index(t, 0),
         lambda t: eb.take(t, [0]),
     ):
-        _raises("no array leaf", lambda fn=fn: fn({"a": 1.0, "b": "x"}))
-    _raises("no array leaf", lambda: eb.unstack({"w": jnp.zeros(3)}, axes=None))
+        raises("no array leaf", lambda fn=fn: fn({"a": 1.0, "b": "x"}))
+    raises("no array leaf", lambda: eb.unstack({"w": jnp.zeros(3)}, axes=None))
 
 
 def test_traced_negative_indices_count_from_the_end():
@@ -585,10 +474,10 @@ def test_traced_negative_indices_count_from_the_end():
 def test_uint64_indices_are_range_checked_before_casting():
     tree = {"w": jnp.arange(3.0)}
     huge = np.array([2**64 - 1], np.uint64)  # -1 if cast to int64 first
-    _raises("out of range", lambda: eb.take(tree, huge), str(2**64 - 1))
-    _raises("out of range", lambda: eb.take(tree, [2**63 + 5]))
+    raises("out of range", lambda: eb.take(tree, huge), str(2**64 - 1))
+    raises("out of range", lambda: eb.take(tree, [2**63 + 5]))
     index: Any = eb.index  # NumPy integers are accepted, though not `int`s
-    _raises("out of range", lambda: index(tree, np.uint64(2**64 - 1)))
+    raises("out of range", lambda: index(tree, np.uint64(2**64 - 1)))
     assert eb.take(tree, np.array([2], np.uint64))["w"].tolist() == [2.0]
     assert index(tree, np.uint64(1))["w"] == 1.0
 
@@ -596,9 +485,9 @@ def test_uint64_indices_are_range_checked_before_casting():
 @pytest.mark.parametrize("index", [True, False, np.bool_(True), np.array(True)])
 def test_bools_are_refused_as_indices(index):
     tree = {"w": jnp.arange(3.0)}
-    _raises("bool", lambda: eb.index(tree, index))
-    _raises("integers", lambda: eb.take(tree, [index]))
-    _raises("integers", lambda: eb.take(tree, [1, index]))
+    raises("bool", lambda: eb.index(tree, index))
+    raises("integers", lambda: eb.take(tree, [index]))
+    raises("integers", lambda: eb.take(tree, [1, index]))
     with pytest.raises(eb.BatchError, match="integer"):
         jax.jit(eb.index)(tree, jnp.asarray(index))
 
@@ -616,7 +505,7 @@ def test_bools_are_refused_as_indices(index):
 )
 def test_stack_takes_a_sequence_of_members(trees, words):
     for fn, verb in ((eb.stack, "stack"), (eb.concat, "concat")):
-        message = _raises(f"{verb} takes a sequence", lambda fn=fn: fn(trees))
+        message = raises(f"{verb} takes a sequence", lambda fn=fn: fn(trees))
         assert words in message and "[trees]" in message
 
 
@@ -628,49 +517,21 @@ def test_stack_accepts_tuples_and_iterators():
     assert_trees_identical(eb.stack(m for m in members), expected)
 
 
-def test_weak_and_strong_members_are_refused():
-    mixed = [jnp.asarray(1.0), jnp.ones(())]
-    message = _raises("weakly typed", lambda: eb.stack(mixed), "trees[0]", "trees[1]")
-    assert "jnp.asarray(x, dtype=jnp.float32)" in message
-    _raises("weakly typed", lambda: eb.stack(mixed[::-1]))
-    _raises("weakly typed", lambda: eb.stack([np.float32(1.0), jnp.asarray(1.0)]))
-    _raises("weakly typed", lambda: eb.concat([jnp.full(2, 1.0), jnp.ones(2)]))
-    # The advised fix makes a round trip exact.
-    fixed = [jnp.asarray(x, dtype=jnp.float32) for x in mixed]
-    _assert_members_identical(eb.unstack(eb.stack(fixed)), fixed)
-    weak = [jnp.asarray(1.0), jnp.asarray(2.0)]
-    _assert_members_identical(eb.unstack(eb.stack(weak)), weak)
-
-
-def test_python_scalar_then_array_gets_advice_that_stacks():
-    members = [{"a": 1.0}, {"a": jnp.array(1.0)}]
-    message = _raises("kept once", lambda: eb.stack(members), "trees[1]['a']")
-    assert "`jnp.asarray(1.0)` in `trees[0]['a']`" in message
-    # Following the advice stacks the leaf.
-    advised = [{"a": jnp.asarray(1.0)}, {"a": jnp.array(1.0)}]
-    assert eb.stack(advised)["a"].tolist() == [1.0, 1.0]
-
-
 def test_index_out_of_range():
     tree = {"w": jnp.zeros((3, 2))}
-    _raises("out of range", lambda: eb.index(tree, 3), "3 members", "-3 to 2")
-    _raises("out of range", lambda: eb.index(tree, -4), "-4")
-    _raises("integer", lambda: eb.index(tree, 1.0))  # pyright: ignore[reportArgumentType]
-    _raises("out of range", lambda: eb.take(tree, [0, 3, -5]), "[3, -5]")
-    _raises("1-d", lambda: eb.take(tree, 1))
-    _raises("1-d", lambda: eb.take(tree, [0.5]))
-    _raises("1-d", lambda: eqx.filter_jit(eb.take)(tree, jnp.array(1)))
+    raises("out of range", lambda: eb.index(tree, 3), "3 members", "-3 to 2")
+    raises("out of range", lambda: eb.index(tree, -4), "-4")
+    raises("integer", lambda: eb.index(tree, 1.0))  # pyright: ignore[reportArgumentType]
+    raises("out of range", lambda: eb.take(tree, [0, 3, -5]), "[3, -5]")
+    raises("1-d", lambda: eb.take(tree, 1))
+    raises("1-d", lambda: eb.take(tree, [0.5]))
+    raises("1-d", lambda: eqx.filter_jit(eb.take)(tree, jnp.array(1)))
     assert eb.take(tree, [])["w"].shape == (0, 2)
 
 
-def test_concat_shape_mismatch_off_member_axis():
-    a, b = {"w": jnp.zeros((2, 3))}, {"w": jnp.zeros((2, 4))}
-    _raises("apart from member axis", lambda: eb.concat([a, b]), "trees[1]['w']")
-
-
 def test_bad_axis_spec():
-    _raises("axis spec", lambda: eb.stack([{"w": jnp.zeros(2)}], axes="x"))
-    _raises("prefix", lambda: eb.unstack({"w": jnp.zeros(2)}, axes={"v": 0}))
+    raises("axis spec", lambda: eb.stack([{"w": jnp.zeros(2)}], axes="x"))
+    raises("prefix", lambda: eb.unstack({"w": jnp.zeros(2)}, axes={"v": 0}))
 
 
 @pytest.mark.parametrize(
@@ -681,7 +542,7 @@ def test_bad_axis_spec():
     ],
 )
 def test_non_array_with_member_axis(call):
-    _raises("not an array", call, "['w']")
+    raises("not an array", call, "['w']")
 
 
 # ------------------------------------------------------------------------------------
@@ -705,7 +566,7 @@ def test_grid_from_double_filter_vmap():
     # Each member is the model that its own key makes.
     expected = [[eqx.nn.MLP(4, 3, 5, 2, key=k) for k in row] for row in keys]
     for row, expected_row in zip(rows, expected, strict=True):
-        _assert_members_identical(row, expected_row)
+        assert_members_identical(row, expected_row)
     assert_trees_identical(eb.stack(rows, ndim=2), grid)
     # ndim=1 still sees the rows: each a stacked model of 5 members.
     assert eb.batch_size(grid) == 3
@@ -757,7 +618,7 @@ def test_grid_under_jit_matches_eager():
     traced = eqx.filter_jit(unstack2)(grid)
     eager = unstack2(grid)
     for row, eager_row in zip(traced, eager, strict=True):
-        _assert_members_identical(row, eager_row)
+        assert_members_identical(row, eager_row)
     restacked = eqx.filter_jit(ft.partial(eb.stack, ndim=2))(eager)
     assert_trees_identical(restacked, grid)
 
@@ -791,7 +652,7 @@ def test_stack_of_unstack_is_identity_for_grids(spec, grid, seed):
     assert_trees_identical(eb.stack(rows, ndim=2), stacked)
     # Row r of the grid is member r of the outer axis.
     for r, row in enumerate(rows):
-        _assert_members_identical(row, eb.unstack(eb.index(stacked, r)))
+        assert_members_identical(row, eb.unstack(eb.index(stacked, r)))
 
 
 @FAST
@@ -810,28 +671,36 @@ def test_unstack_of_stack_is_identity_for_grids(spec, grid, seed):
     again = eb.unstack(stacked, ndim=2)
     assert len(again) == grid[0]
     for row, row_again in zip(rows, again, strict=True):
-        _assert_members_identical(row_again, row)
+        assert_members_identical(row_again, row)
 
 
-@pytest.mark.parametrize("ndim", [0, -1, True, 1.5, "2", None])
+@pytest.mark.parametrize("ndim", [0, -1, True, np.bool_(True), 1.5, "2", None])
 def test_bad_ndim(ndim):
     tree = {"w": jnp.zeros((2, 3))}
     for call in (eb.stack, eb.unstack, eb.batch_size):
         arg = [tree] if call is eb.stack else tree
-        _raises("`ndim`", lambda: call(arg, ndim=ndim))  # noqa: B023
+        raises("`ndim`", lambda: call(arg, ndim=ndim))  # noqa: B023
+
+
+@pytest.mark.parametrize("one, two", [(1, 2), (np.int64(1), np.int64(2))])
+def test_ndim_takes_numpy_integers(one, two):
+    tree = {"w": jnp.arange(6.0).reshape(2, 3)}
+    assert eb.batch_size(tree, ndim=two) == (2, 3)
+    assert len(eb.unstack(tree, ndim=two)) == 2
+    assert_trees_identical(eb.stack([tree, tree], ndim=one), eb.stack([tree, tree]))
 
 
 def test_grid_rows_of_different_lengths():
     row = [{"w": jnp.zeros(2)}] * 4
-    message = _raises(
+    message = raises(
         "same length",
         lambda: eb.stack([row, row[:3]], ndim=2),
         "`trees[1]` has 3 members where `trees[0]` has 4",
     )
     assert "Pad or trim" in message
     cube = [[row, row], [row, row[:3]]]
-    _raises("has 3 members where", lambda: eb.stack(cube, ndim=3), "`trees[1][1]`", "4")
-    _raises(
+    raises("has 3 members where", lambda: eb.stack(cube, ndim=3), "`trees[1][1]`", "4")
+    raises(
         "same shape",
         lambda: eb.stack([[row, row], [row]], ndim=3),
         "`trees[1]` has shape (1, 4) where `trees[0]` has shape (2, 4)",
@@ -840,50 +709,35 @@ def test_grid_rows_of_different_lengths():
 
 def test_grid_rows_must_be_sequences():
     member = {"w": jnp.zeros(2)}
-    _raises(
+    raises(
         "sequence of members",
         lambda: eb.stack([[member], member], ndim=2),
         "`trees[1]`",
     )
-    _raises("sequence of members", lambda: eb.stack([member], ndim=2), "`trees[0]`")
-    _raises("sequence of members", lambda: eb.stack(member, ndim=2), "`trees`")
-    _raises("empty", lambda: eb.stack([[], []], ndim=2), "`trees`")
-
-
-def test_grid_members_named_by_row_and_column():
-    grid = [[{"w": jnp.zeros(2), "lr": 0.1}] * 3 for _ in range(2)]
-    grid[1] = [*grid[1][:2], {"w": jnp.zeros(3), "lr": 0.1}]
-    _raises(
-        "shape",
-        lambda: eb.stack(grid, ndim=2),
-        "`trees[1][2]['w']`",
-        "`trees[0][0]['w']`",
-    )
-    grid[1][2] = {"w": jnp.zeros(2), "lr": 0.2}
-    _raises("kept once", lambda: eb.stack(grid, ndim=2), "`trees[1][2]['lr']`")
-    grid[1][2] = {"w": jnp.zeros(2)}
-    _raises("same structure", lambda: eb.stack(grid, ndim=2), "`trees[1][2]`")
+    raises("sequence of members", lambda: eb.stack([member], ndim=2), "`trees[0]`")
+    raises("sequence of members", lambda: eb.stack(member, ndim=2), "`trees`")
+    raises("empty", lambda: eb.stack([[], []], ndim=2), "`trees`")
 
 
 def test_grid_leaf_with_too_few_axes():
     tree = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(2)}
-    message = _raises("does not have", lambda: eb.unstack(tree, ndim=2), "`tree['b']`")
+    message = raises("does not have", lambda: eb.unstack(tree, ndim=2), "`tree['b']`")
     assert "(2,)" in message and "axis spec None" in message
-    _raises(
+    raises(
         "does not have",
         lambda: eb.batch_size(tree, axes={"w": 1, "b": None}, ndim=2),
         "`tree['w']`",
     )
-    _raises("0-d", lambda: eb.unstack({"w": jnp.zeros(())}, ndim=2), "`tree['w']`")
+    raises("0-d", lambda: eb.unstack({"w": jnp.zeros(())}, ndim=2), "`tree['w']`")
 
 
 def test_grid_sizes_disagree():
     tree = {"a": jnp.zeros((2, 3)), "b": jnp.zeros((2, 4)), "c": jnp.zeros((2, 3, 1))}
-    message = _raises("member axis 1 of 2", lambda: eb.unstack(tree, ndim=2))
+    message = raises("member axis 1 of 2", lambda: eb.unstack(tree, ndim=2))
     assert "`tree['b']`: 4" in message and "`tree['a']`: 3" in message
 
 
 def test_grid_stack_axis_out_of_range():
     rows = [[jnp.zeros(2)] * 3] * 2
-    _raises("out of range", lambda: eb.stack(rows, axes=-1, ndim=2), "`trees[0][0]`")
-    _raises("out of range", lambda: eb.stack(rows, axes=2, ndim=2), "`trees[0][0]`")
+    raises("out of range", lambda: eb.stack(rows, axes=-1, ndim=2), "`trees[0][0]`")
+    raises("out of range", lambda: eb.stack(rows, axes=2, ndim=2), "`trees[0][0]`")

@@ -1,19 +1,27 @@
-"""The shared helpers in `_tree.py` and `_errors.py`."""
+"""The shared helpers in `_tree.py`: leaf predicates, the key codec, axis specs."""
 
 import equinox as eqx
 import hypothesis.strategies as st
+import jax
 import jax.numpy as jnp
+import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
+from helpers import assert_trees_identical
 from hypothesis import given, settings
 
 import eqx_batch as eb
-from eqx_batch._errors import bullet_list, describe, leaf_name
 from eqx_batch._tree import (
+    as_key_data,
+    as_keys_like,
     common_size,
+    host_array,
     is_array,
     is_int,
+    is_numpy,
+    is_tracer,
+    is_weak,
     mapped_leaves,
     normalise_axis,
     resolve_axes,
@@ -27,42 +35,39 @@ def test_is_int_refuses_bools():
         resolve_axes({"a": jnp.ones(2)}, lambda leaf: True, "tree")
 
 
-def test_batch_error_is_a_value_error():
-    assert issubclass(eb.BatchError, ValueError)
-
-
-def test_leaf_name_uses_keystr():
-    tree = {"layer2": {"weights": 1}, "layers": [0, (1, 2)]}
-    paths = [path for path, _ in jtu.tree_flatten_with_path(tree)[0]]
-    names = [leaf_name("trees[3]", path) for path in paths]
-    assert "trees[3]['layer2']['weights']" in names
-    assert "trees[3]['layers'][1][0]" in names
-    mlp_paths = jtu.tree_flatten_with_path(
-        eqx.nn.Linear(2, 2, key=jnp.zeros(2, "uint32"))
-    )
-    assert leaf_name("model", mlp_paths[0][0][0]) == "model.weight"
-    assert leaf_name("tree", ()) == "tree"
-
-
-def test_describe():
-    assert describe(jnp.zeros((3, 4))) == "float32[3,4]"
-    assert describe(np.zeros((), np.int8)) == "int8[]"
-    assert describe(np.float32(1.0)) == "float32[]"
-    assert describe("abc") == "'abc'"
-    long = describe("x" * 200)
-    assert len(long) == 80 and long.endswith("...")
-
-
-def test_bullet_list():
-    assert bullet_list(["a", "b"]) == "  a\n  b"
-    text = bullet_list([str(i) for i in range(25)], limit=20)
-    assert text.splitlines()[-1] == "  ... and 5 more"
-    assert len(text.splitlines()) == 21
-
-
 def test_is_array():
     assert is_array(jnp.zeros(2)) and is_array(np.zeros(2)) and is_array(np.float32(1))
     assert not is_array(1.0) and not is_array("a") and not is_array(None)
+
+
+def test_leaf_predicates():
+    assert is_numpy(np.zeros(2)) and is_numpy(np.float32(1))
+    assert not is_numpy(jnp.zeros(2)) and not is_numpy(1.0)
+    assert is_weak(jnp.asarray(1.0)) and not is_weak(jnp.float32(1.0))
+    assert not is_weak(jr.key(0)) and not is_weak(np.zeros(2))
+    assert not is_tracer(jnp.zeros(2))
+    assert jax.jit(lambda x: jnp.asarray(is_tracer(x)))(jnp.zeros(2))
+
+
+def test_host_array_gives_key_data_for_keys():
+    keys = jr.split(jr.key(0), 3)
+    assert_trees_identical(host_array(keys), np.asarray(jr.key_data(keys)))
+    assert_trees_identical(host_array(jnp.arange(3)), np.arange(3, dtype=np.int32))
+
+
+def test_key_codec_round_trips():
+    tree = {"key": jr.key(1), "spec": jax.ShapeDtypeStruct((2,), jr.key(0).dtype)}
+    tree["x"] = jnp.arange(2.0)
+    raw = as_key_data(tree)
+    assert raw["key"].dtype == jnp.uint32 and raw["spec"].shape == (2, 2)
+    assert_trees_identical(raw["key"], jr.key_data(tree["key"]))
+    back = as_keys_like(raw, tree)
+    assert_trees_identical(back["key"], tree["key"])
+    assert back["x"] is tree["x"]
+    # A `ShapeDtypeStruct` key in `like` makes key data a key of its implementation.
+    data = jr.key_data(jr.split(jr.key(2), 2))
+    spec = as_keys_like({"spec": data}, {"spec": tree["spec"]})["spec"]
+    assert_trees_identical(spec, jr.wrap_key_data(data))
 
 
 def test_resolve_axes_prefix_and_callables():

@@ -143,9 +143,9 @@ def run_chains(
         checkpointed to its own files, `checkpoint.chains-A-B` for chains `A` to `B`
         (and its draw files), under the one lock of `checkpoint`; a finished chunk is
         read back when the run resumes. Checkpoints of the same path written with
-        another `chunk_size` (or none) are not read, and a warning names it. The progress bar counts the steps of every
-        chunk. `None` (the default), or at least the number of chains, runs them all
-        at once.
+        another `chunk_size` (or none) are not read, and a warning names it. The
+        progress bar counts the steps of every chunk. `None` (the default), or at
+        least the number of chains, runs them all at once.
 
     **Returns:**
 
@@ -197,8 +197,8 @@ def run_chains(
             chunk_size,
             "chunk_size",
             minimum=1,
-            hint=" (how many chains to run at a time), or None to run every chain at "
-            "once",
+            hint="It is how many chains to run at a time; None runs every chain at "
+            "once.",
         )
     init_arrays, shared = eqx.partition(init, is_array)
     num_chains = _chain_count(init_arrays)

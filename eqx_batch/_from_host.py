@@ -1,0 +1,117 @@
+"""New JAX arrays from host NumPy data, placed and typed like the arrays they came from.
+
+Concrete arrays that live on the CPU are stacked and split through host NumPy (a view,
+not a copy); this module turns the host results back into JAX arrays. A stacked leaf
+is one array made with `jax.device_put`. `jax.device_put` makes strongly typed arrays,
+so weakly typed leaves (stacked Python scalars) pass through an identity program
+compiled for a weak argument, whose result is weak. The pieces of a split leaf come
+from one small compiled identity program per *structure*: it takes a chunk of `_CHUNK`
+member rows of every split leaf and returns them, so JAX's compiled-call path creates
+the arrays in bulk. Its cache key is the member shapes and dtypes, never the number of
+members, and compiling an identity is cheap.
+"""
+
+import functools as ft
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from ._tree import is_key, is_weak, make_weak
+
+
+def on_cpu(x: jax.Array) -> bool:
+    """Whether a concrete JAX array can go through host NumPy without a transfer."""
+    return x.is_fully_addressable and all(
+        device.platform == "cpu" for device in x.sharding.device_set
+    )
+
+
+class Placement(NamedTuple):
+    """Where new arrays derived from a concrete array go."""
+
+    committed_to: jax.sharding.Sharding | None  # committed there, if not None
+    device: Any  # else uncommitted, on this device (None: the default device)
+
+
+def placement_of(x: jax.Array) -> Placement:
+    """Where new arrays derived from the concrete array `x` go."""
+    sharding = x.sharding
+    if x.committed and isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return Placement(sharding, None)
+    # Uncommitted arrays stay where they are; pieces of an array sharded over several
+    # devices go, uncommitted, to the default device like `jnp` results.
+    devices = sharding.device_set
+    return Placement(None, next(iter(devices)) if len(devices) == 1 else None)
+
+
+def key_impl(x: Any) -> Any:
+    """The PRNG implementation of `x` if it holds typed keys, else `None`."""
+    return jax.random.key_impl(x) if is_key(x) else None
+
+
+def put_like(host: np.ndarray, like: jax.Array) -> jax.Array:
+    """A new JAX array holding `host`, placed and typed (weak, key) like `like`."""
+    placement = placement_of(like)
+    if placement.committed_to is not None:
+        out = jax.device_put(host, placement.committed_to)
+    else:
+        with jax.default_device(placement.device):
+            out = jax.device_put(host)
+    if is_weak(like):
+        return make_weak([out])[0]
+    impl = key_impl(like)
+    return out if impl is None else jax.random.wrap_key_data(out, impl=impl)
+
+
+# Members per call of the rows program. Its compile time grows with the number of
+# arrays it returns, its per-call overhead shrinks with it; 8 members keep the first
+# call about as fast as a transfer per piece, and later calls faster.
+_CHUNK = 8
+
+
+def _rows_identity(
+    columns: list[list[jax.Array]], key_impls: tuple[Any, ...]
+) -> list[list[jax.Array]]:
+    # Traced: the rows arrive as the program's arguments.
+    return [
+        column
+        if impl is None
+        else [jax.random.wrap_key_data(r, impl=impl) for r in column]
+        for column, impl in zip(columns, key_impls, strict=True)
+    ]
+
+
+@ft.cache
+def _rows_program(committed_to: jax.sharding.Sharding | None) -> Any:
+    if committed_to is None:
+        return jax.jit(_rows_identity, static_argnums=1)
+    return jax.jit(_rows_identity, static_argnums=1, out_shardings=committed_to)
+
+
+def rows_as_arrays(
+    hosts: list[np.ndarray], key_impls: tuple[Any, ...], placement: Placement
+) -> list[list[jax.Array]]:
+    """For each host array (member axis first), its rows as new JAX arrays.
+
+    `jax.device_put` of a list spends most of its time in Python, deriving the abstract
+    value and sharding of every piece. A compiled call takes its NumPy arguments and
+    makes its results in C++, so an identity program over `_CHUNK` rows of every leaf
+    (wrapping key data into typed keys) creates the pieces in bulk. The program is the
+    same for every chunk and every member count of this structure.
+    """
+    size = len(hosts[0])
+    columns: list[list[jax.Array]] = [[] for _ in hosts]
+    if size == 0:
+        return columns
+    program = _rows_program(placement.committed_to)
+    chunk = min(_CHUNK, size)
+    with jax.default_device(placement.device):
+        for start in range(0, size, chunk):
+            # The last chunk overlaps the one before instead of being shorter, so
+            # that it runs the same program.
+            first = min(start, size - chunk)
+            rows = [list(host[first : first + chunk]) for host in hosts]
+            for column, pieces in zip(columns, program(rows, key_impls), strict=True):
+                column.extend(pieces[start - first :])
+    return columns

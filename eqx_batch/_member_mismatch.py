@@ -1,0 +1,269 @@
+"""Why the members given to `stack` or `concat` cannot be joined, in the user's names.
+
+Members are named by their place in the user's sequence or grid (`trees[3]`,
+`trees[0][3]`). A leaf kept once (not stacked) must be equal across members, compared
+by type and value, floats and arrays bit for bit; members must have one structure, and
+where they do not, the first path where they differ is named with both nodes; a
+mapped leaf must have one dtype, weak type and member shape.
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax.tree_util as jtu
+import numpy as np
+
+from ._errors import BatchError, describe, KeyPath, leaf_name
+from ._tree import host_array, is_array, is_tracer, is_weak
+
+
+_SAME_STRUCTURE_FIX = (
+    "stack and concat need members with the same structure: the same containers, "
+    "keys, module types and static fields."
+)
+
+
+class MemberGrid(NamedTuple):
+    """How the members given to `stack` or `concat` are arranged, for messages.
+
+    `shape` is `(n,)` for a sequence of `n` members, `(m, n)` for `m` rows of `n`
+    (`ndim=2`), and so on; members are numbered row by row.
+    """
+
+    argname: str
+    shape: tuple[int, ...]
+
+    def member(self, i: int) -> str:
+        """Member `i`'s name: `trees[3]`, or `trees[0][3]` in a grid."""
+        if len(self.shape) == 1:
+            return f"{self.argname}[{i}]"
+        indices = np.unravel_index(i, self.shape)
+        return self.argname + "".join(f"[{int(j)}]" for j in indices)
+
+
+# ------------------------------------------------------------------------------------
+# Equality of leaves that are kept once.
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Same type and value; floats bit-for-bit (so -0.0 and NaN round-trip)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if is_array(a):
+        if is_tracer(a) or is_tracer(b):
+            return False
+        if np.shape(a) != np.shape(b) or a.dtype != b.dtype:
+            return False
+        if is_weak(a) != is_weak(b):
+            return False
+        return host_array(a).tobytes() == host_array(b).tobytes()
+    if isinstance(a, float):
+        return (
+            a == b
+            and math.copysign(1, a) == math.copysign(1, b)
+            or (math.isnan(a) and math.isnan(b))
+        )
+    try:
+        equal = a == b
+    except Exception:
+        return False
+    return isinstance(equal, (bool, np.bool_)) and bool(equal)
+
+
+def check_kept_once(column: list[Any], path: KeyPath, member_grid: MemberGrid) -> None:
+    """Raises unless every member holds the same non-stacked leaf."""
+    first = column[0]
+    for i, leaf in enumerate(column[1:], start=1):
+        if same_value(first, leaf):
+            continue
+        here = leaf_name(member_grid.member(i), path)
+        there = leaf_name(member_grid.member(0), path)
+        if is_array(leaf) and not is_array(first):
+            raise BatchError(
+                f"`{here}` is an array ({describe(leaf)}) but `{there}` is "
+                f"{describe(first)} ({type(first).__name__}), not an array. "
+                "Member 0 decides a leaf's axis spec (`eqx.if_array(0)`, the default, "
+                "maps arrays only), so this leaf is kept once and must be equal across "
+                "members. To stack it, make it an array in every member, "
+                f"`jnp.asarray({describe(first)})` in `{there}` too; to keep it "
+                "once, give every member the same non-array value."
+            )
+        if is_array(first) or is_array(leaf):
+            if (is_tracer(first) or is_tracer(leaf)) and type(first) is type(leaf):
+                raise BatchError(
+                    f"`{here}` has axis spec None (shared: kept once), but it is a "
+                    f"traced array other than `{there}`, so it cannot be checked to be "
+                    "equal. Give it a member axis to stack it, or pass the same array "
+                    "object to every member."
+                )
+            what = f"is {describe(leaf)} but `{there}` is {describe(first)}"
+            if describe(leaf) == describe(first) and type(leaf) is type(first):
+                what = f"({describe(leaf)}) holds other values than `{there}`"
+            raise BatchError(
+                f"`{here}` {what}, "
+                "and the leaf has axis spec None (shared: kept once), so it must be "
+                "equal across members. Give it a member axis (e.g. "
+                "`axes=eqx.if_array(0)`) to stack it, or make the members equal."
+            )
+        message = (
+            f"`{here}` is {describe(leaf)} ({type(leaf).__name__}) but "
+            f"`{there}` is {describe(first)} ({type(first).__name__}). "
+            "Non-array leaves are kept once, so they must be equal (same type and "
+            "value) across members."
+        )
+        if isinstance(first, (bool, int, float, complex)) and isinstance(
+            leaf, (bool, int, float, complex)
+        ):
+            message += (
+                " To let it differ per member, make it an array "
+                "(`jnp.asarray(...)`) so that it is stacked."
+            )
+        elif callable(first):
+            message += (
+                " Two separately created functions (e.g. two lambdas) are different "
+                "objects; create the function once and share it."
+            )
+        raise BatchError(message)
+
+
+# ------------------------------------------------------------------------------------
+# Structure.
+
+
+def _node_summary(treedef: Any) -> str:
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        return "a leaf"
+    node_type, aux = treedef.node_data()
+    if node_type is dict:
+        return f"a dict with keys {list(aux)}"
+    if node_type in (list, tuple):
+        return f"a {node_type.__name__} of length {len(treedef.children())}"
+    if node_type is type(None):
+        return "None"
+    return (
+        f"a {node_type.__name__} with {len(treedef.children())} children and static "
+        f"data {describe(aux)}"
+    )
+
+
+def _first_difference(a: Any, b: Any, path: KeyPath) -> tuple[KeyPath, str, str]:
+    """The first path where `a` and `b` differ in structure, and the nodes there."""
+    treedef_a = jtu.tree_structure(a)
+    treedef_b = jtu.tree_structure(b)
+    is_node_a = not (treedef_a.num_nodes == 1 and treedef_a.num_leaves == 1)
+    is_node_b = not (treedef_b.num_nodes == 1 and treedef_b.num_leaves == 1)
+    if (
+        is_node_a
+        and is_node_b
+        and isinstance(a, eqx.Module)
+        and treedef_a.node_data()[0] is treedef_b.node_data()[0]
+    ):
+        for field in dataclasses.fields(a):
+            if field.metadata.get("static", False):
+                value_a = getattr(a, field.name, None)
+                value_b = getattr(b, field.name, None)
+                if not same_value(value_a, value_b):
+                    return (
+                        path + (jtu.GetAttrKey(field.name),),
+                        f"static field {describe(value_a)}",
+                        f"static field {describe(value_b)}",
+                    )
+    if (
+        is_node_a
+        and is_node_b
+        and treedef_a.node_data() == treedef_b.node_data()
+        and len(treedef_a.children()) == len(treedef_b.children())
+    ):
+        children_a, children_b = _children(a), _children(b)
+        for (key, child_a), (_, child_b) in zip(children_a, children_b, strict=True):
+            if jtu.tree_structure(child_a) != jtu.tree_structure(child_b):
+                return _first_difference(child_a, child_b, path + (key,))
+    return path, _node_summary(treedef_a), _node_summary(treedef_b)
+
+
+def _children(node: Any) -> list[tuple[Any, Any]]:
+    """The (key, child) pairs one level below `node`.
+
+    `jax.tree_util.flatten_one_level_with_keys` says this, but only from JAX 0.10.2 on.
+    """
+    flat = jtu.tree_flatten_with_path(node, is_leaf=lambda child: child is not node)[0]
+    return [(path[0], child) for path, child in flat]
+
+
+def flatten_members(
+    trees: Sequence[Any], member_grid: MemberGrid, verb: str
+) -> tuple[Any, list]:
+    """Flattens every member, raising at the first that differs from `trees[0]`."""
+    if len(trees) == 0:
+        raise BatchError(
+            f"`{member_grid.argname}` is empty: {verb} needs at least one member."
+        )
+    treedef = jtu.tree_structure(trees[0])
+    columns_by_member = []
+    for i, tree in enumerate(trees):
+        leaves, member_treedef = jtu.tree_flatten(tree)
+        if member_treedef != treedef:
+            path, first, other = _first_difference(trees[0], tree, ())
+            raise BatchError(
+                f"`{leaf_name(member_grid.member(i), path)}` is {other} but "
+                f"`{leaf_name(member_grid.member(0), path)}` is {first}. "
+                + _SAME_STRUCTURE_FIX
+            )
+        columns_by_member.append(leaves)
+    return treedef, columns_by_member
+
+
+# ------------------------------------------------------------------------------------
+# A column of mapped leaves.
+
+
+def check_mapped_column(
+    column: list[Any], path: KeyPath, member_grid: MemberGrid, axis: int | None
+) -> None:
+    """Every member leaf is an array with the shape and dtype of member 0's.
+
+    With `axis` given (concat), shapes may differ along that axis.
+    """
+    first = column[0]
+    there = leaf_name(member_grid.member(0), path)
+    if not is_array(first):
+        raise BatchError(
+            f"`{there}` is {describe(first)}, not an array, but is asked to have a "
+            "member axis. Make it an array, or give the leaf the axis spec None to "
+            "keep it once."
+        )
+    for i, leaf in enumerate(column[1:], start=1):
+        here = leaf_name(member_grid.member(i), path)
+        if not is_array(leaf):
+            raise BatchError(
+                f"`{here}` is {describe(leaf)}, not an array, but `{there}` is an "
+                f"array ({describe(first)}) with a member axis. Make it an array, or "
+                "give the leaf the axis spec None to keep it once."
+            )
+        if leaf.dtype != first.dtype:
+            raise BatchError(
+                f"`{here}` has dtype {leaf.dtype} but `{there}` has dtype "
+                f"{first.dtype}. Cast the members to one dtype before stacking."
+            )
+        if is_weak(leaf) != is_weak(first):
+            weak, strong = (here, there) if is_weak(leaf) else (there, here)
+            raise BatchError(
+                f"`{weak}` is weakly typed ({describe(leaf)}, as made from a Python "
+                f"scalar) but `{strong}` is not. A stacked array has one weak type, "
+                "so unstacking could not give both back. Make every member's leaf "
+                f"strongly typed: `jnp.asarray(x, dtype=jnp.{leaf.dtype})`."
+            )
+        shape, first_shape = list(np.shape(leaf)), list(np.shape(first))
+        if axis is not None and len(shape) == len(first_shape):
+            shape[axis] = first_shape[axis] = -1
+        if shape != first_shape:
+            what = "shape" if axis is None else f"shape (apart from member axis {axis})"
+            raise BatchError(
+                f"`{here}` has shape {tuple(np.shape(leaf))} but `{there}` has shape "
+                f"{tuple(np.shape(first))}; members need the same {what}."
+            )
