@@ -13,7 +13,12 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from helpers import assert_members_identical, assert_trees_identical, raises
+from helpers import (
+    assert_members_identical,
+    assert_trees_identical,
+    raises,
+    tree_allclose,
+)
 from hypothesis import given, settings
 
 import eqx_batch as eb
@@ -57,8 +62,12 @@ def test_unstack_filter_vmap_output():
     stacked = eqx.filter_vmap(lambda k: eqx.nn.MLP(2, 2, 8, 2, key=k))(keys)
     members = eb.unstack(stacked)
     assert len(members) == 4
-    expected = eqx.nn.MLP(2, 2, 8, 2, key=keys[2])
-    assert_trees_identical(members[2], expected)
+    # Member 2 is row 2 of every array leaf, bit for bit; the MLP built alone with
+    # its key agrees up to rounding (XLA may fuse the vmapped initialisation
+    # differently, with FMA on some CPUs).
+    row = jtu.tree_map(lambda x: x[2] if eqx.is_array(x) else x, stacked)
+    assert_trees_identical(members[2], row)
+    assert tree_allclose(members[2], eqx.nn.MLP(2, 2, 8, 2, key=keys[2]))
     assert_trees_identical(eb.stack(members), stacked)
 
 
