@@ -265,28 +265,28 @@ def run_chains(
             check_folder(path)
             warn_of_other_chunkings(path, chunks if chunked else None)
             longest = longest_file_name(
-                path, num_chains=num_chains, num_draws=num_draws, chunked=chunked
+                path,
+                num_chains=num_chains,
+                num_draws=num_draws if run.plan.record else 0,
+                chunked=chunked,
             )
             access = stack.enter_context(WriteAccess(path, longest, writes=writes))
         results = []
         for index, chunk in enumerate(chunks):
+            chunk_chains, chunk_checkpoint = chains, None
+            if access is not None:
+                chunk_checkpoint = access.path
             if chunked:
                 # Gathered (one program per chunk size), not sliced (one per chunk).
                 chunk_chains = take(chains, np.asarray(chunk))
-            else:
-                chunk_chains = chains
+                if access is not None:
+                    chunk_checkpoint = chunk_path(access.path, chunk.start, chunk.stop)
             results.append(
                 run.run_chunk(
                     chunk_chains,
                     pad_to=size if chunked else 0,
                     access=access,
-                    checkpoint=(
-                        None
-                        if access is None
-                        else chunk_path(access.path, chunk.start, chunk.stop)
-                        if chunked
-                        else access.path
-                    ),
+                    checkpoint=chunk_checkpoint,
                     writes=writes,
                     bar=bar,
                     steps_before=index * num_steps,
