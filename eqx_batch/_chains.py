@@ -35,8 +35,8 @@ from ._checkpoint import (
     RunIdentity,
     Snapshot,
 )
+from ._compile import AsyncJit
 from ._diagnostics import to_arviz
-from ._dispatch import AsyncJit
 from ._errors import BatchError, bullet_list, describe, leaf_name
 from ._pmap import member_mesh, shard
 from ._progress import ProgressBar
@@ -395,7 +395,7 @@ def _segment(
 # Dispatched without waiting: the next segment is queued while this one runs, and the
 # checkpoint writer waits on the results it needs, not the loop. The trace buffer is
 # donated and updated in place.
-_run_segment = AsyncJit(_segment, donate=(6,))
+_run_segment = AsyncJit(_segment, donate=("buffer",))
 
 
 @eqx.filter_jit(donate="all-except-first")
