@@ -119,7 +119,7 @@ class AsyncJit:
         if unknown:
             raise TypeError(
                 f"donate names {unknown}, which are not parameters of "
-                f"{fun.__qualname__}; it has {parameters}."
+                f"{getattr(fun, '__qualname__', fun)}; it has {parameters}."
             )
 
         def run(statics: tuple[StaticPart, ...], *arrays: list[Any]) -> tuple:
