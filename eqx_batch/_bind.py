@@ -2,18 +2,15 @@
 with the axis spec `in_axes` gives it.
 
 Mapped transforms report problems by the user's own parameter names, and accept keyword
-arguments, so a call is first bound here. `MappedCall` is the bound call once each
-leaf's member axis is known: what `jax.vmap` maps, and how to call the function again.
+arguments, so a call is first bound here (`_mapped_call.py` then sizes it).
 """
 
-import dataclasses
 import functools as ft
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
-import jax.tree_util as jtu
 
 from ._errors import BatchError, KeyPath
 
@@ -196,54 +193,3 @@ def _listed(names: list[Any]) -> str:
 def function_name(fun: Callable[..., Any]) -> str:
     """How a message names `fun`: its qualified name, else its type's name."""
     return getattr(fun, "__qualname__", None) or type(fun).__name__
-
-
-@dataclasses.dataclass(frozen=True)
-class MappedCall:
-    """One call, bound and with each leaf's member axis: which leaves are mapped, and
-    how to call `fun` with other leaves in their place."""
-
-    leaves: list[Any]
-    axes: list[int | None]
-    treedef: Any
-    keywords: tuple[str, ...]
-
-    @classmethod
-    def of(
-        cls,
-        arguments: dict[str, Any],
-        mapped: LeavesByArgument,
-        keywords: tuple[str, ...],
-    ) -> "MappedCall":
-        """The call whose arguments (keyword ones last, named by `keywords`) have the
-        member axes in `mapped`, as the size check returns them."""
-        leaves, treedef = jtu.tree_flatten(list(arguments.values()))
-        axes = [axis for triples in mapped.values() for _, _, axis in triples]
-        return cls(leaves, axes, treedef, keywords)
-
-    def dynamic(self) -> tuple[list[Any], list[int]]:
-        """The mapped leaves and their member axes."""
-        pairs = [
-            (leaf, axis)
-            for leaf, axis in zip(self.leaves, self.axes, strict=True)
-            if axis is not None
-        ]
-        return [leaf for leaf, _ in pairs], [axis for _, axis in pairs]
-
-    def call(self, fun: Callable[..., Any], dynamic: list[Any]) -> Any:
-        """`fun` called with the mapped leaves replaced by `dynamic`."""
-        members = iter(dynamic)
-        leaves = [
-            leaf if axis is None else next(members)
-            for leaf, axis in zip(self.leaves, self.axes, strict=True)
-        ]
-        return self.invoke(fun, leaves)
-
-    def invoke(self, fun: Callable[..., Any], leaves: list[Any]) -> Any:
-        """`fun` called with `leaves` in place of the call's leaves."""
-        values = jtu.tree_unflatten(self.treedef, leaves)
-        positional = len(values) - len(self.keywords)
-        return fun(
-            *values[:positional],
-            **dict(zip(self.keywords, values[positional:], strict=True)),
-        )

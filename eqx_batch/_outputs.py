@@ -2,17 +2,18 @@
 
 `jax.vmap` returns only JAX values, each with a member axis in front or none. An output
 is split into the values that get a member axis (`out_axes` an int), the arrays that do
-not (`out_axes` `None`), and an `OutputLayout` holding everything else: the tree
-structure, the non-array leaves, and where each member axis goes.
+not (`out_axes` `None`), and an `OutputSkeleton` holding everything else: the output's
+static part and where each member axis goes.
 """
 
+import dataclasses
 from typing import Any
 
-import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from ._compile import combine, DYNAMIC, StaticPart
 from ._errors import BatchError, describe, KeyPath, leaf_name
 from ._tree import is_array, resolve_axes
 
@@ -22,21 +23,23 @@ from ._tree import is_array, resolve_axes
 _SCALARS = (bool, int, float, complex)
 
 
-class OutputLayout(eqx.Module):
-    """The non-array parts of an output, carried as a static value through `jax.vmap`
-    and `lax.scan`, which accept arrays only."""
+@jtu.register_static
+@dataclasses.dataclass(frozen=True)
+class OutputSkeleton:
+    """One member's output without its JAX values, carried as a static value through
+    `jax.vmap` and `lax.scan`, which accept arrays only.
 
-    treedef: Any = eqx.field(static=True)
-    # Per leaf: ("mapped", member axis), ("unmapped", path) or ("static", leaf).
-    layout: tuple[tuple[str, Any], ...] = eqx.field(static=True)
+    Not a bare `StaticPart`: joining needs each value's member axis, an error its path.
+    """
 
-    def unmapped_path(self, index: int) -> KeyPath:
-        """The path of the `index`-th array whose out_axes is `None`."""
-        paths = [value for kind, value in self.layout if kind == "unmapped"]
-        return paths[index]
+    static: StaticPart
+    axes: tuple[int | None, ...]  # per value: its member axis, or None if unmapped
+    unmapped_paths: tuple[KeyPath, ...]  # of the values whose axis is None
 
 
-def split_output(out: Any, out_axes: Any) -> tuple[list[Any], list[Any], OutputLayout]:
+def split_output(
+    out: Any, out_axes: Any
+) -> tuple[list[Any], list[Any], OutputSkeleton]:
     """`(mapped values, unmapped arrays, the rest)` of one member's output.
 
     **Raises:**
@@ -46,15 +49,17 @@ def split_output(out: Any, out_axes: Any) -> tuple[list[Any], list[Any], OutputL
     """
     resolved = resolve_axes(out, out_axes, "out")
     leaves, treedef = jtu.tree_flatten_with_path(out)
-    axes = treedef.flatten_up_to(resolved)
-    mapped, unmapped, layout = [], [], []
-    for (path, leaf), axis in zip(leaves, axes, strict=True):
+    member_axes = treedef.flatten_up_to(resolved)
+    mapped, unmapped, unmapped_paths, axes, static = [], [], [], [], []
+    for (path, leaf), axis in zip(leaves, member_axes, strict=True):
         if axis is None:
             if is_array(leaf):
                 unmapped.append(leaf)
-                layout.append(("unmapped", path))
+                unmapped_paths.append(path)
+                axes.append(None)
+                static.append(DYNAMIC)
             else:
-                layout.append(("static", leaf))
+                static.append(leaf)
             continue
         if not is_array(leaf) and not isinstance(leaf, _SCALARS):
             raise BatchError(
@@ -71,20 +76,24 @@ def split_output(out: Any, out_axes: Any) -> tuple[list[Any], list[Any], OutputL
                 f"{axis}, which is out of range."
             )
         mapped.append(leaf)
-        layout.append(("mapped", axis % ndim))
-    return mapped, unmapped, OutputLayout(treedef, tuple(layout))
+        axes.append(axis % ndim)
+        static.append(DYNAMIC)
+    skeleton = OutputSkeleton(
+        StaticPart(treedef, tuple(static)), tuple(axes), tuple(unmapped_paths)
+    )
+    return mapped, unmapped, skeleton
 
 
-def join_output(mapped: list[Any], unmapped: list[Any], layout: OutputLayout) -> Any:
+def join_output(
+    mapped: list[Any], unmapped: list[Any], skeleton: OutputSkeleton
+) -> Any:
     """Inverse of `split_output`, with each mapped array's member axis (at the front)
     moved to where out_axes asks."""
     mapped_iter, unmapped_iter = iter(mapped), iter(unmapped)
-    leaves = []
-    for kind, value in layout.layout:
-        if kind == "mapped":
-            leaves.append(jnp.moveaxis(next(mapped_iter), 0, value))
-        elif kind == "unmapped":
-            leaves.append(next(unmapped_iter))
-        else:
-            leaves.append(value)
-    return jtu.tree_unflatten(layout.treedef, leaves)
+    values = [
+        next(unmapped_iter)
+        if axis is None
+        else jnp.moveaxis(next(mapped_iter), 0, axis)
+        for axis in skeleton.axes
+    ]
+    return combine(values, skeleton.static)

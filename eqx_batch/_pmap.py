@@ -35,13 +35,22 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ._bind import bind_arguments, MappedCall
-from ._dispatch import AsyncJit, Frozen
+from ._bind import bind_arguments
+from ._compile import (
+    ArrayTypes,
+    AsyncJit,
+    CallAdapter,
+    combine,
+    hold,
+    Lowered,
+    StaticPart,
+)
 from ._errors import BatchError, bullet_list, describe, leaf_name
-from ._outputs import join_output, OutputLayout, split_output
+from ._mapped_call import bind_call, MappedCall
+from ._outputs import join_output, OutputSkeleton, split_output
 from ._sizes import check_axis_size
 from ._tree import axis_sizes, common_size, is_array, mapped_leaves, resolve_axes
-from ._vmap import bind_call, filter_vmap
+from ._vmap import filter_vmap
 
 
 MEMBER_AXIS_NAME = "members"
@@ -154,29 +163,6 @@ def shard(tree: Any, mesh: Mesh | None = None, *, axes: Any = eqx.if_array(0)) -
     return jtu.tree_unflatten(jtu.tree_structure(tree), placed)
 
 
-# ------------------------------------------------------------- hashable axis specs
-
-
-@dataclasses.dataclass(frozen=True)
-class _FrozenSpec:
-    """A pytree held as a hashable static value: its treedef and its leaves.
-
-    `None` counts as a leaf, so axis specs keep their `None`s.
-    """
-
-    treedef: Any
-    leaves: tuple[Any, ...]
-
-    @classmethod
-    def of(cls, tree: Any) -> "_FrozenSpec":
-        leaves, treedef = jtu.tree_flatten(tree, is_leaf=lambda leaf: leaf is None)
-        return cls(treedef, tuple(leaves))
-
-    @property
-    def tree(self) -> Any:
-        return jtu.tree_unflatten(self.treedef, self.leaves)
-
-
 # ---------------------------------------------------------------------- filter_pmap
 
 
@@ -185,8 +171,8 @@ class _MeshMapping:
     """How a `filter_pmap` call maps members onto devices, fixed at trace time: the
     axis specs, the axis name and size, and the mesh."""
 
-    in_axes: _FrozenSpec
-    out_axes: _FrozenSpec
+    in_axes: StaticPart  # held whole by `hold`
+    out_axes: StaticPart
     axis_name: Hashable
     axis_size: int | None
     mesh: Mesh
@@ -204,15 +190,15 @@ def _one_per_device(
     """
     arrays = [i for i, leaf in enumerate(call.leaves) if is_array(leaf)]
     specs = tuple(_member_spec(mesh, call.axes[i]) for i in arrays)
-    layouts: list[OutputLayout] = []
+    skeletons: list[OutputSkeleton] = []
 
     def per_device(*local: Any) -> tuple[list[Any], list[Any]]:
         own = list(call.leaves)
         for i, array in zip(arrays, local, strict=True):
             axis = call.axes[i]
             own[i] = array if axis is None else jnp.squeeze(array, axis)
-        mapped, unmapped, layout = split_output(call.invoke(fun, own), out_axes)
-        layouts.append(layout)
+        mapped, unmapped, skeleton = split_output(call.invoke(fun, own), out_axes)
+        skeletons.append(skeleton)
         return [jnp.expand_dims(leaf, 0) for leaf in mapped], unmapped
 
     mapped, unmapped = jax.shard_map(
@@ -221,7 +207,7 @@ def _one_per_device(
         in_specs=specs,
         out_specs=(_member_spec(mesh, 0), PartitionSpec()),
     )(*[call.leaves[i] for i in arrays])
-    return join_output(mapped, unmapped, layouts[0])
+    return join_output(mapped, unmapped, skeletons[0])
 
 
 def _vmapped(
@@ -249,32 +235,37 @@ def _vmapped(
     placed = [place(*pair) for pair in zip(call.leaves, call.axes, strict=True)]
     vmapped = filter_vmap(
         fun,
-        in_axes=mapping.in_axes.tree,
-        out_axes=mapping.out_axes.tree,
+        in_axes=combine((), mapping.in_axes),
+        out_axes=combine((), mapping.out_axes),
         axis_name=mapping.axis_name,
         axis_size=mapping.axis_size,
     )
     return call.invoke(vmapped, placed)
 
 
-def _run(mapping: _MeshMapping, inputs: tuple[Callable[..., Any], tuple, dict]) -> Any:
+def _over_mesh(
+    mapping: _MeshMapping, inputs: tuple[Callable[..., Any], tuple, dict]
+) -> Any:
+    """The program of one `filter_pmap` call: `fun(*args, **kwargs)` for every member,
+    the members split over `mapping.mesh`."""
     fun, args, kwargs = inputs
-    call, size = bind_call(fun, mapping.in_axes.tree, mapping.axis_size, args, kwargs)
+    in_axes, out_axes = combine((), mapping.in_axes), combine((), mapping.out_axes)
+    call, size = bind_call(fun, in_axes, mapping.axis_size, args, kwargs)
     mesh = mapping.mesh
     uneven = (size or 0) % mesh.size != 0
     if size == mesh.size and isinstance(mapping.axis_name, str | None):
         mesh = _cached_mesh(
             tuple(mesh.devices.flat), mapping.axis_name or MEMBER_AXIS_NAME
         )
-        out = _one_per_device(fun, call, mapping.out_axes.tree, mesh)
+        out = _one_per_device(fun, call, out_axes, mesh)
     else:
         out = _vmapped(fun, call, mapping, uneven)
     # A jax.Array cannot be split unevenly, and every process must receive every
     # result: in both cases outputs are gathered onto every device instead.
     replicate = jax.process_count() > 1 or uneven
     out_leaves, out_treedef = jtu.tree_flatten(out)
-    resolved = resolve_axes(out, mapping.out_axes.tree, "out")
-    out_axes = out_treedef.flatten_up_to(resolved)
+    resolved = resolve_axes(out, out_axes, "out")
+    leaf_axes = out_treedef.flatten_up_to(resolved)
 
     def place(leaf: Any, axis: int | None) -> Any:
         if not is_array(leaf):
@@ -283,14 +274,14 @@ def _run(mapping: _MeshMapping, inputs: tuple[Callable[..., Any], tuple, dict]) 
         spec = _member_spec(mesh, axis)
         return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
 
-    return jtu.tree_unflatten(out_treedef, map(place, out_leaves, out_axes))
+    return jtu.tree_unflatten(out_treedef, map(place, out_leaves, leaf_axes))
 
 
-_RUN = AsyncJit(_run)
-_RUN_DONATING = AsyncJit(_run, donate=(1,))
+_PROGRAM = AsyncJit(_over_mesh)
+_PROGRAM_DONATING = AsyncJit(_over_mesh, donate=("inputs",))
 
 
-def _finish(result: Any) -> Any:
+def _process_local(result: Any) -> Any:
     if jax.process_count() == 1:
         return result
 
@@ -308,8 +299,8 @@ def _finish(result: Any) -> Any:
 
 class _PmapWrapper(eqx.Module):
     _fun: Callable[..., Any]
-    _in_axes: _FrozenSpec = eqx.field(static=True)
-    _out_axes: _FrozenSpec = eqx.field(static=True)
+    _in_axes: StaticPart = eqx.field(static=True)
+    _out_axes: StaticPart = eqx.field(static=True)
     _axis_name: Hashable = eqx.field(static=True)
     _axis_size: int | None = eqx.field(static=True)
     _donate: str = eqx.field(static=True)
@@ -320,18 +311,16 @@ class _PmapWrapper(eqx.Module):
         return self._fun
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        run, mapping, call = _prepare(self, args, kwargs)
-        return _dispatch(self, lambda: run(mapping, call))
+        program, mapping, inputs = _prepare(self, args, kwargs)
+        return _run(self, lambda: program(mapping, inputs))
 
-    def lower(self, /, *args: Any, **kwargs: Any) -> "Lowered":
+    def lower(self, /, *args: Any, **kwargs: Any) -> Lowered:
         """Traces and lowers for these arguments: ahead-of-time compilation.
 
         `.compile()` on the result gives a callable taking the same arguments.
         """
-        run, mapping, call = _prepare(self, args, kwargs)
-        (_, static), (_, arrays) = AsyncJit.split_args((mapping, call))
-        lowered = run.lower(mapping, call)
-        return Lowered(lowered, static, _array_types(arrays), self)
+        program, mapping, inputs = _prepare(self, args, kwargs)
+        return Lowered.of(program, (mapping,), (inputs,), _PmapCall(self))
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         del owner
@@ -355,85 +344,54 @@ def _prepare(
         axis_size=wrapper._axis_size,
         mesh=member_mesh(wrapper._devices),
     )
-    run = _RUN if wrapper._donate == "none" else _RUN_DONATING
-    return run, mapping, (wrapper._fun, args, kwargs)
+    program = _PROGRAM if wrapper._donate == "none" else _PROGRAM_DONATING
+    return program, mapping, (wrapper._fun, args, kwargs)
 
 
-def _dispatch(wrapper: _PmapWrapper, run: Callable[[], Any]) -> Any:
+def _run(wrapper: _PmapWrapper, program: Callable[[], Any]) -> Any:
+    """`program()`'s result, as this process's copy, with the warnings about donated
+    buffers silenced if the wrapper donates "all"."""
     if wrapper._donate != "all":
-        return _finish(run())
+        return _process_local(program())
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="Some donated buffers were not usable"
         )
-        return _finish(run())
+        return _process_local(program())
 
 
-class Lowered(eqx.Module):
-    """A `filter_pmap`-wrapped function lowered for one set of arguments."""
+class _PmapCall(CallAdapter):
+    """A compiled `filter_pmap` call: the mesh mapping was fixed when it was lowered,
+    so a call gives only the program's inputs."""
 
-    lowered: jax.stages.Lowered = eqx.field(static=True)
-    static: Frozen = eqx.field(static=True)
-    types: tuple[tuple[tuple[int, ...], Any], ...] = eqx.field(static=True)
-    wrapper: _PmapWrapper
+    def __init__(self, wrapper: _PmapWrapper):
+        self.wrapper = wrapper
 
-    def as_text(self) -> str:
-        """The lowered program (StableHLO) as text."""
-        return self.lowered.as_text()
+    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
+        return ((self.wrapper._fun, args, kwargs),)
 
-    def compile(
-        self, /, compiler_options: dict[str, str | bool] | None = None
-    ) -> "Compiled":
-        """Compiles the lowered program; the result is called like the function."""
-        return Compiled(
-            self.lowered.compile(compiler_options=compiler_options),
-            self.static,
-            self.types,
-            self.wrapper,
+    def other_static(self) -> str:
+        return (
+            "this compiled function was lowered for arguments with other non-array "
+            "values or another tree structure than those it is now called with. "
+            "Call `.lower(...)` again with these arguments, or call the "
+            "`eb.filter_pmap`-wrapped function, which compiles as needed."
         )
 
+    def other_types(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], lowered: ArrayTypes
+    ) -> str:
+        return _retyped(self.wrapper._fun, args, kwargs, lowered)
 
-class Compiled(eqx.Module):
-    """A `filter_pmap`-wrapped function compiled ahead of time."""
-
-    compiled: jax.stages.Compiled = eqx.field(static=True)
-    static: Frozen = eqx.field(static=True)
-    types: tuple[tuple[tuple[int, ...], Any], ...] = eqx.field(static=True)
-    wrapper: _PmapWrapper
-
-    def as_text(self) -> str:
-        """The compiled, partitioned program (HLO) as text."""
-        text = self.compiled.as_text()
-        assert text is not None
-        return text
-
-    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        # Only the arguments: the mesh mapping was fixed when this was lowered.
-        (static,), (arrays,) = AsyncJit.split_args(((self.wrapper._fun, args, kwargs),))
-        if static != self.static:
-            raise BatchError(
-                "this compiled function was lowered for arguments with other non-array "
-                "values or another tree structure than those it is now called with. "
-                "Call `.lower(...)` again with these arguments, or call the "
-                "`eb.filter_pmap`-wrapped function, which compiles as needed."
-            )
-        if _array_types(arrays) != self.types:
-            raise BatchError(_retyped(self.wrapper._fun, args, kwargs, self.types))
-        # The program takes the arrays of `(mapping, inputs)`; a mapping has none.
-        return _dispatch(
-            self.wrapper, lambda: AsyncJit.finish(self.compiled([], arrays))
-        )
-
-
-def _array_types(arrays: list[Any]) -> tuple[tuple[tuple[int, ...], Any], ...]:
-    return tuple((np.shape(array), array.dtype) for array in arrays)
+    def returned(self, run: Callable[[], Any]) -> Any:
+        return _run(self.wrapper, run)
 
 
 def _retyped(
     fun: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    lowered: tuple[tuple[tuple[int, ...], Any], ...],
+    lowered: ArrayTypes,
 ) -> str:
     """The message for a compiled function called with arrays of other shapes or
     dtypes than it was lowered for, naming each by argument and path."""
@@ -600,8 +558,8 @@ def filter_pmap(
         )
     wrapper = _PmapWrapper(
         _fun=fun,
-        _in_axes=_FrozenSpec.of(in_axes),
-        _out_axes=_FrozenSpec.of(out_axes),
+        _in_axes=hold(in_axes),
+        _out_axes=hold(out_axes),
         _axis_name=axis_name,
         _axis_size=axis_size,
         _donate=donate,

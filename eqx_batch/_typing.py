@@ -53,7 +53,7 @@ class _Instance(NamedTuple):
     fields: tuple[_Field, ...]
 
 
-class _TreeLayout(NamedTuple):
+class _LeafAnnotations(NamedTuple):
     """Where a tree structure's leaves are and which fields annotate them.
 
     Computed once per treedef: everything a `Stacked` check needs from the structure.
@@ -63,27 +63,28 @@ class _TreeLayout(NamedTuple):
     instances: tuple[_Instance, ...]
 
 
-# Layouts by treedef. A check that runs (each trace, or each eager call) then costs one
-# C flatten plus a few operations per array leaf, rather than a Python walk of the tree.
-_LAYOUTS: dict[Any, _TreeLayout] = {}
-_MAX_LAYOUTS = 1024
+# Annotations by treedef. A check that runs (each trace, or each eager call) then costs
+# one C flatten plus a few operations per array leaf, rather than a Python walk of the
+# tree.
+_ANNOTATIONS: dict[Any, _LeafAnnotations] = {}
+_MAX_ANNOTATIONS = 1024
 
 
-def _flatten(obj: Any) -> tuple[list[Any], _TreeLayout]:
+def _flatten(obj: Any) -> tuple[list[Any], _LeafAnnotations]:
     leaves, treedef = jtu.tree_flatten(obj)
     try:
-        layout = _LAYOUTS.get(treedef)
+        annotations = _ANNOTATIONS.get(treedef)
     except TypeError:
-        # A static field holds something unhashable: lay out without caching.
-        return leaves, _make_layout(obj)
-    if layout is None:
-        if len(_LAYOUTS) >= _MAX_LAYOUTS:
-            _LAYOUTS.clear()
-        layout = _LAYOUTS[treedef] = _make_layout(obj)
-    return leaves, layout
+        # A static field holds something unhashable: annotate without caching.
+        return leaves, _annotate(obj)
+    if annotations is None:
+        if len(_ANNOTATIONS) >= _MAX_ANNOTATIONS:
+            _ANNOTATIONS.clear()
+        annotations = _ANNOTATIONS[treedef] = _annotate(obj)
+    return leaves, annotations
 
 
-def _make_layout(obj: Any) -> _TreeLayout:
+def _annotate(obj: Any) -> _LeafAnnotations:
     paths: list[KeyPath] = []
     instances: list[_Instance] = []
 
@@ -110,7 +111,7 @@ def _make_layout(obj: Any) -> _TreeLayout:
             instances.append(_Instance(path, type(node), tuple(own)))
 
     walk(obj, ())
-    return _TreeLayout(tuple(paths), tuple(instances))
+    return _LeafAnnotations(tuple(paths), tuple(instances))
 
 
 @ft.cache
@@ -236,8 +237,8 @@ class _StackedMeta(type):
                 f"`{argname}` has type {type(obj).__qualname__}, not "
                 f"{cls.model.__qualname__} as {cls!r} expects."
             )
-        leaves, layout = _flatten(obj)
-        return _StackCheck(cls, argname, leaves, layout).run()
+        leaves, annotations = _flatten(obj)
+        return _StackCheck(cls, argname, leaves, annotations).run()
 
     def unstacked_hint(cls) -> str:
         return (
@@ -260,7 +261,7 @@ class _StackCheck:
     annotation: _StackedMeta
     argname: str
     leaves: list[Any]
-    layout: _TreeLayout
+    annotations: _LeafAnnotations
     # The leading shape, and the first array leaf, which set it.
     lead_shape: tuple[int, ...] | None = None
     lead_leaf: int = -1
@@ -268,7 +269,9 @@ class _StackCheck:
     def run(self) -> str:
         message = self.check_leading()
         if message:
-            fields = [f for instance in self.layout.instances for f in instance.fields]
+            fields = [
+                f for instance in self.annotations.instances for f in instance.fields
+            ]
             return self.with_hint(message, fields)
         if self.lead_shape is None:
             return ""  # No array leaf: nothing has leading dims.
@@ -276,7 +279,7 @@ class _StackCheck:
         # (they start from the same bindings): a stack of 40 identical layers is
         # checked once.
         passed = set()
-        for instance in self.layout.instances:
+        for instance in self.annotations.instances:
             signature = (instance.cls,) + tuple(
                 _member_signature(self.leaves[index], len(self.lead_shape))
                 for index, _ in instance.fields
@@ -295,7 +298,7 @@ class _StackCheck:
         return message
 
     def name(self, index: int) -> str:
-        return leaf_name(self.argname, self.layout.paths[index])
+        return leaf_name(self.argname, self.annotations.paths[index])
 
     def check_leading(self) -> str:
         """Every array leaf has at least the leading axes, and the same sizes there."""
@@ -349,7 +352,8 @@ class _StackCheck:
             f"earlier in the call: {reason}."
         )
         return self.with_hint(
-            message, [f for instance in self.layout.instances for f in instance.fields]
+            message,
+            [f for instance in self.annotations.instances for f in instance.fields],
         )
 
     def check_instance(self, instance: _Instance) -> str:
@@ -396,7 +400,7 @@ class _StackCheck:
         cls = self.annotation
         lead = len(cls.parsed_dims)
         leaf = self.leaves[index]
-        field = self.layout.paths[index][-1].name
+        field = self.annotations.paths[index][-1].name
         annotation = " | ".join(t.__name__ for t in field_types)
         owner = instance.cls.__qualname__
         bindings = ", ".join(

@@ -1,9 +1,9 @@
 """`filter_vmap`: Equinox's `filter_vmap` with keyword arguments, chunking and errors
 that name the user's own arguments.
 
-A call is bound to the function's signature (`_bind.py`), its mapped sizes are checked
-(`_sizes.py`), and one member's output is split into what `jax.vmap` can carry
-(`_outputs.py`). `bind_call` joins the first two and is shared with `filter_pmap`.
+A call is bound to the function's signature and its mapped sizes are checked
+(`_mapped_call.py`), and one member's output is split into what `jax.vmap` can carry
+(`_outputs.py`).
 """
 
 import functools as ft
@@ -15,31 +15,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._bind import bind_arguments, MappedCall
 from ._errors import BatchError, check_int, leaf_name
-from ._outputs import join_output, OutputLayout, split_output
-from ._sizes import check_axis_size, mapped_size
-
-
-def bind_call(
-    fun: Callable[..., Any],
-    in_axes: Any,
-    axis_size: int | None,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> tuple[MappedCall, int | None]:
-    """The call `fun(*args, **kwargs)` bound and checked: its leaves with their member
-    axes, and the number of members (`None` if nothing is mapped and `axis_size` is
-    not given).
-
-    **Raises:**
-
-    `TypeError` if the call does not fit `fun`'s signature; `BatchError` as
-    `bind_arguments` and `check_mapped_sizes` do.
-    """
-    arguments, axes = bind_arguments(fun, in_axes, args, kwargs)
-    size, mapped = mapped_size(arguments, axes, axis_size, len(args))
-    return MappedCall.of(arguments, mapped, tuple(kwargs)), size
+from ._mapped_call import bind_call, MappedCall
+from ._outputs import join_output, OutputSkeleton, split_output
+from ._sizes import check_axis_size
 
 
 class _VmapWrapper(eqx.Module):
@@ -86,11 +65,13 @@ class _VmapWrapper(eqx.Module):
     def _vmap(
         self, call: MappedCall, size: int, in_axes: list[int]
     ) -> Callable[[list[Any]], Any]:
-        layouts: list[OutputLayout] = []
+        skeletons: list[OutputSkeleton] = []
 
-        def recorded(dynamic: list[Any]) -> tuple[list[Any], list[Any], OutputLayout]:
+        def recorded(
+            dynamic: list[Any],
+        ) -> tuple[list[Any], list[Any], OutputSkeleton]:
             out = split_output(call.call(self.fun, dynamic), self.out_axes)
-            layouts.append(out[2])
+            skeletons.append(out[2])
             return out
 
         vmapped = jax.vmap(
@@ -108,9 +89,9 @@ class _VmapWrapper(eqx.Module):
                 # JAX names the output by its place in our (mapped, unmapped, static)
                 # triple; translate that to the user's output path.
                 found = re.search(r"out_axes\[1\]\[(\d+)\]", str(e))
-                if found is None or not layouts:
+                if found is None or not skeletons:
                     raise
-                name = leaf_name("out", layouts[-1].unmapped_path(int(found[1])))
+                name = leaf_name("out", skeletons[-1].unmapped_paths[int(found[1])])
                 raise BatchError(
                     f"output `{name}` has out_axes None but differs between members "
                     "(it depends on a mapped argument). Give it a member axis in "
@@ -138,7 +119,7 @@ class _VmapWrapper(eqx.Module):
             for leaf in fronts
         ]
         run_chunk = self._vmap(call, chunk, front_axes)
-        _, (mapped, unmapped, layout) = jax.lax.scan(
+        _, (mapped, unmapped, skeleton) = jax.lax.scan(
             lambda carry, xs: (carry, run_chunk(xs)), None, chunks, length=full
         )
         mapped = [out.reshape(full * chunk, *out.shape[2:]) for out in mapped]
@@ -152,7 +133,7 @@ class _VmapWrapper(eqx.Module):
                 jnp.concatenate([out, last])
                 for out, last in zip(mapped, rest_mapped, strict=True)
             ]
-        return join_output(mapped, unmapped, layout)
+        return join_output(mapped, unmapped, skeleton)
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         del owner

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 
-from .._dispatch import AsyncJit
+from .._compile import AsyncJit
 from .._progress import ProgressHandle
 from .._tree import as_key_data, as_keys_like, is_array
 from ._step import numbers_as_arrays
@@ -164,4 +164,4 @@ def _segment(
 # Dispatched without waiting: the next segment is queued while this one runs, and the
 # checkpoint writer waits on the results it needs, not the loop. The trace buffer is
 # donated and updated in place.
-run_segment = AsyncJit(_segment, donate=(7,))
+run_segment = AsyncJit(_segment, donate=("trace_buffer",))

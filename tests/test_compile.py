@@ -1,0 +1,50 @@
+"""The compile plumbing in `_compile.py`: the static part of a pytree and `AsyncJit`."""
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import pytest
+
+from eqx_batch._compile import AsyncJit, combine, hold, partition
+
+
+def test_partition_takes_out_arrays_and_combine_puts_them_back():
+    tree = {"w": jnp.ones(2), "act": jax.nn.relu, "n": 3}
+    arrays, static = partition(tree)
+    assert len(arrays) == 1 and arrays[0] is tree["w"]
+    assert hash(static) == hash(partition(tree)[1])
+    assert static == partition({"w": jnp.zeros(2), "act": jax.nn.relu, "n": 3})[1]
+    assert static != partition({"w": jnp.ones(2), "act": jax.nn.relu, "n": 4})[1]
+    assert combine(arrays, static) == tree
+
+
+def test_static_part_passes_through_jit_vmap_and_scan():
+    _, static = partition((jnp.ones(2), "label"))
+    assert jtu.tree_leaves(static) == []
+    out = jax.jit(lambda x: (x, static))(jnp.ones(2))
+    assert out[1] is static
+    assert jax.vmap(lambda x: (x, static), out_axes=(0, None))(jnp.ones(2))[1] is static
+
+
+def test_hold_keeps_a_whole_axis_spec_with_its_nones():
+    spec = (0, None, {"a": None, "b": 1})
+    assert combine((), hold(spec)) == spec
+    assert hold(spec) == hold((0, None, {"a": None, "b": 1}))
+
+
+def test_async_jit_donates_by_parameter_name():
+    def step(scale, buffer):
+        return buffer * scale
+
+    donating = AsyncJit(step, donate=("buffer",))
+    buffer = jnp.ones(3)
+    assert jnp.array_equal(donating(2.0, buffer), jnp.full(3, 2.0))
+    lowered = donating.lower(2.0, jnp.ones(3))
+    assert "jax.buffer_donor" in lowered.as_text() or "tf.aliasing_output" in (
+        lowered.as_text()
+    )
+
+
+def test_async_jit_refuses_an_unknown_name():
+    with pytest.raises(TypeError, match="buffers"):
+        AsyncJit(lambda buffer: buffer, donate=("buffers",))
