@@ -73,6 +73,26 @@ def check_writable(path: pathlib.Path, longest_name: str) -> None:
         ) from None
 
 
+def refuse_if_in_use(path: pathlib.Path) -> None:
+    """Raises if a live run holds the lock of `path`, without creating or writing
+    anything: a run is refused for being in use before its files are read."""
+    if sys.platform == "win32":
+        return
+    lock_path = _lock_path(path)
+    try:
+        descriptor = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return  # no lock file (or none to follow): `take_lock` judges it, if needed
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(path, lock_path, descriptor) from None
+    except OSError:
+        pass  # not a file that can be locked: `take_lock` judges it, if needed
+    finally:
+        os.close(descriptor)
+
+
 def take_lock(path: pathlib.Path) -> int | None:
     """Locks `path.lock` for this process; returns its descriptor (close to release).
 
@@ -88,7 +108,7 @@ def take_lock(path: pathlib.Path) -> int | None:
     """
     if sys.platform == "win32":
         return None
-    lock_path = path.with_name(f"{path.name}.lock")
+    lock_path = _lock_path(path)
     # No link is followed (a link there could point at any file), and opening a FIFO
     # does not wait for a writer.
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
@@ -103,12 +123,7 @@ def take_lock(path: pathlib.Path) -> int | None:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip()
-            who = f"process {holder}" if holder.isdigit() else "another process"
-            raise BatchError(
-                f"`checkpoint` ({path}) is in use: a live run ({who}) holds "
-                f"its lock {lock_path}. Wait for it to finish, or pass another path."
-            ) from None
+            raise _in_use(path, lock_path, descriptor) from None
         # Only a file this function wrote (or created just now) is rewritten: a hard
         # link, or a file with other contents, is someone else's.
         content = os.pread(descriptor, 64, 0)
@@ -121,6 +136,19 @@ def take_lock(path: pathlib.Path) -> int | None:
     os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
     _remove_torn_writes(path)
     return descriptor
+
+
+def _lock_path(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(f"{path.name}.lock")
+
+
+def _in_use(path: pathlib.Path, lock_path: pathlib.Path, descriptor: int) -> BatchError:
+    holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip()
+    who = f"process {holder}" if holder.isdigit() else "another process"
+    return BatchError(
+        f"`checkpoint` ({path}) is in use: a live run ({who}) holds its lock "
+        f"{lock_path}. Wait for it to finish, or pass another path."
+    )
 
 
 def _kind_at(path: pathlib.Path) -> str | None:

@@ -46,7 +46,7 @@ from ._checkpoint import (
     warn_of_other_chunkings,
 )
 from ._identity import RunIdentity
-from ._lock import check_folder, WriteAccess
+from ._lock import check_folder, refuse_if_in_use, WriteAccess
 from ._placement import Placement, put_draws
 from ._result import Chains, NonFinite
 from ._segment import (
@@ -263,6 +263,7 @@ def run_chains(
         if checkpoint is not None:
             path = pathlib.Path(checkpoint)
             check_folder(path)
+            refuse_if_in_use(path)
             warn_of_other_chunkings(path, chunks if chunked else None)
             longest = longest_file_name(
                 path,
