@@ -29,7 +29,6 @@ from typing import Any, Literal, overload
 
 import equinox as eqx
 import jax
-import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -49,7 +48,14 @@ from ._errors import BatchError, bullet_list, describe, leaf_name
 from ._mapped_call import bind_call, MappedCall
 from ._outputs import join_output, OutputSkeleton, split_output
 from ._sizes import check_axis_size
-from ._tree import axis_sizes, common_size, is_array, mapped_leaves, resolve_axes
+from ._tree import (
+    axis_sizes,
+    common_size,
+    is_array,
+    is_tracer,
+    mapped_leaves,
+    resolve_axes,
+)
 from ._vmap import filter_vmap
 
 
@@ -288,7 +294,7 @@ def _process_local(result: Any) -> Any:
     # Every device holds the whole (replicated) result; handing each process its local
     # copy makes the result usable there without any further collective.
     def local(leaf: Any) -> Any:
-        if isinstance(leaf, jax.core.Tracer):
+        if is_tracer(leaf):
             return leaf
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             return leaf.addressable_data(0)
@@ -344,8 +350,25 @@ def _prepare(
         axis_size=wrapper._axis_size,
         mesh=member_mesh(wrapper._devices),
     )
-    program = _PROGRAM if wrapper._donate == "none" else _PROGRAM_DONATING
-    return program, mapping, (wrapper._fun, args, kwargs)
+    if wrapper._donate == "none":
+        return _PROGRAM, mapping, (wrapper._fun, args, kwargs)
+    return _PROGRAM_DONATING, mapping, _donated_once((wrapper._fun, args, kwargs))
+
+
+def _donated_once(inputs: Any) -> Any:
+    """`inputs` with each array that appears again after its first place replaced by
+    a copy, so that no buffer is donated twice (XLA crashes on one that is)."""
+    seen = set()
+
+    def once(leaf: Any) -> Any:
+        if not isinstance(leaf, jax.Array) or is_tracer(leaf):
+            return leaf
+        if id(leaf) in seen:
+            return leaf.copy()
+        seen.add(id(leaf))
+        return leaf
+
+    return jtu.tree_map(once, inputs)
 
 
 def _run(wrapper: _PmapWrapper, program: Callable[[], Any]) -> Any:
@@ -368,7 +391,8 @@ class _PmapCall(CallAdapter):
         self.wrapper = wrapper
 
     def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
-        return ((self.wrapper._fun, args, kwargs),)
+        inputs = (self.wrapper._fun, args, kwargs)
+        return (inputs if self.wrapper._donate == "none" else _donated_once(inputs),)
 
     def other_static(self) -> str:
         return (
@@ -499,7 +523,9 @@ def filter_pmap(
         about the ones that could not be reused), `"warn"` does the same but keeps the
         warnings, `"none"` (the default) donates nothing. Only buffers already placed
         as the program wants them (e.g. a previous result, or `eb.shard`'s) can be
-        reused; others are copied onto the devices first.
+        reused; others are copied onto the devices first. An array passed more than
+        once is donated once: its other places get a copy (a buffer donated twice
+        would crash the program).
     - `devices`: the devices to spread members over, in order (at least one).
         Defaults to all devices of all processes.
 

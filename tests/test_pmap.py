@@ -2,6 +2,8 @@
 
 import enum
 import re
+import subprocess
+import sys
 import warnings
 
 import equinox as eqx
@@ -461,3 +463,27 @@ def test_shard_error_member_counts_disagree():
 def test_shard_error_no_mapped_leaf():
     with pytest.raises(eb.BatchError, match="member axis"):
         eb.shard({"a": "text"})
+
+
+_DONATED_TWICE = """
+import jax, jax.numpy as jnp
+import eqx_batch as eb
+x = eb.shard(jnp.arange(8.0))
+expected = 2 * jnp.arange(8.0)
+add = eb.filter_pmap(lambda a, b: a + b, donate="all")
+assert jnp.array_equal(add(x, x), expected)
+y = eb.shard(jnp.arange(8.0))
+compiled = add.lower(y, y).compile()
+assert jnp.array_equal(compiled(y, y), expected)
+print("ok")
+"""
+
+
+def test_an_array_passed_twice_is_donated_once():
+    # Donating one buffer twice crashes XLA (a segfault on several CPU devices), so
+    # the call runs in its own process; the devices are those of the suite.
+    result = subprocess.run(
+        [sys.executable, "-c", _DONATED_TWICE], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
