@@ -18,7 +18,8 @@ from ._stack import (
     take as take,
     unstack as unstack,
 )
-from ._typing import Stacked as Stacked, typecheck as typecheck
+from ._typecheck import typecheck as typecheck
+from ._typing import Stacked as Stacked
 from ._vmap import filter_vmap as filter_vmap
 
 

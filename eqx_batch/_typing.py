@@ -1,4 +1,4 @@
-"""`Stacked[Model, "n"]` annotations and the `typecheck` decorator that checks them.
+"""`Stacked[Model, "n"]` annotations: stacked modules as types that `typecheck` checks.
 
 `Stacked[Model, dims]` is a class whose metaclass implements `__instancecheck__` (and
 the `__instancecheck_str__` message hook read by beartype and jaxtyping), as jaxtyping's
@@ -8,159 +8,19 @@ the dims are bound the public way: by checking a jaxtyping array type,
 `Shaped[Any, dims]`, against the leading shape, and jaxtyping binds or compares them.
 """
 
-import contextvars
 import dataclasses
 import functools as ft
 import inspect
-import types
-import typing
 from collections.abc import Sequence
-from typing import Any, NamedTuple, TYPE_CHECKING, TypeVar
+from typing import Any, NamedTuple, TYPE_CHECKING
 
-import equinox as eqx
-import jax.tree_util as jtu
 import jaxtyping
-from beartype import beartype
-from beartype.roar import BeartypeCallHintViolation
-from jaxtyping import AbstractArray, Shaped, TypeCheckError
+from jaxtyping import AbstractArray, Shaped
 
-from ._errors import BatchError, KeyPath, leaf_name
+from ._errors import BatchError, leaf_name
+from ._leaf_annotations import Field, flatten_annotated, Instance, LeafAnnotations
 from ._tree import is_array
-
-
-# The arguments of the innermost call checked by `typecheck`, by name, so that a
-# message can name the argument a leaf belongs to. (jaxtyping records them too, but
-# only where its private storage can read them.)
-_ARGUMENTS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
-    "eqx_batch_typecheck_arguments", default=None
-)
-
-
-# ------------------------------------------------------------------------------------
-# What a tree structure says about its leaves: paths and field annotations.
-
-
-# The leaf index of an annotated field holding a leaf directly, and the field's types
-# (any of which may match).
-_Field = tuple[int, tuple[type[AbstractArray], ...]]
-
-
-class _Instance(NamedTuple):
-    """A module (or NamedTuple) in the tree that has fields with array annotations."""
-
-    path: KeyPath
-    cls: type
-    fields: tuple[_Field, ...]
-
-
-class _LeafAnnotations(NamedTuple):
-    """Where a tree structure's leaves are and which fields annotate them.
-
-    Computed once per treedef: everything a `Stacked` check needs from the structure.
-    """
-
-    paths: tuple[KeyPath, ...]  # per leaf, in `tree_flatten` order
-    instances: tuple[_Instance, ...]
-
-
-# Annotations by treedef. A check that runs (each trace, or each eager call) then costs
-# one C flatten plus a few operations per array leaf, rather than a Python walk of the
-# tree.
-_ANNOTATIONS: dict[Any, _LeafAnnotations] = {}
-_MAX_ANNOTATIONS = 1024
-
-
-def _flatten(obj: Any) -> tuple[list[Any], _LeafAnnotations]:
-    leaves, treedef = jtu.tree_flatten(obj)
-    try:
-        annotations = _ANNOTATIONS.get(treedef)
-    except TypeError:
-        # A static field holds something unhashable: annotate without caching.
-        return leaves, _annotate(obj)
-    if annotations is None:
-        if len(_ANNOTATIONS) >= _MAX_ANNOTATIONS:
-            _ANNOTATIONS.clear()
-        annotations = _ANNOTATIONS[treedef] = _annotate(obj)
-    return leaves, annotations
-
-
-def _annotate(obj: Any) -> _LeafAnnotations:
-    paths: list[KeyPath] = []
-    instances: list[_Instance] = []
-
-    def walk(node: Any, path: KeyPath) -> None:
-        annotated = _field_array_types(type(node)) if _has_fields(type(node)) else {}
-        own = []
-
-        def is_child(x: Any) -> bool:
-            return x is not node and _has_fields(type(x))
-
-        # Stopping at child modules keeps `tree_flatten`'s leaf order while telling
-        # which module each leaf belongs to.
-        for sub_path, leaf in jtu.tree_flatten_with_path(node, is_leaf=is_child)[0]:
-            if is_child(leaf):
-                walk(leaf, path + sub_path)
-                continue
-            types_ = ()
-            if len(sub_path) == 1 and isinstance(sub_path[0], jtu.GetAttrKey):
-                types_ = annotated.get(sub_path[0].name, ())
-            if types_:
-                own.append((len(paths), types_))
-            paths.append(path + sub_path)
-        if own:
-            instances.append(_Instance(path, type(node), tuple(own)))
-
-    walk(obj, ())
-    return _LeafAnnotations(tuple(paths), tuple(instances))
-
-
-@ft.cache
-def _has_fields(cls: type) -> bool:
-    return issubclass(cls, eqx.Module) or (
-        issubclass(cls, tuple) and hasattr(cls, "_fields")
-    )
-
-
-@ft.cache
-def _field_array_types(cls: type) -> dict[str, tuple[type[AbstractArray], ...]]:
-    """For each field of `cls` annotated with jaxtyping array types, those types.
-
-    A field annotated with a union counts only if every member of the union other than
-    `None` is a jaxtyping array type: a union with, say, `jax.Array` in it accepts any
-    array, so it constrains nothing.
-    """
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:
-        # Unresolvable forward references: use the annotations that are already
-        # objects rather than fail the check over annotations we cannot read.
-        hints = {}
-        for base in reversed(cls.__mro__):
-            for name, hint in vars(base).get("__annotations__", {}).items():
-                if not isinstance(hint, str):
-                    hints[name] = hint
-    if dataclasses.is_dataclass(cls):
-        names = [field.name for field in dataclasses.fields(cls)]
-    else:
-        names = list(getattr(cls, "_fields", ()))
-    out = {}
-    for name in names:
-        hint = hints.get(name)
-        if hint is None:
-            continue
-        members = typing.get_args(hint) if _is_union(hint) else (hint,)
-        members = tuple(m for m in members if m is not type(None))
-        if members and all(_is_array_type(m) for m in members):
-            out[name] = members
-    return out
-
-
-def _is_union(hint: Any) -> bool:
-    return typing.get_origin(hint) in (typing.Union, types.UnionType)
-
-
-def _is_array_type(hint: Any) -> bool:
-    return inspect.isclass(hint) and issubclass(hint, AbstractArray)
+from ._typecheck import CHECKED_ARGUMENTS
 
 
 # ------------------------------------------------------------------------------------
@@ -170,7 +30,7 @@ def _is_array_type(hint: Any) -> bool:
 def _argument_name(obj: Any) -> str:
     # The checked value is one of the call's arguments unless it is a return value, or
     # is checked outside `typecheck`: then its class stands in.
-    for name, value in (_ARGUMENTS.get() or {}).items():
+    for name, value in (CHECKED_ARGUMENTS.get() or {}).items():
         if value is obj:
             return name
     return type(obj).__qualname__
@@ -237,7 +97,7 @@ class _StackedMeta(type):
                 f"`{argname}` has type {type(obj).__qualname__}, not "
                 f"{cls.model.__qualname__} as {cls!r} expects."
             )
-        leaves, annotations = _flatten(obj)
+        leaves, annotations = flatten_annotated(obj)
         return _StackCheck(cls, argname, leaves, annotations).run()
 
     def unstacked_hint(cls) -> str:
@@ -261,7 +121,7 @@ class _StackCheck:
     annotation: _StackedMeta
     argname: str
     leaves: list[Any]
-    annotations: _LeafAnnotations
+    annotations: LeafAnnotations
     # The leading shape, and the first array leaf, which set it.
     lead_shape: tuple[int, ...] | None = None
     lead_leaf: int = -1
@@ -292,7 +152,7 @@ class _StackCheck:
             passed.add(signature)
         return self.check_call()
 
-    def with_hint(self, message: str, fields: Sequence[_Field]) -> str:
+    def with_hint(self, message: str, fields: Sequence[Field]) -> str:
         if _looks_unstacked(self.leaves, fields):
             message += " " + self.annotation.unstacked_hint()
         return message
@@ -356,7 +216,7 @@ class _StackCheck:
             [f for instance in self.annotations.instances for f in instance.fields],
         )
 
-    def check_instance(self, instance: _Instance) -> str:
+    def check_instance(self, instance: Instance) -> str:
         """Checks per-member shapes against field annotations in one fresh scope.
 
         The scope starts from the leading dims, so a field dim named like one of them
@@ -392,7 +252,7 @@ class _StackCheck:
 
     def field_message(
         self,
-        instance: _Instance,
+        instance: Instance,
         index: int,
         field_types: tuple[type[AbstractArray], ...],
         reasons: list[str],
@@ -423,7 +283,7 @@ def _member_signature(leaf: Any, lead: int) -> Any:
     return type(leaf), tuple(leaf.shape[lead:]), leaf.dtype
 
 
-def _looks_unstacked(leaves: list[Any], fields: Sequence[_Field]) -> bool:
+def _looks_unstacked(leaves: list[Any], fields: Sequence[Field]) -> bool:
     # A leaf whose whole shape has exactly the rank its field annotation asks for
     # carries no member axes.
     return any(
@@ -561,96 +421,3 @@ if TYPE_CHECKING:
     from typing import Annotated as Stacked
 else:
     Stacked = _Stacked
-
-
-# ------------------------------------------------------------------------------------
-# The decorator.
-
-_T = TypeVar("_T")
-
-
-def typecheck(fn: _T) -> _T:
-    """Checks a function's annotations, `Stacked` and jaxtyping shapes included.
-
-    This is `jaxtyping.jaxtyped(typechecker=beartype.beartype)`, whose per-call dim
-    scope makes `eb.Stacked[Model, "n"]` and `Float[Array, "n b"]` agree on `n`, with
-    one addition: jaxtyping's own error says which argument failed but not why, so the
-    violation's reason (for `Stacked`, the leaf path, its shape and the expected dims)
-    is appended to the message. Put it *inside* `jax.jit`/`eqx.filter_jit`
-    (`jax.jit(eb.typecheck(f))`): the checks then run once per trace and cost nothing
-    per call.
-
-    **Arguments:**
-
-    - `fn`: a function, or a dataclass (such as an `eqx.Module` subclass), whose
-        `__init__` is then checked.
-
-    **Returns:**
-
-    `fn`, checked.
-
-    **Raises:**
-
-    The decorated function raises `jaxtyping.TypeCheckError` (a `TypeError`) when an
-    argument or the return value violates its annotation.
-
-    !!! Example
-
-        ```python
-        from jaxtyping import Array, Float
-
-        @eb.typecheck
-        def mean_weight(models: eb.Stacked[dict, "n"]) -> Float[Array, "n"]:
-            return models["w"].mean(axis=1)
-
-        jax.jit(mean_weight)({"w": jnp.ones((3, 2))})  # checked once, at trace time
-        ```
-    """
-    if inspect.isclass(fn):
-        checked_cls = jaxtyping.jaxtyped(fn, typechecker=beartype)
-        checked_cls.__init__ = _with_reason(checked_cls.__init__)
-        return checked_cls
-    return _with_reason(jaxtyping.jaxtyped(fn, typechecker=beartype))  # pyright: ignore
-
-
-def _with_reason(checked: Any) -> Any:
-    if not inspect.isfunction(checked):
-        # A classmethod, staticmethod or property that jaxtyped wrapped in place.
-        return checked
-    signature = inspect.signature(checked)
-
-    @ft.wraps(checked)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True
-        try:
-            arguments = signature.bind(*args, **kwargs).arguments
-        except TypeError:
-            arguments = {}  # jaxtyped reports the bad call.
-        token = _ARGUMENTS.set(arguments)
-        try:
-            return checked(*args, **kwargs)
-        except TypeCheckError as e:
-            reason = _violation_reason(e)
-            # Nested checked functions: the inner one has already added the reason.
-            if reason is None or reason in str(e):
-                raise
-            raise TypeCheckError(f"{e}\nReason: {reason}") from e
-        finally:
-            _ARGUMENTS.reset(token)
-
-    return wrapper
-
-
-def _violation_reason(error: BaseException) -> str | None:
-    # jaxtyping raises its summary `from` the typechecker's violation, which holds the
-    # reason (our `__instancecheck_str__` text for `Stacked`).
-    cause = error.__cause__
-    while cause is not None:
-        if isinstance(cause, BeartypeCallHintViolation):
-            # beartype writes "... parameter x=<value> violates type hint <hint>, as
-            # <reason>"; jaxtyping's summary already names the parameter and value.
-            _, found, rest = str(cause).partition(" violates type hint ")
-            _, found_reason, reason = rest.partition(", as ")
-            return reason if found and found_reason else str(cause)
-        cause = cause.__cause__
-    return None

@@ -1,6 +1,8 @@
 """Many Markov chains in parallel: `run_chains` and its result, `Chains`.
 
-- `_run.py`: the driver (arguments, chunks of chains, the segment loop);
+- `_run.py`: the driver (arguments, chunks of chains, results);
+- `_chunk.py`: one chunk through every step: placed, resumed, run segment by segment,
+    checkpointed;
 - `_step.py`: the user's step, traced on one chain and checked;
 - `_segment.py`: the compiled segment, which knows nothing about files;
 - `_placement.py`: chains padded and split over the devices;

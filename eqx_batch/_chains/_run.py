@@ -1,20 +1,17 @@
 """`run_chains`: many Markov chains at once, from a step written for one.
 
 The algorithm: check the arguments and trace the step on one chain (`_step.py`); turn
-typed PRNG keys into raw data, once; then for each chunk of chains (all of them, unless
-`chunk_size`), place the chains on the devices (`_placement.py`), resume them from their
-checkpoint if there is one (`_checkpoint.py`), and run compiled segments
-(`_segment.py`) until every step is done, checkpointing after each; finally join the
-chunks and make raw key data typed keys again, once.
+typed PRNG keys into raw data, once; run each chunk of chains (all of them, unless
+`chunk_size`) through every step (`_chunk.py`); finally join the chunks and make raw
+key data typed keys again, once.
 """
 
 import contextlib
-import dataclasses
 import functools as ft
 import os
 import pathlib
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -25,7 +22,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import BatchError, check_int, describe
-from .._progress import ProgressBar, ProgressHandle
+from .._progress import ProgressBar
 from .._stack import take
 from .._tree import (
     as_key_data,
@@ -37,25 +34,18 @@ from .._tree import (
     mapped_leaves,
 )
 from ._checkpoint import (
-    Checkpoint,
     chunk_path,
-    DrawFile,
     longest_file_name,
-    Restored,
-    Snapshot,
     warn_of_other_chunkings,
 )
-from ._identity import RunIdentity
+from ._chunk import RunPlan
 from ._lock import check_folder, refuse_if_in_use, WriteAccess
-from ._placement import Placement, put_draws
 from ._result import Chains, NonFinite
 from ._segment import (
     ChainState,
     draws_before,
     OneChain,
-    run_segment,
     SegmentPlan,
-    SegmentProgress,
 )
 from ._step import per_chain, trace_step
 
@@ -213,7 +203,7 @@ def run_chains(
     # One chain's recorded leaves: shape-dtype structs for the arrays, and the leaves
     # that are the same in every draw (an MLP's activation) as they are.
     recorded = traced.output if with_output else per_chain(init)
-    run = _Run(
+    run = RunPlan(
         step=step,
         shared=shared,
         one_chain=one_chain,
@@ -328,136 +318,8 @@ def run_chains(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Run:
-    """What every chunk of chains of one call of `run_chains` shares."""
-
-    step: Callable
-    shared: Any  # the non-array leaves of the state
-    one_chain: OneChain  # one chain's state and key, typed keys as keys
-    plan: SegmentPlan  # with `length` 0: set per segment
-    num_steps: int
-    recorded: Any  # one chain's recorded arrays, as shape-dtype structs; None if none
-    recorded_static: Any  # the recorded leaves that are the same in every draw
-    program: jax.extend.core.ClosedJaxpr  # `step`, traced: for the run's identity
-    counts: dict[str, Any]  # the arguments that change results, for the identity
-    checkpoint_every: int | None
-
-    def run_chunk(
-        self,
-        chains: ChainState,
-        *,
-        pad_to: int,
-        checkpoint: pathlib.Path | None,
-        access: WriteAccess | None,
-        writes: bool,
-        bar: ProgressHandle | None,
-        steps_before: int,
-    ) -> tuple[ChainState, Any]:
-        """Runs `chains` through every step; returns them and their trace (None
-        without one), whole on every process.
-
-        They are padded to `pad_to` chains (and to a multiple of the device count), so
-        that every chunk of a chunked run runs one program. `steps_before` is the
-        steps of the chunks before this one, for the progress bar.
-        """
-        num_chains = chains.keys.shape[0]
-        trace_like = None
-        if self.recorded is not None:
-            trace_like = as_key_data(
-                _with_leading(self.recorded, num_chains, self.plan.num_draws)
-            )
-        with contextlib.ExitStack() as stack:
-            store = restored = None
-            if checkpoint is not None:
-                assert access is not None
-                store = stack.enter_context(
-                    Checkpoint(
-                        checkpoint,
-                        self.identity(chains, num_chains),
-                        num_chains,
-                        access=access,
-                        writes=writes,
-                    )
-                )
-                restored = store.restore(
-                    _shapes(chains),
-                    trace_like,
-                    num_steps=self.num_steps,
-                    draws_after=ft.partial(
-                        draws_before, burn_in=self.plan.burn_in, thin=self.plan.thin
-                    ),
-                )
-                if restored is None or restored.steps_done < self.num_steps:
-                    store.start_writing()
-            placement = Placement(num_chains, pad_to=pad_to)
-            steps_done, chains, trace_buffer = _start(
-                placement, chains, trace_like, restored
-            )
-            progress = None
-            if bar is not None:
-                progress = SegmentProgress(
-                    bar, bar.start(steps_before + steps_done), np.int32(steps_before)
-                )
-            num_steps = self.num_steps
-            interval = self.checkpoint_every or max(num_steps - steps_done, 1)
-            while steps_done < num_steps:
-                window = _Window.of(
-                    self.plan, steps_done, min(interval, num_steps - steps_done), store
-                )
-                result = run_segment(
-                    dataclasses.replace(
-                        self.plan, length=window.length, emit=window.emit
-                    ),
-                    self.step,
-                    self.shared,
-                    self.one_chain,
-                    chains,
-                    np.int32(steps_done),
-                    progress,
-                    trace_buffer,
-                )
-                chains, trace_buffer = result.chains, result.trace_buffer
-                if progress is not None:
-                    progress = progress._replace(due=result.due)
-                steps_done += window.length
-                if store is not None:
-                    store.write(
-                        _snapshot(
-                            placement, steps_done, chains, result.new_draws, window
-                        )
-                    )
-        return (
-            placement.real_chains(chains),
-            None if trace_buffer is None else placement.real_chains(trace_buffer),
-        )
-
-    def identity(self, chains: ChainState, num_chains: int) -> RunIdentity:
-        """The identity of the run of these chains (raw data)."""
-        init_like = _with_leading(self.one_chain.state, num_chains)
-        return RunIdentity.of(
-            self.program,
-            eqx.combine(chains.states, self.shared),
-            eqx.combine(init_like, self.shared),
-            chains.keys,
-            _with_leading(self.one_chain.key, num_chains),
-            self.counts,
-        )
-
-
 def _is_struct(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _with_leading(like: Any, *sizes: int) -> Any:
-    """Shape-dtype structs of `like`'s with leading axes of `sizes` added."""
-    return jtu.tree_map(
-        lambda x: jax.ShapeDtypeStruct((*sizes, *x.shape), x.dtype), like
-    )
-
-
-def _shapes(tree: Any) -> Any:
-    return jtu.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
 def _chain_count(states: Any) -> int:
@@ -499,75 +361,3 @@ def _chain_keys(key: Any, num_chains: int) -> tuple[jax.Array, bool]:
             f"to be split with `jax.random.split(key, {num_chains})`."
         )
     return key, legacy
-
-
-class _Window(NamedTuple):
-    """One segment's steps and, when checkpointing, where its new draws lie."""
-
-    length: int
-    emit: int  # see `SegmentPlan.emit`
-    draw_file: DrawFile | None  # the file for the segment's draws, if it records any
-    offset: int  # where they start in the emitted slice
-
-    @classmethod
-    def of(
-        cls, plan: SegmentPlan, start: int, length: int, store: Checkpoint | None
-    ) -> "_Window":
-        if store is None or not plan.record:
-            return cls(length, 0, None, 0)
-        first = draws_before(start, plan.burn_in, plan.thin)
-        stop = draws_before(start + length, plan.burn_in, plan.thin)
-        if stop == first:
-            return cls(length, 0, None, 0)
-        emit = min(-(-length // plan.thin), plan.num_draws)
-        draw_file = DrawFile(store.draws_name(first, stop), first, stop)
-        return cls(length, emit, draw_file, first - min(first, plan.num_draws - emit))
-
-
-class _Start(NamedTuple):
-    steps_done: int
-    chains: ChainState
-    trace_buffer: Any  # with the draws already made; None without a trace
-
-
-def _start(
-    placement: Placement,
-    chains: ChainState,
-    trace_like: Any,
-    restored: Restored | None,
-) -> _Start:
-    """The chains and trace buffer on the devices, at the start or as checkpointed."""
-    if restored is None:
-        trace_buffer = None if trace_like is None else placement.zeros(trace_like)
-        return _Start(0, placement.put(chains), trace_buffer)
-    trace_buffer = None
-    if trace_like is not None:
-        made = jtu.tree_leaves(restored.draws)[0].shape[1]
-        if made == jtu.tree_leaves(trace_like)[0].shape[1]:
-            # A finished run: the draws are the whole trace, placed once.
-            trace_buffer = placement.put(restored.draws)
-        else:
-            trace_buffer = placement.zeros(trace_like)
-            if made:
-                trace_buffer = put_draws(placement.put(restored.draws), trace_buffer)
-    return _Start(restored.steps_done, placement.put(restored.chains), trace_buffer)
-
-
-def _snapshot(
-    placement: Placement,
-    steps_done: int,
-    chains: ChainState,
-    new_draws: Any,
-    window: _Window,
-) -> Snapshot:
-    """What to checkpoint after `steps_done` steps."""
-    if jax.process_count() > 1:
-        # Every process takes part in gathering (a collective); process 0 writes.
-        chains, new_draws = placement.replicated((chains, new_draws))
-    return Snapshot(
-        steps_done,
-        chains,
-        draws=new_draws,
-        draw_file=window.draw_file,
-        offset=window.offset,
-    )

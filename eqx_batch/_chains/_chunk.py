@@ -1,0 +1,230 @@
+"""One chunk of chains through every step: placed on the devices, resumed from its
+checkpoint if there is one, run segment by segment and checkpointed after each."""
+
+import contextlib
+import dataclasses
+import functools as ft
+import pathlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.extend
+import jax.tree_util as jtu
+import numpy as np
+
+from .._progress import ProgressHandle
+from .._tree import as_key_data
+from ._checkpoint import Checkpoint, DrawFile, Restored, Snapshot
+from ._identity import RunIdentity
+from ._lock import WriteAccess
+from ._placement import Placement, put_draws
+from ._segment import (
+    ChainState,
+    draws_before,
+    OneChain,
+    run_segment,
+    SegmentPlan,
+    SegmentProgress,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What every chunk of chains of one call of `run_chains` shares."""
+
+    step: Callable
+    shared: Any  # the non-array leaves of the state
+    one_chain: OneChain  # one chain's state and key, typed keys as keys
+    plan: SegmentPlan  # with `length` 0: set per segment
+    num_steps: int
+    recorded: Any  # one chain's recorded arrays, as shape-dtype structs; None if none
+    recorded_static: Any  # the recorded leaves that are the same in every draw
+    program: jax.extend.core.ClosedJaxpr  # `step`, traced: for the run's identity
+    counts: dict[str, Any]  # the arguments that change results, for the identity
+    checkpoint_every: int | None
+
+    def run_chunk(
+        self,
+        chains: ChainState,
+        *,
+        pad_to: int,
+        checkpoint: pathlib.Path | None,
+        access: WriteAccess | None,
+        writes: bool,
+        bar: ProgressHandle | None,
+        steps_before: int,
+    ) -> tuple[ChainState, Any]:
+        """Runs `chains` through every step; returns them and their trace (None
+        without one), whole on every process.
+
+        They are padded to `pad_to` chains (and to a multiple of the device count), so
+        that every chunk of a chunked run runs one program. `steps_before` is the
+        steps of the chunks before this one, for the progress bar.
+        """
+        num_chains = chains.keys.shape[0]
+        trace_like = None
+        if self.recorded is not None:
+            trace_like = as_key_data(
+                _with_leading(self.recorded, num_chains, self.plan.num_draws)
+            )
+        with contextlib.ExitStack() as stack:
+            store = restored = None
+            if checkpoint is not None:
+                assert access is not None
+                store = stack.enter_context(
+                    Checkpoint(
+                        checkpoint,
+                        self.identity(chains, num_chains),
+                        num_chains,
+                        access=access,
+                        writes=writes,
+                    )
+                )
+                restored = store.restore(
+                    _shapes(chains),
+                    trace_like,
+                    num_steps=self.num_steps,
+                    draws_after=ft.partial(
+                        draws_before, burn_in=self.plan.burn_in, thin=self.plan.thin
+                    ),
+                )
+                if restored is None or restored.steps_done < self.num_steps:
+                    store.start_writing()
+            placement = Placement(num_chains, pad_to=pad_to)
+            steps_done, chains, trace_buffer = _start(
+                placement, chains, trace_like, restored
+            )
+            progress = None
+            if bar is not None:
+                progress = SegmentProgress(
+                    bar, bar.start(steps_before + steps_done), np.int32(steps_before)
+                )
+            num_steps = self.num_steps
+            interval = self.checkpoint_every or max(num_steps - steps_done, 1)
+            while steps_done < num_steps:
+                window = _Window.of(
+                    self.plan, steps_done, min(interval, num_steps - steps_done), store
+                )
+                result = run_segment(
+                    dataclasses.replace(
+                        self.plan, length=window.length, emit=window.emit
+                    ),
+                    self.step,
+                    self.shared,
+                    self.one_chain,
+                    chains,
+                    np.int32(steps_done),
+                    progress,
+                    trace_buffer,
+                )
+                chains, trace_buffer = result.chains, result.trace_buffer
+                if progress is not None:
+                    progress = progress._replace(due=result.due)
+                steps_done += window.length
+                if store is not None:
+                    store.write(
+                        _snapshot(
+                            placement, steps_done, chains, result.new_draws, window
+                        )
+                    )
+        return (
+            placement.real_chains(chains),
+            None if trace_buffer is None else placement.real_chains(trace_buffer),
+        )
+
+    def identity(self, chains: ChainState, num_chains: int) -> RunIdentity:
+        """The identity of the run of these chains (raw data)."""
+        init_like = _with_leading(self.one_chain.state, num_chains)
+        return RunIdentity.of(
+            self.program,
+            eqx.combine(chains.states, self.shared),
+            eqx.combine(init_like, self.shared),
+            chains.keys,
+            _with_leading(self.one_chain.key, num_chains),
+            self.counts,
+        )
+
+
+def _with_leading(like: Any, *sizes: int) -> Any:
+    """Shape-dtype structs of `like`'s with leading axes of `sizes` added."""
+    return jtu.tree_map(
+        lambda x: jax.ShapeDtypeStruct((*sizes, *x.shape), x.dtype), like
+    )
+
+
+def _shapes(tree: Any) -> Any:
+    return jtu.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+class _Window(NamedTuple):
+    """One segment's steps and, when checkpointing, where its new draws lie."""
+
+    length: int
+    emit: int  # see `SegmentPlan.emit`
+    draw_file: DrawFile | None  # the file for the segment's draws, if it records any
+    offset: int  # where they start in the emitted slice
+
+    @classmethod
+    def of(
+        cls, plan: SegmentPlan, start: int, length: int, store: Checkpoint | None
+    ) -> "_Window":
+        if store is None or not plan.record:
+            return cls(length, 0, None, 0)
+        first = draws_before(start, plan.burn_in, plan.thin)
+        stop = draws_before(start + length, plan.burn_in, plan.thin)
+        if stop == first:
+            return cls(length, 0, None, 0)
+        emit = min(-(-length // plan.thin), plan.num_draws)
+        draw_file = DrawFile(store.draws_name(first, stop), first, stop)
+        return cls(length, emit, draw_file, first - min(first, plan.num_draws - emit))
+
+
+class _Start(NamedTuple):
+    steps_done: int
+    chains: ChainState
+    trace_buffer: Any  # with the draws already made; None without a trace
+
+
+def _start(
+    placement: Placement,
+    chains: ChainState,
+    trace_like: Any,
+    restored: Restored | None,
+) -> _Start:
+    """The chains and trace buffer on the devices, at the start or as checkpointed."""
+    if restored is None:
+        trace_buffer = None if trace_like is None else placement.zeros(trace_like)
+        return _Start(0, placement.put(chains), trace_buffer)
+    trace_buffer = None
+    if trace_like is not None:
+        made = jtu.tree_leaves(restored.draws)[0].shape[1]
+        if made == jtu.tree_leaves(trace_like)[0].shape[1]:
+            # A finished run: the draws are the whole trace, placed once.
+            trace_buffer = placement.put(restored.draws)
+        else:
+            trace_buffer = placement.zeros(trace_like)
+            if made:
+                trace_buffer = put_draws(placement.put(restored.draws), trace_buffer)
+    return _Start(restored.steps_done, placement.put(restored.chains), trace_buffer)
+
+
+def _snapshot(
+    placement: Placement,
+    steps_done: int,
+    chains: ChainState,
+    new_draws: Any,
+    window: _Window,
+) -> Snapshot:
+    """What to checkpoint after `steps_done` steps."""
+    if jax.process_count() > 1:
+        # Every process takes part in gathering (a collective); process 0 writes.
+        chains, new_draws = placement.replicated((chains, new_draws))
+    return Snapshot(
+        steps_done,
+        chains,
+        draws=new_draws,
+        draw_file=window.draw_file,
+        offset=window.offset,
+    )
