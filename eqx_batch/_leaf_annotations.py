@@ -46,7 +46,7 @@ _MAX_ANNOTATIONS = 1024
 
 
 def flatten_annotated(obj: Any) -> tuple[list[Any], LeafAnnotations]:
-    leaves, treedef = jtu.treeflatten_annotated(obj)
+    leaves, treedef = jtu.tree_flatten(obj)
     try:
         annotations = _ANNOTATIONS.get(treedef)
     except TypeError:
