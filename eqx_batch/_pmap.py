@@ -1,4 +1,4 @@
-"""`filter_pmap` and `shard`: members spread over devices with `jax.jit` and shardings.
+"""`filter_pmap`: members spread over devices with `jax.jit` and shardings.
 
 `jax.pmap` is in maintenance mode (JAX 0.10 removed its C++ implementation), so nothing
 here uses it. `filter_pmap` compiles one program over *all* members with `jax.jit` on a
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._bind import bind_arguments
 from ._compile import (
@@ -47,126 +47,20 @@ from ._compile import (
 from ._errors import BatchError, bullet_list, describe, leaf_name
 from ._mapped_call import bind_call, MappedCall
 from ._outputs import join_output, OutputSkeleton, split_output
+from ._shard import (
+    Device,
+    MEMBER_AXIS_NAME,
+    member_mesh,
+    member_spec,
+    named_mesh,
+)
 from ._sizes import check_axis_size
 from ._tree import (
-    axis_sizes,
-    common_size,
     is_array,
     is_tracer,
-    mapped_leaves,
     resolve_axes,
 )
 from ._vmap import filter_vmap
-
-
-MEMBER_AXIS_NAME = "members"
-
-# `jax.Device` is an alias pyright cannot use as a type (jaxlib ships no stub for it).
-Device = Any
-
-
-def member_mesh(devices: Sequence[Device] | None = None) -> Mesh:
-    """A 1-D mesh over `devices` (all devices of all processes by default).
-
-    Its axis type is `Auto`: XLA decides how values between the constrained inputs and
-    outputs are split, which is what lets a collective under `vmap` (a reduction over
-    the member axis) become a cross-device reduction.
-    """
-    return _cached_mesh(tuple(jax.devices() if devices is None else devices))
-
-
-@ft.cache
-def _cached_mesh(devices: tuple[Device, ...], name: str = MEMBER_AXIS_NAME) -> Mesh:
-    return Mesh(np.array(devices), (name,), axis_types=(AxisType.Auto,))
-
-
-def _auto(mesh: Mesh) -> Mesh:
-    # Under `Explicit` mesh axes, JAX rejects collectives under `vmap` over a sharded
-    # axis; under `Auto` ones the same program partitions. Same devices, same names.
-    if all(t == AxisType.Auto for t in mesh.axis_types):
-        return mesh
-    return Mesh(
-        mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim
-    )
-
-
-def _member_spec(mesh: Mesh, axis: int | None) -> PartitionSpec:
-    """Split along `axis` over all of `mesh`; replicated if `axis` is `None`."""
-    if axis is None:
-        return PartitionSpec()
-    names = mesh.axis_names
-    split = names[0] if len(names) == 1 else names
-    return PartitionSpec(*([None] * axis), split)
-
-
-# ---------------------------------------------------------------------------- shard
-
-
-def shard(tree: Any, mesh: Mesh | None = None, *, axes: Any = eqx.if_array(0)) -> Any:
-    """Places a stacked tree's members across devices, ready for `jax.jit`.
-
-    With the member axis of every mapped leaf split over a mesh (and every other array
-    leaf replicated on it), plain `jax.jit` over [`eb.filter_vmap`][] runs each
-    device's members on that device: SPMD, with no pmap and no per-call transfer. The
-    results stay split the same way, so the next step runs where the data already is.
-
-    **Arguments:**
-
-    - `tree`: a stacked pytree (e.g. an ensemble built by `eqx.filter_vmap`).
-    - `mesh`: the devices to spread members over. Defaults to a 1-D mesh of all devices
-        of all processes. The member axis is split over all of the mesh's axes; its
-        axis types are taken as `Auto` so that collectives under `vmap` partition.
-    - `axes`: the member axis of each leaf, as an axis-spec prefix of `tree` (`None`,
-        an int, or a callable such as `eqx.if_array(0)`). Leaves with axis `None` are
-        replicated on every device; non-array leaves are left as they are.
-
-    **Returns:**
-
-    `tree` with its array leaves placed on the mesh's devices.
-
-    **Raises:**
-
-    - `eb.BatchError` if the member count does not divide evenly over the mesh (the
-        message names a leaf and says how many members to pad to), if mapped leaves
-        disagree on the member count (naming each by its path in `tree`), if there is
-        no mapped array leaf, if a mapped leaf is not an array or lacks its member axis,
-        or if `axes` is not an axis-spec prefix of `tree`.
-
-    !!! Example
-
-        ```python
-        keys = jr.split(jr.key(0), 8)
-        ensemble = eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 2, key=k))(keys)
-        ensemble = eb.shard(ensemble)  # 8 members over the 4 devices: 2 each
-        out = jax.jit(eb.filter_vmap(lambda m, x: m(x), in_axes=(0, None)))(
-            ensemble, jnp.ones(3)
-        )
-        assert out.shape == (8, 2)
-        ```
-    """
-    mesh = member_mesh() if mesh is None else _auto(mesh)
-    leaves = mapped_leaves(tree, axes, "tree")
-    sizes = axis_sizes(leaves, "tree")
-    count = common_size(sizes)
-    if count % mesh.size:
-        padded = -(-count // mesh.size) * mesh.size
-        raise BatchError(
-            f"`{sizes[0][0]}` has {count} members, which the {mesh.size} devices of "
-            f"the mesh cannot share evenly. Pad every mapped leaf to {padded} members "
-            "along its member axis (and ignore the extra members' results), use a "
-            f"mesh whose size divides {count}, or call `eb.filter_pmap`, which pads "
-            "internally."
-        )
-    placed = [leaf for _, leaf, _ in leaves]
-    targets = [
-        NamedSharding(mesh, _member_spec(mesh, axis))
-        for _, leaf, axis in leaves
-        if is_array(leaf)
-    ]
-    arrays = jax.device_put([leaf for leaf in placed if is_array(leaf)], targets)
-    moved = iter(arrays)
-    placed = [next(moved) if is_array(leaf) else leaf for leaf in placed]
-    return jtu.tree_unflatten(jtu.tree_structure(tree), placed)
 
 
 # ---------------------------------------------------------------------- filter_pmap
@@ -195,7 +89,7 @@ def _one_per_device(
     mesh's own, over exactly the members.
     """
     arrays = [i for i, leaf in enumerate(call.leaves) if is_array(leaf)]
-    specs = tuple(_member_spec(mesh, call.axes[i]) for i in arrays)
+    specs = tuple(member_spec(mesh, call.axes[i]) for i in arrays)
     skeletons: list[OutputSkeleton] = []
 
     def per_device(*local: Any) -> tuple[list[Any], list[Any]]:
@@ -211,7 +105,7 @@ def _one_per_device(
         per_device,
         mesh=mesh,
         in_specs=specs,
-        out_specs=(_member_spec(mesh, 0), PartitionSpec()),
+        out_specs=(member_spec(mesh, 0), PartitionSpec()),
     )(*[call.leaves[i] for i in arrays])
     return join_output(mapped, unmapped, skeletons[0])
 
@@ -229,7 +123,7 @@ def _vmapped(
         # Pinning each mapped input to "split along its member axis" is what makes
         # the partitioner give each device its own members rather than replicate
         # the work.
-        split = NamedSharding(mesh, _member_spec(mesh, axis))
+        split = NamedSharding(mesh, member_spec(mesh, axis))
         if uneven:
             # Under `jax.grad` a constraint also applies to the cotangent. Pinning an
             # uneven input to "replicated" first leaves its gradient replicated: an
@@ -260,7 +154,7 @@ def _over_mesh(
     mesh = mapping.mesh
     uneven = (size or 0) % mesh.size != 0
     if size == mesh.size and isinstance(mapping.axis_name, str | None):
-        mesh = _cached_mesh(
+        mesh = named_mesh(
             tuple(mesh.devices.flat), mapping.axis_name or MEMBER_AXIS_NAME
         )
         out = _one_per_device(fun, call, out_axes, mesh)
@@ -277,7 +171,7 @@ def _over_mesh(
         if not is_array(leaf):
             return leaf
         axis = None if axis is None or replicate else axis % np.ndim(leaf)
-        spec = _member_spec(mesh, axis)
+        spec = member_spec(mesh, axis)
         return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
 
     return jtu.tree_unflatten(out_treedef, map(place, out_leaves, leaf_axes))

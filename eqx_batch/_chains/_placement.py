@@ -17,7 +17,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._pmap import member_mesh, shard
+from .._shard import member_mesh, shard
 from .._stack import take
 from .._tree import is_array
 
