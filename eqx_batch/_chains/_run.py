@@ -253,7 +253,9 @@ def run_chains(
         if checkpoint is not None:
             path = pathlib.Path(checkpoint)
             check_folder(path)
-            refuse_if_in_use(path)
+            if writes:
+                # The other processes of a job leave the lock to process 0.
+                refuse_if_in_use(path)
             warn_of_other_chunkings(path, chunks if chunked else None)
             longest = longest_file_name(
                 path,
