@@ -15,7 +15,8 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._errors import BatchError, describe, KeyPath, leaf_name, qualified_name
-from ._file_format import CheckedFile, storable
+from ._file_format import CheckedFile
+from ._file_layout import storable
 from ._tree import is_array, is_key, is_tracer, is_weak, make_weak
 
 

@@ -3,7 +3,7 @@ validated against `like`.
 
 A tree is written as one record per leaf and the arrays of its array leaves
 (`_leaf_records.py`); the file format (safetensors with eqx_batch metadata and
-checksums) is `_file_format.py`'s. Loading checks every record of a file against the
+checksums) is `_file_layout.py`'s, opened by `_file_format.py`. Loading checks every record of a file against the
 leaf of `like` at the same place before it reads any tensor, then gives each value the
 type of `like`'s leaf. A file of a stacked tree loads into a list of members and a file
 of a list into a stacked `like` (`_load_layouts.py`).
@@ -17,7 +17,8 @@ import jax
 import jax.tree_util as jtu
 
 from ._errors import BatchError, bullet_list
-from ._file_format import check_caller_metadata, CheckedFile, open_checked, write_file
+from ._file_format import CheckedFile, open_checked
+from ._file_layout import check_caller_metadata, write_file
 from ._leaf_records import check_leaf, leaf_records, leaf_value, materialise
 from ._load_layouts import list_into_stacked, list_length, stacked_into_list
 
