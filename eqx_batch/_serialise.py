@@ -3,10 +3,10 @@ validated against `like`.
 
 A tree is written as one record per leaf and the arrays of its array leaves
 (`_leaf_records.py`); the file format (safetensors with eqx_batch metadata and
-checksums) is `_file_layout.py`'s, opened by `_file_format.py`. Loading checks every record of a file against the
-leaf of `like` at the same place before it reads any tensor, then gives each value the
-type of `like`'s leaf. A file of a stacked tree loads into a list of members and a file
-of a list into a stacked `like` (`_load_layouts.py`).
+checksums) is `_file_layout.py`'s, opened by `_file_format.py`. Loading checks every
+record of a file against the leaf of `like` at the same place before it reads any
+tensor, then gives each value the type of `like`'s leaf. A file of a stacked tree loads
+into a list of members and a file of a list into a stacked `like` (`_load_layouts.py`).
 """
 
 import os
