@@ -10,6 +10,7 @@ crafted file can carry valid checksums, so every field is checked before it is u
 import contextlib
 import functools
 import json
+import math
 import os
 import stat
 import zlib
@@ -25,6 +26,7 @@ from ._file_layout import (
     FIXED_END,
     HEAD,
     HEADER_CRC_AT,
+    ITEM_SIZES,
     LENGTH,
     MIDDLE,
     NAMESPACE,
@@ -144,6 +146,14 @@ def _corrupt(path: str, problem: str) -> BadFileError:
     )
 
 
+def _wrong_size(path: str, problem: str) -> BadFileError:
+    return BadFileError(
+        f"`{path}` is corrupt or crafted: {problem}. A copy cut short or extended (an "
+        "interrupted download or copy) leaves a file like this, and so does a header "
+        "crafted to claim sizes the file does not hold: its contents cannot be trusted."
+    )
+
+
 def _malformed(path: str) -> BadFileError:
     return BadFileError(
         f"`{path}` has a malformed header, though its checksums match: it was not "
@@ -175,19 +185,23 @@ def _check_foreign(
     if not isinstance(header, dict):
         return _not_ours(path, head)
     metadata = header.get("__metadata__")
-    if isinstance(metadata, dict) and any(
-        isinstance(k, str) and k.startswith(NAMESPACE) for k in metadata
-    ):
-        return _corrupt(
-            path,
-            "it has eqx_batch metadata, but its checksums are not where `eb.save` "
-            "puts them (or another tool rewrote the file)",
-        )
     try:
         with safetensors.safe_open(_descriptor_path(path, descriptor), "np") as file:
             count = len(list(file.keys()))
     except Exception:  # noqa: BLE001 - any failure of the parser means "not a file of it"
         return _not_ours(path, head)
+    if isinstance(metadata, dict) and any(
+        isinstance(k, str) and k.startswith(NAMESPACE) for k in metadata
+    ):
+        # Sound for the parser, with our metadata moved from where `eb.save` puts
+        # it: another writer (`safetensors.numpy.save_file` sorts the header) did it.
+        return BadFileError(
+            f"`{path}` was rewritten by another tool: it holds the metadata `eb.save` "
+            "writes, but not where `eb.save` puts it, so its checksums cannot be "
+            "checked and `eb.load` does not read it. Its arrays are readable with "
+            f"`safetensors.numpy.load_file('{path}')`, named by their leaf paths; put "
+            "them into your tree (e.g. with `eqx.tree_at`) and `eb.save` that."
+        )
     return ForeignFileError(
         f"`{path}` is a safetensors file ({count} tensor{'' if count == 1 else 's'}) "
         "but not an eqx_batch file: it lacks the metadata `eb.save` writes (the "
@@ -203,19 +217,33 @@ def _is_count(x: Any) -> bool:
 
 
 def _data_nbytes(header: dict[str, Any]) -> int | None:
-    """The end of the last tensor the header describes; `None` if ill-formed."""
-    end = 0
+    """The bytes of tensor data the header describes; `None` unless its tensors lie
+    back to back from the start of the data, each as long as its dtype and shape say,
+    as `eb.save` lays them out."""
+    spans = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict):
+            return None
+        offsets, shape = entry.get("data_offsets"), entry.get("shape")
+        item_size = ITEM_SIZES.get(entry.get("dtype"))
         if not (
             isinstance(offsets, list)
             and len(offsets) == 2
             and all(_is_count(o) for o in offsets)
+            and isinstance(shape, list)
+            and all(_is_count(d) for d in shape)
+            and item_size is not None
+            and offsets[1] - offsets[0] == math.prod(shape) * item_size
         ):
             return None
-        end = max(end, offsets[1])
+        spans.append(offsets)
+    end = 0
+    for start, stop in sorted(spans):
+        if start != end:
+            return None
+        end = stop
     return end
 
 
@@ -233,7 +261,7 @@ def _check_envelope(path: str, descriptor: int, size: int) -> _Envelope:
     if size < FIXED_END:
         raise _corrupt(path, f"it is truncated to {size} bytes")
     if header_nbytes > _MAX_HEADER or LENGTH.size + header_nbytes > size:
-        raise _corrupt(
+        raise _wrong_size(
             path,
             f"its header claims {header_nbytes} bytes but the whole file has {size}"
             if header_nbytes <= _MAX_HEADER
@@ -270,7 +298,7 @@ def _check_envelope(path: str, descriptor: int, size: int) -> _Envelope:
     if claimed is None:
         raise _malformed(path)
     if claimed != size - data_start:
-        raise _corrupt(
+        raise _wrong_size(
             path,
             f"its header describes {claimed} bytes of tensor data but "
             f"{size - data_start} follow it (truncated, or extended)",

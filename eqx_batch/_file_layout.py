@@ -73,6 +73,8 @@ _NATIVE = {
     "float64": "F64",
     "bfloat16": "BF16",
 }
+# The item size of every safetensors dtype `eb.save` writes.
+ITEM_SIZES = {code: jnp.dtype(name).itemsize for name, code in _NATIVE.items()}
 
 
 # ------------------------------------------------------------------------------------
