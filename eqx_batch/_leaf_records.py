@@ -100,6 +100,13 @@ def leaf_records(tree: Any) -> tuple[list[dict], list[Any]]:
                 record.update(kind=kind, value=leaf)
             else:
                 record.update(kind="object", name=object_name(leaf))
+        if record["path"] == "__metadata__" and record["kind"] in ("array", "key"):
+            raise BatchError(
+                f"`{name}` is an array whose path prints as '__metadata__', the name "
+                "safetensors reserves for a file's metadata: no tensor can have it. "
+                "Give the leaf a key that prints otherwise (a dict key prints as "
+                "`['__metadata__']`, which is fine)."
+            )
         records.append(record)
     names = [r["path"] for r in records if r["kind"] in ("array", "key")]
     if len(set(names)) != len(names):

@@ -10,6 +10,7 @@ into a list of members and a file of a list into a stacked `like` (`_load_layout
 """
 
 import os
+import pathlib
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -92,6 +93,18 @@ def save(path: str | os.PathLike, tree: Any) -> None:
         same = eb.load("model.safetensors", like=model)
         ```
     """
+    target = pathlib.Path(path)
+    if target.is_dir():
+        raise BatchError(
+            f"`path` ({path}) is a folder; `save` writes a file. Name a file in it, "
+            f"such as {target / 'model.safetensors'}."
+        )
+    if not target.parent.is_dir():
+        problem = "is not a folder" if target.parent.exists() else "does not exist"
+        raise BatchError(
+            f"`path` ({path}) is in the folder {target.parent}, which {problem}. "
+            "Create the folder first (`os.makedirs`), or pass another path."
+        )
     write_tree(path, tree)
 
 
@@ -116,7 +129,18 @@ def _paths(tree: Any) -> list[str]:
     return [jtu.keystr(path) for path, _ in jtu.tree_flatten_with_path(tree)[0]]
 
 
-def _structure_error(file: CheckedFile, like_paths: list[str]) -> BatchError:
+def _grid_ndim(like: Any, file_paths: list[str]) -> int | None:
+    """`ndim` if `like` is `ndim >= 2` levels of lists around members of the file's
+    structure, as `eb.unstack(grid, ndim=ndim)` makes them; else `None`."""
+    inner, ndim = like, 0
+    while type(inner) in (list, tuple) and inner:
+        inner, ndim = inner[0], ndim + 1
+        if ndim >= 2 and file_paths and _paths(inner) == file_paths:
+            return ndim
+    return None
+
+
+def _structure_error(file: CheckedFile, like: Any, like_paths: list[str]) -> BatchError:
     in_file, in_like = set(file.paths), set(like_paths)
     missing = [f"like{p}" for p in like_paths if p not in in_file]
     extra = [p for p in file.paths if p not in in_like]
@@ -124,12 +148,26 @@ def _structure_error(file: CheckedFile, like_paths: list[str]) -> BatchError:
     lines += [f"in the file only: `{p}`" for p in extra]
     if not lines:
         lines = ["the same leaves, in a different order"]
+    ndim = _grid_ndim(like, file.paths)
+    if ndim is None:
+        fix = (
+            "Pass a `like` built the same way as the saved tree (the same model "
+            "constructor and sizes), or a list of members for a stacked file."
+        )
+    else:
+        fix = (
+            f"`like` is {ndim} levels of lists around members of the saved tree's "
+            f"structure, and the file holds them stacked into one grid (as "
+            f"`eb.stack(..., ndim={ndim})` makes it): load it stacked and split it, "
+            f"`eb.unstack(eb.load({file.path!r}, like=eb.stack(like, ndim={ndim})), "
+            f"ndim={ndim})`."
+        )
     return BatchError(
         f"`like` does not have the structure of the tree saved in `{file.path}` "
         f"({len(like_paths)} leaves in `like`, {len(file.paths)} in the file):\n"
         + bullet_list(lines)
-        + "\nPass a `like` built the same way as the saved tree (the same model "
-        "constructor and sizes), or a list of members for a stacked file."
+        + "\n"
+        + fix
     )
 
 
@@ -151,7 +189,7 @@ def _load_into(file: CheckedFile, like: Any, argname: str, on_host: bool) -> Any
     length = list_length(file.paths, like_paths)
     if length is not None:
         return list_into_stacked(file, like, argname, length, on_host)
-    raise _structure_error(file, like_paths)
+    raise _structure_error(file, like, like_paths)
 
 
 def read_tree(

@@ -449,7 +449,11 @@ def test_consistent_size_lies_are_not_called_accidental_damage(tmp_path, count):
 def test_sizes_that_disagree_with_each_other_say_not_written_by_save(tmp_path, offsets):
     path = tmp_path / "tree.safetensors"
     eb.save(path, {"w": jnp.zeros(3), "lr": 0.5})
-    _resign(path, lambda metadata, tensors: tensors["['w']"].update(data_offsets=offsets))
+
+    def move(metadata, tensors):
+        tensors["['w']"].update(data_offsets=offsets)
+
+    _resign(path, move)
     with pytest.raises(BadFileError, match="not written by `eb.save`") as info:
         eb.load(path, like={"w": jnp.zeros(3), "lr": 0.5})
     assert "failing disk" not in str(info.value)

@@ -345,6 +345,20 @@ def test_member_count_mismatch_list_file_into_stacked(getkey, tmp_path):
     assert "like['key']" in str(info.value)
 
 
+def test_grid_file_into_rows_of_members_hints_at_ndim_2(tmp_path):
+    rows = [[{"w": jnp.full(2, 3.0 * i + j)} for j in range(3)] for i in range(2)]
+    path = tmp_path / "grid.safetensors"
+    eb.save(path, eb.stack(rows, ndim=2))
+    like = [[{"w": jnp.zeros(2)} for _ in range(3)] for _ in range(2)]
+    with pytest.raises(eb.BatchError, match="ndim=2") as info:
+        eb.load(path, like=like)
+    message = str(info.value)
+    assert "eb.unstack(" in message and "eb.stack(like, ndim=2)" in message
+    # The hint works.
+    loaded = eb.unstack(eb.load(path, like=eb.stack(like, ndim=2)), ndim=2)
+    assert_trees_identical(loaded, rows)
+
+
 def test_list_file_members_that_differ_where_stacked_like_shares(tmp_path):
     path = tmp_path / "list.safetensors"
     eb.save(path, [{"w": jnp.zeros(2), "lr": 0.1}, {"w": jnp.ones(2), "lr": 0.2}])
@@ -482,6 +496,68 @@ def test_save_rejects_leaves_with_the_same_path(tmp_path):
     assert not path.exists()
 
 
-def test_save_into_missing_folder_is_an_os_error(tmp_path):
-    with pytest.raises(FileNotFoundError):
-        eb.save(tmp_path / "absent" / "tree.safetensors", jnp.zeros(3))
+class _Named:
+    """A pytree key printed as its name alone, as custom pytrees may have."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __str__(self):
+        return self.name
+
+    def __eq__(self, other):
+        return isinstance(other, _Named) and other.name == self.name
+
+    def __hash__(self):
+        return hash(self.name)
+
+
+class _Header:
+    """A pytree whose one leaf's path prints as safetensors' reserved `__metadata__`."""
+
+    def __init__(self, leaf):
+        self.leaf = leaf
+
+
+jtu.register_pytree_with_keys(
+    _Header,
+    lambda t: (((_Named("__metadata__"), t.leaf),), None),
+    lambda _, children: _Header(*children),
+)
+
+
+def test_save_refuses_a_leaf_named_like_the_safetensors_metadata(tmp_path):
+    path = tmp_path / "tree.safetensors"
+    with pytest.raises(eb.BatchError, match="__metadata__") as info:
+        eb.save(path, _Header(jnp.zeros(2)))
+    assert "`tree__metadata__`" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+    # A dict key of that name prints as `['__metadata__']`: no clash.
+    eb.save(path, {"__metadata__": jnp.arange(2.0)})
+    loaded = eb.load(path, like={"__metadata__": jnp.zeros(2)})
+    assert loaded["__metadata__"].tolist() == [0.0, 1.0]
+    # A scalar leaf is not a tensor: no clash either.
+    eb.save(path, _Header(0.5))
+    assert eb.load(path, like=_Header(0.0)).leaf == 0.5
+
+
+def test_save_into_missing_folder_names_the_path(tmp_path):
+    path = tmp_path / "absent" / "tree.safetensors"
+    with pytest.raises(eb.BatchError) as info:
+        eb.save(path, jnp.zeros(3))
+    message = str(info.value)
+    assert f"`path` ({path})" in message and "does not exist" in message
+    assert ".tmp" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_onto_a_folder_names_the_path(tmp_path):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    with pytest.raises(eb.BatchError) as info:
+        eb.save(folder, jnp.zeros(3))
+    message = str(info.value)
+    assert f"`path` ({folder}) is a folder" in message
+    assert ".tmp" not in message
+    assert list(tmp_path.iterdir()) == [folder]
+    assert list(folder.iterdir()) == []
