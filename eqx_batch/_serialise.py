@@ -81,9 +81,12 @@ def save(path: str | os.PathLike, tree: Any) -> None:
 
     **Raises:**
 
-    `BatchError` if a leaf is a tracer (call `save` outside `jax.jit`) or an array of
-    a non-numeric dtype (strings, objects). `OSError` if the file cannot be written
-    (no such folder, no permission, disk full); `path` is then left as it was.
+    `BatchError`, before anything is written, if `path` is a folder or its folder
+    does not exist; if a leaf is a tracer (call `save` outside `jax.jit`) or an array
+    of a non-numeric dtype (strings, objects); or if two array leaves have the same
+    path, or one has the path `__metadata__` (which safetensors reserves; a custom
+    pytree key can print so). `OSError` if the file cannot be written otherwise (no
+    permission, disk full); `path` is then left as it was.
 
     !!! Example
 
@@ -259,9 +262,12 @@ def load(path: str | os.PathLike, like: Tree) -> Tree:
 
     `BatchError` if `path` is not a regular file (a FIFO, a device), is not an
     eqx_batch file (junk, or a safetensors file written by another tool, which the
-    message says how to use), is corrupt or truncated (a checksum or a size does not
-    match), or comes from a newer format version; if `like`'s structure differs from
-    the saved tree's (listing the leaves only one of them has); if a leaf differs in
+    message says how to use), was rewritten by another tool (an `eb.save` file
+    re-saved by safetensors: the message says how to read its arrays), is corrupt,
+    truncated or crafted (a checksum or a size does not match), or comes from a newer
+    format version; if `like`'s structure differs from the saved tree's (listing the
+    leaves only one of them has, and for a grid file loaded into lists of rows, how to
+    load it stacked and unstack it with `ndim`); if a leaf differs in
     kind, shape, dtype, key implementation or function name (naming the leaf and both
     values); or, between stacked and list files, if the member counts differ (naming
     the leaf and both counts). `OSError` (e.g. `FileNotFoundError`) if the file cannot
