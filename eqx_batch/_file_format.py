@@ -227,7 +227,8 @@ def _data_nbytes(header: dict[str, Any]) -> int | None:
         if not isinstance(entry, dict):
             return None
         offsets, shape = entry.get("data_offsets"), entry.get("shape")
-        item_size = ITEM_SIZES.get(entry.get("dtype"))
+        code = entry.get("dtype")
+        item_size = ITEM_SIZES.get(code) if isinstance(code, str) else None
         if not (
             isinstance(offsets, list)
             and len(offsets) == 2
