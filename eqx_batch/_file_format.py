@@ -1,56 +1,40 @@
-"""The eqx_batch file format: leaf records and tensors in a safetensors file, with
-checksums; written atomically, opened with bounded, validated reads.
+"""Opening an eqx_batch file (`_file_layout.py` describes it) with bounded, validated
+reads: every kind of file that is not a sound one (not a regular file, junk, another
+tool's file, corrupt, truncated, crafted, newer) is refused, naming the path, before
+the tensors are read; the tensors are read by the safetensors parser.
 
-A file is a [safetensors](https://huggingface.co/docs/safetensors) file, so any
-safetensors reader (`safetensors.numpy.load_file`, PyTorch, Rust, the Hub's viewer)
-sees every array leaf as a tensor named by its `jax.tree_util.keystr` path
-(`.layers[0].weight`). What safetensors cannot express goes in its string metadata,
-under keys that start with `eqx_batch.`:
-
-- `eqx_batch.header_crc32` and `eqx_batch.data_crc32`: CRC-32s (8 hex digits) of the
-    header, taken with these 16 digits as zeros, and of the tensor data. `write_file`
-    writes them first in the header, at a fixed place, so that they are found and
-    checked before anything else in the file is interpreted.
-- `eqx_batch.version`: the format version, `"1"`.
-- `eqx_batch.leaves`: JSON, one record per leaf in flattening order: its path and kind;
-    for arrays the true dtype, shape and weak type; for typed PRNG keys the
-    implementation's name (the tensor holds the key data); for `bool`, `int`, `float`,
-    `complex` and `str` leaves the value; for other objects (functions) their
-    qualified name, checked against `like` on loading.
-- entries of the caller (`write_tree(metadata=...)`), whose keys must not start with
-    `eqx_batch.`.
-
-Dtypes that `safetensors.numpy` reads natively (bool, integers, float16/32/64,
-bfloat16) are stored as such; others (complex, float8 variants, int4...) as raw
-little-endian bytes, a `U8` tensor with one extra trailing axis of the item size, their
-dtype named in `eqx_batch.leaves`.
-
-The checksums guard against accidents (torn or truncated copies, flipped bits), as
-CRC-32 does in zip, gzip and PNG files; a crafted file can carry valid checksums, so
-every field is checked before it is used, and the safetensors package (a maintained,
-fuzzed parser) reads the tensors. Nothing is ever executed or unpickled.
-
-This module knows records and tensors, not trees: `_serialise.py` turns a tree into
-records and arrays for `write_file`, and the records of a `CheckedFile` back into a
-tree shaped like `like`.
+The checksums guard against accidents (torn or truncated copies, flipped bits); a
+crafted file can carry valid checksums, so every field is checked before it is used.
 """
 
 import contextlib
 import functools
 import json
+import math
 import os
 import stat
-import struct
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, BinaryIO, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
-import jax.numpy as jnp
 import numpy as np
 import safetensors
 
-from ._atomic import atomic_write
 from ._errors import BatchError
+from ._file_layout import (
+    DATA_CRC_AT,
+    FIXED_END,
+    HEAD,
+    HEADER_CRC_AT,
+    ITEM_SIZES,
+    LENGTH,
+    MIDDLE,
+    NAMESPACE,
+    numeric_dtype,
+    raw_bytes,
+    stored_as,
+    VERSION,
+)
 
 
 class BadFileError(BatchError):
@@ -67,170 +51,9 @@ class ForeignFileError(BadFileError):
     """The file is not an eqx_batch file at all: junk, or another tool's file."""
 
 
-_NAMESPACE = "eqx_batch."
-_VERSION = 1
-_LENGTH = struct.Struct("<Q")
-# Where `eb.save` puts the checksums: first in the header, so at fixed offsets.
-_HEAD = b'{"__metadata__":{"eqx_batch.header_crc32":"'
-_MIDDLE = b'","eqx_batch.data_crc32":"'
-_HEADER_CRC_AT = _LENGTH.size + len(_HEAD)
-_DATA_CRC_AT = _HEADER_CRC_AT + 8 + len(_MIDDLE)
-_FIXED_END = _DATA_CRC_AT + 8
 # safetensors refuses headers over 100 MB; so do we, before reading one.
 _MAX_HEADER = 100_000_000
 _CHUNK = 1 << 22
-_NATIVE = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "uint16": "U16",
-    "int16": "I16",
-    "uint32": "U32",
-    "int32": "I32",
-    "uint64": "U64",
-    "int64": "I64",
-    "float16": "F16",
-    "float32": "F32",
-    "float64": "F64",
-    "bfloat16": "BF16",
-}
-
-
-# ------------------------------------------------------------------------------------
-# Dtypes.
-
-
-def storable(dtype: np.dtype) -> bool:
-    """Numeric dtypes only: bool, ints, floats, complex and ml_dtypes' (bfloat16...)."""
-    return dtype.kind in "biufc" or dtype.type.__module__ == "ml_dtypes"
-
-
-def _numeric_dtype(name: Any) -> np.dtype:
-    """The dtype called `name`, if it is one `storable` allows; else `ValueError`."""
-    try:
-        dtype = jnp.dtype(name) if isinstance(name, str) else None
-    except TypeError:
-        dtype = None
-    if dtype is None or dtype.name != name or not storable(dtype):
-        raise ValueError(f"not a numeric dtype: {name!r}")
-    return dtype
-
-
-def _stored_as(dtype: np.dtype, shape: Sequence[int]) -> tuple[str, list[int]]:
-    """The safetensors dtype and shape of an array: native, or raw bytes (`U8`)."""
-    code = _NATIVE.get(dtype.name)
-    if code is not None:
-        return code, list(shape)
-    return "U8", [*shape, dtype.itemsize]
-
-
-# ------------------------------------------------------------------------------------
-# Writing.
-
-
-class _Tensor(NamedTuple):
-    name: str
-    code: str
-    shape: list[int]
-    data: np.ndarray  # C-contiguous, little-endian
-
-
-def _little_endian(data: np.ndarray) -> np.ndarray:
-    """`data` C-contiguous and little-endian, copied only if it is not already."""
-    # Not `np.ascontiguousarray`: it turns 0-d arrays into 1-d ones.
-    return np.array(data, dtype=data.dtype.newbyteorder("<"), order="C", copy=None)
-
-
-def _raw(data: np.ndarray) -> memoryview:
-    return data.reshape(-1).view(np.uint8).data
-
-
-def _header(
-    records: list[dict], tensors: list[_Tensor], metadata: Mapping[str, str]
-) -> tuple[bytes, list[_Tensor]]:
-    """The length prefix and header, checksums included, padded to a multiple of 8
-    bytes; and the tensors in the order of their data."""
-    # Largest items first keeps every tensor aligned to its item size, as
-    # safetensors' own writer does, for readers that map the file.
-    ordered = sorted(tensors, key=lambda t: -t.data.dtype.itemsize)
-    entries = {}
-    offset = 0
-    data_crc = 0
-    for tensor in ordered:
-        entries[tensor.name] = {
-            "dtype": tensor.code,
-            "shape": tensor.shape,
-            "data_offsets": [offset, offset + tensor.data.nbytes],
-        }
-        offset += tensor.data.nbytes
-        data_crc = zlib.crc32(_raw(tensor.data), data_crc)
-    ours = {
-        f"{_NAMESPACE}version": str(_VERSION),
-        f"{_NAMESPACE}leaves": json.dumps(records, separators=(",", ":")),
-    }
-    rest = json.dumps({**ours, **metadata}, separators=(",", ":"))[1:]
-    header = _HEAD + b"00000000" + _MIDDLE + b"00000000" + b'",' + rest.encode()
-    if entries:
-        header += b"," + json.dumps(entries, separators=(",", ":"))[1:].encode()
-    else:
-        header += b"}"
-    header += b" " * (-(len(header) + _LENGTH.size) % 8)
-    prefix = _LENGTH.pack(len(header))
-    header_crc = zlib.crc32(prefix + header)
-    patched = bytearray(prefix + header)
-    patched[_HEADER_CRC_AT : _HEADER_CRC_AT + 8] = b"%08x" % header_crc
-    patched[_DATA_CRC_AT : _DATA_CRC_AT + 8] = b"%08x" % data_crc
-    return bytes(patched), ordered
-
-
-def check_caller_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
-    """The caller's metadata as a dict; raises `BatchError` for an entry that is not
-    a string to a string or whose key starts with `eqx_batch.`."""
-    entries = dict(metadata or {})
-    for key, value in entries.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise BatchError(
-                f"`metadata` maps {key!r} to {value!r}; safetensors metadata maps "
-                "strings to strings."
-            )
-        if key.startswith(_NAMESPACE):
-            raise BatchError(
-                f"`metadata` has the key {key!r}; keys starting with {_NAMESPACE!r} "
-                "are eqx_batch's own. Choose another name."
-            )
-    return entries
-
-
-def write_file(
-    path: str | os.PathLike,
-    records: list[dict],
-    arrays: Sequence[Any],
-    metadata: Mapping[str, str],
-    *,
-    keep_cached: bool,
-) -> None:
-    """Writes leaf records and their arrays as an eqx_batch file, with `atomic_write`.
-
-    `records` are the leaf records described above, whose `path`s name distinct
-    tensors; `arrays` holds the host data of their `array` and `key` records, in
-    order (key data for keys); `metadata` is the caller's, as `check_caller_metadata`
-    returns it.
-    """
-    hosts = iter(arrays)
-    tensors = []
-    for record in records:
-        if record["kind"] in ("array", "key"):
-            data = _little_endian(np.asarray(next(hosts)))
-            code, shape = _stored_as(data.dtype, data.shape)
-            tensors.append(_Tensor(record["path"], code, shape, data))
-    header, ordered = _header(records, tensors, metadata)
-
-    def write(file: BinaryIO) -> None:
-        file.write(header)
-        for tensor in ordered:
-            file.write(_raw(tensor.data))
-
-    atomic_write(path, write, keep_cached=keep_cached)
 
 
 # ------------------------------------------------------------------------------------
@@ -282,8 +105,8 @@ def _open_regular(path: str) -> tuple[int, int]:
 def _similar(head: bytes) -> bool:
     """Whether `head` has `eb.save`'s fixed opening, give or take one damaged byte."""
     expected = (
-        (_LENGTH.size, _HEAD),
-        (_HEADER_CRC_AT + 8, _MIDDLE),
+        (LENGTH.size, HEAD),
+        (HEADER_CRC_AT + 8, MIDDLE),
     )
     differing = 0
     seen = 0
@@ -323,6 +146,14 @@ def _corrupt(path: str, problem: str) -> BadFileError:
     )
 
 
+def _wrong_size(path: str, problem: str) -> BadFileError:
+    return BadFileError(
+        f"`{path}` is corrupt or crafted: {problem}. A copy cut short or extended (an "
+        "interrupted download or copy) leaves a file like this, and so does a header "
+        "crafted to claim sizes the file does not hold: its contents cannot be trusted."
+    )
+
+
 def _malformed(path: str) -> BadFileError:
     return BadFileError(
         f"`{path}` has a malformed header, though its checksums match: it was not "
@@ -332,7 +163,7 @@ def _malformed(path: str) -> BadFileError:
 
 def _parse_header(raw: bytes) -> Any:
     try:
-        return json.loads(raw[_LENGTH.size :].decode())
+        return json.loads(raw[LENGTH.size :].decode())
     except (ValueError, RecursionError):
         return None
 
@@ -348,25 +179,29 @@ def _check_foreign(
     path: str, descriptor: int, size: int, head: bytes, header_nbytes: int
 ) -> BadFileError:
     """The error for a file without `eb.save`'s opening: junk, or another tool's."""
-    if header_nbytes > _MAX_HEADER or _LENGTH.size + header_nbytes > size:
+    if header_nbytes > _MAX_HEADER or LENGTH.size + header_nbytes > size:
         return _not_ours(path, head)
-    header = _parse_header(_read_at(descriptor, 0, _LENGTH.size + header_nbytes))
+    header = _parse_header(_read_at(descriptor, 0, LENGTH.size + header_nbytes))
     if not isinstance(header, dict):
         return _not_ours(path, head)
     metadata = header.get("__metadata__")
-    if isinstance(metadata, dict) and any(
-        isinstance(k, str) and k.startswith(_NAMESPACE) for k in metadata
-    ):
-        return _corrupt(
-            path,
-            "it has eqx_batch metadata, but its checksums are not where `eb.save` "
-            "puts them (or another tool rewrote the file)",
-        )
     try:
         with safetensors.safe_open(_descriptor_path(path, descriptor), "np") as file:
             count = len(list(file.keys()))
     except Exception:  # noqa: BLE001 - any failure of the parser means "not a file of it"
         return _not_ours(path, head)
+    if isinstance(metadata, dict) and any(
+        isinstance(k, str) and k.startswith(NAMESPACE) for k in metadata
+    ):
+        # Sound for the parser, with our metadata moved from where `eb.save` puts
+        # it: another writer (`safetensors.numpy.save_file` sorts the header) did it.
+        return BadFileError(
+            f"`{path}` was rewritten by another tool: it holds the metadata `eb.save` "
+            "writes, but not where `eb.save` puts it, so its checksums cannot be "
+            "checked and `eb.load` does not read it. Its arrays are readable with "
+            f"`safetensors.numpy.load_file('{path}')`, named by their leaf paths; put "
+            "them into your tree (e.g. with `eqx.tree_at`) and `eb.save` that."
+        )
     return ForeignFileError(
         f"`{path}` is a safetensors file ({count} tensor{'' if count == 1 else 's'}) "
         "but not an eqx_batch file: it lacks the metadata `eb.save` writes (the "
@@ -382,48 +217,63 @@ def _is_count(x: Any) -> bool:
 
 
 def _data_nbytes(header: dict[str, Any]) -> int | None:
-    """The end of the last tensor the header describes; `None` if ill-formed."""
-    end = 0
+    """The bytes of tensor data the header describes; `None` unless its tensors lie
+    back to back from the start of the data, each as long as its dtype and shape say,
+    as `eb.save` lays them out."""
+    spans = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict):
+            return None
+        offsets, shape = entry.get("data_offsets"), entry.get("shape")
+        code = entry.get("dtype")
+        item_size = ITEM_SIZES.get(code) if isinstance(code, str) else None
         if not (
             isinstance(offsets, list)
             and len(offsets) == 2
             and all(_is_count(o) for o in offsets)
+            and isinstance(shape, list)
+            and all(_is_count(d) for d in shape)
+            and item_size is not None
+            and offsets[1] - offsets[0] == math.prod(shape) * item_size
         ):
             return None
-        end = max(end, offsets[1])
+        spans.append(offsets)
+    end = 0
+    for start, stop in sorted(spans):
+        if start != end:
+            return None
+        end = stop
     return end
 
 
 def _check_envelope(path: str, descriptor: int, size: int) -> _Envelope:
     """Checks sizes and the header's checksum and version, without reading tensors."""
-    head = _read_at(descriptor, 0, _FIXED_END)
-    if size < _LENGTH.size:
+    head = _read_at(descriptor, 0, FIXED_END)
+    if size < LENGTH.size:
         raise ForeignFileError(
             f"`{path}` is not an eqx_batch file: it has {size} bytes, fewer than any "
             "safetensors file (empty, or cut short)."
         )
-    (header_nbytes,) = _LENGTH.unpack_from(head)
+    (header_nbytes,) = LENGTH.unpack_from(head)
     if not _similar(head):
         raise _check_foreign(path, descriptor, size, head, header_nbytes)
-    if size < _FIXED_END:
+    if size < FIXED_END:
         raise _corrupt(path, f"it is truncated to {size} bytes")
-    if header_nbytes > _MAX_HEADER or _LENGTH.size + header_nbytes > size:
-        raise _corrupt(
+    if header_nbytes > _MAX_HEADER or LENGTH.size + header_nbytes > size:
+        raise _wrong_size(
             path,
             f"its header claims {header_nbytes} bytes but the whole file has {size}"
             if header_nbytes <= _MAX_HEADER
             else f"its header claims {header_nbytes} bytes, more than safetensors' "
             f"limit of {_MAX_HEADER}",
         )
-    raw = bytearray(_read_at(descriptor, 0, _LENGTH.size + header_nbytes))
-    header_crc = _crc_digits(raw, _HEADER_CRC_AT)
-    data_crc = _crc_digits(raw, _DATA_CRC_AT)
-    raw[_HEADER_CRC_AT : _HEADER_CRC_AT + 8] = b"0" * 8
-    raw[_DATA_CRC_AT : _DATA_CRC_AT + 8] = b"0" * 8
+    raw = bytearray(_read_at(descriptor, 0, LENGTH.size + header_nbytes))
+    header_crc = _crc_digits(raw, HEADER_CRC_AT)
+    data_crc = _crc_digits(raw, DATA_CRC_AT)
+    raw[HEADER_CRC_AT : HEADER_CRC_AT + 8] = b"0" * 8
+    raw[DATA_CRC_AT : DATA_CRC_AT + 8] = b"0" * 8
     if header_crc is None or data_crc is None or zlib.crc32(raw) != header_crc:
         raise _corrupt(path, "the CRC-32 checksum of its header does not match it")
     header = _parse_header(bytes(raw))
@@ -432,24 +282,24 @@ def _check_envelope(path: str, descriptor: int, size: int) -> _Envelope:
         isinstance(v, str) for v in metadata.values()
     ):
         raise _malformed(path)
-    version = metadata.get(f"{_NAMESPACE}version")
+    version = metadata.get(f"{NAMESPACE}version")
     if not isinstance(version, str) or not version.isdigit() or len(version) > 9:
         raise _malformed(path)
-    if int(version) > _VERSION:
+    if int(version) > VERSION:
         raise BadFileError(
             f"`{path}` was written in eqx_batch file format version {version}, but "
-            f"this eqx_batch reads versions up to {_VERSION}. Upgrade eqx_batch to "
+            f"this eqx_batch reads versions up to {VERSION}. Upgrade eqx_batch to "
             "load it."
         )
-    if int(version) != _VERSION:
+    if int(version) != VERSION:
         raise _malformed(path)
     assert isinstance(header, dict)
-    data_start = _LENGTH.size + header_nbytes
+    data_start = LENGTH.size + header_nbytes
     claimed = _data_nbytes(header)
     if claimed is None:
         raise _malformed(path)
     if claimed != size - data_start:
-        raise _corrupt(
+        raise _wrong_size(
             path,
             f"its header describes {claimed} bytes of tensor data but "
             f"{size - data_start} follow it (truncated, or extended)",
@@ -482,11 +332,11 @@ class CheckedFile:
         self._tensors: dict[str, np.ndarray] | None = None
         metadata = envelope.metadata
         self.caller_metadata = {
-            k: v for k, v in metadata.items() if not k.startswith(_NAMESPACE)
+            k: v for k, v in metadata.items() if not k.startswith(NAMESPACE)
         }
         entries = {k: v for k, v in envelope.header.items() if k != "__metadata__"}
         try:
-            records = json.loads(metadata[f"{_NAMESPACE}leaves"])
+            records = json.loads(metadata[f"{NAMESPACE}leaves"])
             if not isinstance(records, list):
                 raise TypeError
             for record in records:
@@ -515,8 +365,8 @@ class CheckedFile:
             entry = entries.pop(record["path"])
             code, stored_shape = entry["dtype"], entry["shape"]
             if kind == "array":
-                dtype = _numeric_dtype(record["dtype"])
-                if (code, stored_shape) != _stored_as(dtype, shape):
+                dtype = numeric_dtype(record["dtype"])
+                if (code, stored_shape) != stored_as(dtype, shape):
                     raise ValueError
                 record["numpy_dtype"] = dtype
                 if record["weak"] not in (True, False):
@@ -588,7 +438,7 @@ def _read_tensors(
                 tensors[name] = reader.get_tensor(name)
             except MemoryError:
                 raise _too_big(path, f"its tensor `{name}`") from None
-            crc = zlib.crc32(_raw(tensors[name]), crc)
+            crc = zlib.crc32(raw_bytes(tensors[name]), crc)
     if crc != envelope.data_crc:
         raise _corrupt(path, "the CRC-32 checksum of its tensor data does not match it")
     return tensors
@@ -624,4 +474,4 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
         metadata = _check_envelope(name, descriptor, size).metadata
     finally:
         os.close(descriptor)
-    return {k: v for k, v in metadata.items() if not k.startswith(_NAMESPACE)}
+    return {k: v for k, v in metadata.items() if not k.startswith(NAMESPACE)}

@@ -1,134 +1,34 @@
 """`save` and `load`: pytrees to and from eqx_batch files, written atomically, read
 validated against `like`.
 
-A tree is written as one record per leaf and the arrays of its array leaves; the file
-format (safetensors with eqx_batch metadata and checksums) is `_file_format.py`'s.
-Loading checks every record of a file against the leaf of `like` at the same place
-before it reads any tensor, then gives each value the type of `like`'s leaf. A file of
-a stacked tree loads into a list of members and a file of a list into a stacked
-`like`: those layouts are here too.
+A tree is written as one record per leaf and the arrays of its array leaves
+(`_leaf_records.py`); the file format (safetensors with eqx_batch metadata and
+checksums) is `_file_layout.py`'s, opened by `_file_format.py`. Loading checks every
+record of a file against the leaf of `like` at the same place before it reads any
+tensor, then gives each value the type of `like`'s leaf. A file of a stacked tree loads
+into a list of members and a file of a list into a stacked `like` (`_load_layouts.py`).
 """
 
-import functools
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+import pathlib
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import jax
 import jax.tree_util as jtu
-import numpy as np
 
-from ._errors import (
-    BatchError,
-    bullet_list,
-    describe,
-    KeyPath,
-    leaf_name,
-    qualified_name,
-)
-from ._file_format import (
-    check_caller_metadata,
-    CheckedFile,
-    open_checked,
-    storable,
-    write_file,
-)
-from ._stack import unstack
-from ._tree import is_array, is_key, is_tracer, is_weak, make_weak
+from ._errors import BatchError, bullet_list
+from ._file_format import CheckedFile, open_checked
+from ._file_layout import check_caller_metadata, write_file
+from ._leaf_records import check_leaf, leaf_records, leaf_value, materialise
+from ._load_layouts import list_into_stacked, list_length, stacked_into_list
 
 
 Tree = TypeVar("Tree")
 
 
-_KIND_PHRASES = {
-    "array": "an array",
-    "key": "a typed PRNG key",
-    "bool": "a bool",
-    "int": "an int",
-    "float": "a float",
-    "complex": "a complex number",
-    "str": "a str",
-    "object": "an object that is not stored",
-}
-_SCALAR_KINDS = {
-    bool: "bool",
-    int: "int",
-    float: "float",
-    complex: "complex",
-    str: "str",
-}
-
-
-# ------------------------------------------------------------------------------------
-# Leaf kinds.
-
-
-def _is_array_template(x: Any) -> bool:
-    """Whether `x` stands for an array in `like`: an array or a `ShapeDtypeStruct`."""
-    return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _object_name(x: Any) -> str:
-    """What is recorded of a leaf JSON cannot hold: its qualified name or its type's."""
-    name = qualified_name(x)
-    if name is not None and not isinstance(x, type):
-        return name
-    return f"instance of {qualified_name(type(x))}"
-
-
 # ------------------------------------------------------------------------------------
 # Writing.
-
-
-def _leaf_records(tree: Any) -> tuple[list[dict], list[Any]]:
-    """The leaf records of `tree`, and its arrays (key data for keys) in their order."""
-    leaves = jtu.tree_flatten_with_path(tree)[0]
-    records: list[dict] = []
-    on_device: list[Any] = []
-    for key_path, leaf in leaves:
-        name = leaf_name("tree", key_path)
-        record: dict[str, Any] = {"path": jtu.keystr(key_path)}
-        if is_tracer(leaf):
-            raise BatchError(
-                f"`{name}` is a traced array ({describe(leaf)}): `save` reads concrete "
-                "values on the host. Call it outside `jax.jit`, `jax.vmap` and friends."
-            )
-        if isinstance(leaf, jax.Array) and is_key(leaf):
-            record.update(
-                kind="key", impl=str(jax.random.key_impl(leaf)), shape=list(leaf.shape)
-            )
-            on_device.append(jax.random.key_data(leaf))
-        elif is_array(leaf):
-            if not storable(np.dtype(leaf.dtype)):
-                raise BatchError(
-                    f"`{name}` is {describe(leaf)}; only numeric arrays (bool, "
-                    "integer, floating, complex and ml_dtypes such as bfloat16) can "
-                    "be saved."
-                )
-            record.update(
-                kind="array",
-                dtype=np.dtype(leaf.dtype).name,
-                shape=list(np.shape(leaf)),
-                weak=is_weak(leaf),
-            )
-            on_device.append(leaf)
-        else:
-            kind = _SCALAR_KINDS.get(type(leaf))
-            if kind == "complex":
-                record.update(kind=kind, value=[leaf.real, leaf.imag])
-            elif kind is not None:
-                record.update(kind=kind, value=leaf)
-            else:
-                record.update(kind="object", name=_object_name(leaf))
-        records.append(record)
-    names = [r["path"] for r in records if r["kind"] in ("array", "key")]
-    if len(set(names)) != len(names):
-        twice = sorted({n for n in names if names.count(n) > 1})
-        raise BatchError(
-            f"`tree` has several array leaves with the path {twice[0]!r}, and a file "
-            "names each array by its path. Give the leaves distinct keys."
-        )
-    return records, on_device
 
 
 def write_tree(
@@ -145,7 +45,7 @@ def write_tree(
     `eqx_batch.`. Raises `BatchError` for such a key or a non-string entry.
     """
     entries = check_caller_metadata(metadata)
-    records, arrays = _leaf_records(tree)
+    records, arrays = leaf_records(tree)
     # Fetched from the devices in one batch.
     write_file(path, records, jax.device_get(arrays), entries, keep_cached=keep_cached)
 
@@ -181,9 +81,12 @@ def save(path: str | os.PathLike, tree: Any) -> None:
 
     **Raises:**
 
-    `BatchError` if a leaf is a tracer (call `save` outside `jax.jit`) or an array of
-    a non-numeric dtype (strings, objects). `OSError` if the file cannot be written
-    (no such folder, no permission, disk full); `path` is then left as it was.
+    `BatchError`, before anything is written, if `path` is a folder or its folder
+    does not exist; if a leaf is a tracer (call `save` outside `jax.jit`) or an array
+    of a non-numeric dtype (strings, objects); or if two array leaves have the same
+    path, or one has the path `__metadata__` (which safetensors reserves; a custom
+    pytree key can print so). `OSError` if the file cannot be written otherwise (no
+    permission, disk full); `path` is then left as it was.
 
     !!! Example
 
@@ -193,6 +96,18 @@ def save(path: str | os.PathLike, tree: Any) -> None:
         same = eb.load("model.safetensors", like=model)
         ```
     """
+    target = pathlib.Path(path)
+    if target.is_dir():
+        raise BatchError(
+            f"`path` ({path}) is a folder; `save` writes a file. Name a file in it, "
+            f"such as {target / 'model.safetensors'}."
+        )
+    if not target.parent.is_dir():
+        problem = "is not a folder" if target.parent.exists() else "does not exist"
+        raise BatchError(
+            f"`path` ({path}) is in the folder {target.parent}, which {problem}. "
+            "Create the folder first (`os.makedirs`), or pass another path."
+        )
     write_tree(path, tree)
 
 
@@ -200,313 +115,35 @@ def save(path: str | os.PathLike, tree: Any) -> None:
 # Loading into `like`.
 
 
-@functools.cache
-def _key_dtype(impl: str) -> Any:
-    """The dtype of typed keys of the implementation named `impl` (traced, not run)."""
-    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
-
-
-class _Stored(NamedTuple):
-    """An array leaf read from a file, on the host, before it takes `like`'s type."""
-
-    data: np.ndarray  # key data for keys
-    weak: bool
-    impl: str | None  # the key implementation, for keys
-
-
-def _expected_kind(like_leaf: Any) -> str:
-    if _is_array_template(like_leaf):
-        return "key" if is_key(like_leaf) else "array"
-    return _SCALAR_KINDS.get(type(like_leaf), "object")
-
-
-def _check_leaf(
-    file: CheckedFile,
-    record: dict,
-    like_leaf: Any,
-    where: tuple[str, KeyPath],
-    shape: tuple[int, ...],
-) -> None:
-    """Raises if `record`, of shape `shape` (a member's, between layouts), is not
-    what `like_leaf`, at `leaf_name(*where)`, stands for."""
-    problem = _leaf_problem(record, like_leaf, shape)
-    if problem is not None:
-        raise BatchError(
-            f"`{leaf_name(*where)}` does not match the leaf `{record['path']}` of the "
-            f"file `{file.path}`: {problem}"
-        )
-
-
-def _leaf_problem(record: dict, like_leaf: Any, shape: tuple[int, ...]) -> str | None:
-    """What differs between a leaf record and `like_leaf`, with the fix; or `None`."""
-    kind = _expected_kind(like_leaf)
-    if record["kind"] != kind:
-        shown = (
-            describe(like_leaf)
-            if _is_array_template(like_leaf)
-            else f"{describe(like_leaf)} ({type(like_leaf).__name__})"
-        )
-        return (
-            f"`like` has {_KIND_PHRASES[kind]} there ({shown}) but the file has "
-            f"{_KIND_PHRASES[record['kind']]}. Pass a `like` built the same way as the "
-            "saved tree."
-        )
-    if kind in ("array", "key") and shape != tuple(like_leaf.shape):
-        return (
-            f"`like` has shape {tuple(like_leaf.shape)} but the file has shape "
-            f"{shape}. Build `like` with the sizes the saved tree had."
-        )
-    if kind == "key":
-        try:
-            same = _key_dtype(record["impl"]) == like_leaf.dtype
-        except (ValueError, TypeError, KeyError):
-            same = False
-        if not same:
-            return (
-                f"`like` has a key of type {like_leaf.dtype} but the file has a "
-                f"{record['impl']!r} key. Create `like`'s keys with the same `impl`."
-            )
-    # By name: the byte order of `like` does not matter, only the values do.
-    if (
-        kind == "array"
-        and like_leaf.dtype != record["numpy_dtype"]
-        and np.dtype(like_leaf.dtype).name != record["dtype"]
-    ):
-        return (
-            f"`like` has dtype {like_leaf.dtype} but the file has dtype "
-            f"{record['dtype']}. Build `like` with the dtypes the saved tree had."
-        )
-    if kind == "object" and record["name"] != _object_name(like_leaf):
-        return (
-            f"`like` has {_object_name(like_leaf)} but the saved tree had "
-            f"{record['name']}. Objects are not stored, only checked: `like` must "
-            "hold the same one."
-        )
-    return None
-
-
-def _value(file: CheckedFile, record: dict, like_leaf: Any) -> Any:
-    """The file's value of a checked leaf: `_Stored` for arrays, else the value."""
-    kind = record["kind"]
-    if kind in ("array", "key"):
-        return _Stored(
-            file.array(record), record.get("weak", False), record.get("impl")
-        )
-    if kind == "object":
-        return like_leaf
-    if kind == "complex":
-        return complex(*record["value"])
-    return record["value"]
-
-
-def _committed_sharding(like_leaf: Any) -> Any:
-    """The sharding to place a leaf like `like_leaf` with; `None` for the default."""
-    if isinstance(like_leaf, jax.Array):
-        return like_leaf.sharding if like_leaf.committed else None
-    return getattr(like_leaf, "sharding", None)
-
-
-def _materialise(values: list[Any], like_leaves: list[Any], on_host: bool) -> list:
-    """`values` with `_Stored` arrays turned into leaves of the types of `like`'s.
-
-    Arrays for the default device travel in one transfer; weak ones are made weak in
-    one program.
-    """
-    out = list(values)
-    to_place: list[int] = []
-    for i, (value, like_leaf) in enumerate(zip(values, like_leaves, strict=True)):
-        if not isinstance(value, _Stored):
-            continue
-        if isinstance(like_leaf, np.generic):
-            out[i] = value.data[()]
-        elif isinstance(like_leaf, np.ndarray) or on_host:
-            out[i] = np.array(value.data)
-        else:
-            to_place.append(i)
-    placed = jax.device_put([values[i].data for i in to_place]) if to_place else []
-    weak: list[int] = []
-    for i, data in zip(to_place, placed, strict=True):
-        value, sharding = values[i], _committed_sharding(like_leaves[i])
-        if value.impl is not None:
-            data = jax.random.wrap_key_data(data, impl=value.impl)
-        if sharding is not None:
-            data = jax.device_put(data, sharding)
-        out[i] = data
-        if value.weak:
-            weak.append(i)
-    for i, data in zip(weak, make_weak([out[i] for i in weak]), strict=True):
-        out[i] = data
-    return out
-
-
 def _restore(file: CheckedFile, like: Any, argname: str, on_host: bool) -> Any:
     """`like` with every leaf replaced by the file's, whose paths match `like`'s."""
     leaves, treedef = jtu.tree_flatten_with_path(like)
     like_leaves = [leaf for _, leaf in leaves]
     for (path, leaf), record in zip(leaves, file.records, strict=True):
-        _check_leaf(file, record, leaf, (argname, path), tuple(record.get("shape", ())))
+        check_leaf(file, record, leaf, (argname, path), tuple(record.get("shape", ())))
     values = [
-        _value(file, record, leaf)
+        leaf_value(file, record, leaf)
         for leaf, record in zip(like_leaves, file.records, strict=True)
     ]
-    return jtu.tree_unflatten(treedef, _materialise(values, like_leaves, on_host))
+    return jtu.tree_unflatten(treedef, materialise(values, like_leaves, on_host))
 
 
 def _paths(tree: Any) -> list[str]:
     return [jtu.keystr(path) for path, _ in jtu.tree_flatten_with_path(tree)[0]]
 
 
-def _list_length(file_paths: list[str], member_paths: list[str]) -> int | None:
-    """`n` if the file holds a list of `n` trees with `member_paths`, else `None`."""
-    if not member_paths or len(file_paths) % len(member_paths):
-        return None
-    length = len(file_paths) // len(member_paths)
-    expected = [f"[{i}]{path}" for i in range(length) for path in member_paths]
-    return length if expected == file_paths else None
+def _grid_ndim(like: Any, file_paths: list[str]) -> int | None:
+    """`ndim` if `like` is `ndim >= 2` levels of lists around members of the file's
+    structure, as `eb.unstack(grid, ndim=ndim)` makes them; else `None`."""
+    inner, ndim = like, 0
+    while type(inner) in (list, tuple) and inner:
+        inner, ndim = inner[0], ndim + 1
+        if ndim >= 2 and file_paths and _paths(inner) == file_paths:
+            return ndim
+    return None
 
 
-def _stacked_into_list(
-    file: CheckedFile,
-    like: Sequence,
-    flat: list[tuple[list[Any], Any]],
-    argname: str,
-    on_host: bool,
-) -> Any:
-    """Loads a stacked file into `like`, a list of members flattened to `flat`."""
-    count = len(like)
-    for record in file.records:
-        if record["kind"] in ("array", "key") and record["shape"][:1] != [count]:
-            raise BatchError(
-                f"`{argname}` is a list of {count} members but the file `{file.path}` "
-                f"holds one stacked tree whose leaf `{record['path']}` has shape "
-                f"{tuple(record['shape'])}: a stacked leaf needs {count} along its "
-                "leading (member) axis. Pass a list of as many members as were saved."
-            )
-    key_paths = [path for path, _ in jtu.tree_flatten_with_path(like[0])[0]]
-    shapes = [tuple(record.get("shape", ()))[1:] for record in file.records]
-    for i, (leaves, _) in enumerate(flat):
-        for path, leaf, record, shape in zip(
-            key_paths, leaves, file.records, shapes, strict=True
-        ):
-            _check_leaf(file, record, leaf, (f"{argname}[{i}]", path), shape)
-    first = flat[0][0]
-    stacked = [
-        _value(file, record, leaf)
-        for record, leaf in zip(file.records, first, strict=True)
-    ]
-    if on_host:
-        members = [
-            [
-                v._replace(data=v.data[i]) if isinstance(v, _Stored) else v
-                for v in stacked
-            ]
-            for i in range(count)
-        ]
-    else:
-        # Placed stacked and split on the devices: one transfer per leaf, not per
-        # member and leaf.
-        templates = [
-            jax.ShapeDtypeStruct((count, *np.shape(leaf)), leaf.dtype)
-            if _is_array_template(leaf)
-            else leaf
-            for leaf in first
-        ]
-        placed = _materialise(stacked, templates, on_host=False)
-        members = _unstack_leaves(placed, stacked)
-    restored = [
-        jtu.tree_unflatten(treedef, _with_types_of(values, leaves, on_host))
-        for values, (leaves, treedef) in zip(members, flat, strict=True)
-    ]
-    return tuple(restored) if isinstance(like, tuple) else restored
-
-
-def _unstack_leaves(placed: list[Any], stored: list[Any]) -> list[list[Any]]:
-    """Member lists of leaves from stacked ones; other leaves are shared."""
-    axes = [0 if isinstance(s, _Stored) else None for s in stored]
-    return [list(member) for member in unstack(placed, axes=axes)]
-
-
-def _with_types_of(values: list[Any], like_leaves: list[Any], on_host: bool) -> list:
-    """`values` (a member's, split from stacked arrays) as `like_leaves`' types."""
-    out = []
-    for value, like_leaf in zip(values, like_leaves, strict=True):
-        if isinstance(value, _Stored):
-            value = _materialise([value], [like_leaf], on_host)[0]
-        elif isinstance(like_leaf, np.generic):
-            value = np.asarray(value)[()]
-        elif isinstance(like_leaf, np.ndarray):
-            value = np.asarray(value)
-        out.append(value)
-    return out
-
-
-def _list_into_stacked(
-    file: CheckedFile, like: Any, argname: str, length: int, on_host: bool
-) -> Any:
-    leaves, treedef = jtu.tree_flatten_with_path(like)
-    per_member = len(leaves)
-    for path, leaf in leaves:
-        if _is_array_template(leaf) and tuple(leaf.shape)[:1] != (length,):
-            raise BatchError(
-                f"the file `{file.path}` holds a list of {length} members but "
-                f"`{argname}` is stacked with {tuple(leaf.shape)[:1] or 'no'} members "
-                f"(`{leaf_name(argname, path)}` has shape {tuple(leaf.shape)}). Pass "
-                "a `like` stacked from as many members as were saved."
-            )
-    # Every leaf is checked before any tensor is read.
-    columns = []
-    for j, (path, leaf) in enumerate(leaves):
-        name = leaf_name(argname, path)
-        records = [file.records[i * per_member + j] for i in range(length)]
-        member_like = (
-            jax.ShapeDtypeStruct(tuple(leaf.shape)[1:], leaf.dtype)
-            if _is_array_template(leaf)
-            else leaf
-        )
-        for record in records:
-            shape = tuple(record.get("shape", ()))
-            _check_leaf(file, record, member_like, (argname, path), shape)
-        if not _is_array_template(leaf):
-            _check_shared(file, name, records, leaf)
-        columns.append(records)
-    values = [
-        _stacked_value(file, records, leaf)
-        for records, (_, leaf) in zip(columns, leaves, strict=True)
-    ]
-    like_leaves = [leaf for _, leaf in leaves]
-    return jtu.tree_unflatten(treedef, _materialise(values, like_leaves, on_host))
-
-
-def _check_shared(
-    file: CheckedFile, name: str, records: list[dict], like_leaf: Any
-) -> None:
-    """Raises unless the members' values of a leaf a stacked `like` shares agree."""
-    values = [_value(file, record, like_leaf) for record in records]
-    first = values[0]
-    for record, value in zip(records, values, strict=True):
-        # NaN, a float that differs from itself, is the same NaN in every member.
-        same = value == first or (value != value and first != first)
-        if type(value) is not type(first) or not same:
-            raise BatchError(
-                f"`{name}` is one value shared by all members of a stacked `like`, "
-                f"but the members saved in `{file.path}` differ there: "
-                f"`{records[0]['path']}` is {first!r} and `{record['path']}` is "
-                f"{value!r}. Load the file into a list of members instead."
-            )
-
-
-def _stacked_value(file: CheckedFile, records: list[dict], like_leaf: Any) -> Any:
-    """The value of a stacked leaf from its members' records (checked)."""
-    values = [_value(file, record, like_leaf) for record in records]
-    first = values[0]
-    if not isinstance(first, _Stored):
-        return first
-    return _Stored(
-        np.stack([v.data for v in values]), all(v.weak for v in values), first.impl
-    )
-
-
-def _structure_error(file: CheckedFile, like_paths: list[str]) -> BatchError:
+def _structure_error(file: CheckedFile, like: Any, like_paths: list[str]) -> BatchError:
     in_file, in_like = set(file.paths), set(like_paths)
     missing = [f"like{p}" for p in like_paths if p not in in_file]
     extra = [p for p in file.paths if p not in in_like]
@@ -514,12 +151,26 @@ def _structure_error(file: CheckedFile, like_paths: list[str]) -> BatchError:
     lines += [f"in the file only: `{p}`" for p in extra]
     if not lines:
         lines = ["the same leaves, in a different order"]
+    ndim = _grid_ndim(like, file.paths)
+    if ndim is None:
+        fix = (
+            "Pass a `like` built the same way as the saved tree (the same model "
+            "constructor and sizes), or a list of members for a stacked file."
+        )
+    else:
+        fix = (
+            f"`like` is {ndim} levels of lists around members of the saved tree's "
+            f"structure, and the file holds them stacked into one grid (as "
+            f"`eb.stack(..., ndim={ndim})` makes it): load it stacked and split it, "
+            f"`eb.unstack(eb.load({file.path!r}, like=eb.stack(like, ndim={ndim})), "
+            f"ndim={ndim})`."
+        )
     return BatchError(
         f"`like` does not have the structure of the tree saved in `{file.path}` "
         f"({len(like_paths)} leaves in `like`, {len(file.paths)} in the file):\n"
         + bullet_list(lines)
-        + "\nPass a `like` built the same way as the saved tree (the same model "
-        "constructor and sizes), or a list of members for a stacked file."
+        + "\n"
+        + fix
     )
 
 
@@ -534,14 +185,14 @@ def _load_into(file: CheckedFile, like: Any, argname: str, on_host: bool) -> Any
         # Members of one structure have the same paths: compare them once.
         flat = [jtu.tree_flatten(member) for member in like]
         if all(treedef == flat[0][1] for _, treedef in flat):
-            return _stacked_into_list(file, like, flat, argname, on_host)
+            return stacked_into_list(file, like, flat, argname, on_host)
     like_paths = _paths(like)
     if file.paths == like_paths:
         return _restore(file, like, argname, on_host)
-    length = _list_length(file.paths, like_paths)
+    length = list_length(file.paths, like_paths)
     if length is not None:
-        return _list_into_stacked(file, like, argname, length, on_host)
-    raise _structure_error(file, like_paths)
+        return list_into_stacked(file, like, argname, length, on_host)
+    raise _structure_error(file, like, like_paths)
 
 
 def read_tree(
@@ -611,9 +262,12 @@ def load(path: str | os.PathLike, like: Tree) -> Tree:
 
     `BatchError` if `path` is not a regular file (a FIFO, a device), is not an
     eqx_batch file (junk, or a safetensors file written by another tool, which the
-    message says how to use), is corrupt or truncated (a checksum or a size does not
-    match), or comes from a newer format version; if `like`'s structure differs from
-    the saved tree's (listing the leaves only one of them has); if a leaf differs in
+    message says how to use), was rewritten by another tool (an `eb.save` file
+    re-saved by safetensors: the message says how to read its arrays), is corrupt,
+    truncated or crafted (a checksum or a size does not match), or comes from a newer
+    format version; if `like`'s structure differs from the saved tree's (listing the
+    leaves only one of them has, and for a grid file loaded into lists of rows, how to
+    load it stacked and unstack it with `ndim`); if a leaf differs in
     kind, shape, dtype, key implementation or function name (naming the leaf and both
     values); or, between stacked and list files, if the member counts differ (naming
     the leaf and both counts). `OSError` (e.g. `FileNotFoundError`) if the file cannot

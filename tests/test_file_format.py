@@ -397,3 +397,63 @@ def test_hostile_sizes_under_an_address_space_limit(tmp_path):
     assert "more than safetensors' limit" in by_name["long_header"]
     assert "not an eqx_batch file" in by_name["foreign"]
     assert "shape (4, 3) but the file has shape (2147483648,)" in by_name["crafted"]
+
+
+def test_file_resaved_by_safetensors_says_another_tool_rewrote_it(tmp_path):
+    path = tmp_path / "tree.safetensors"
+    eb.save(path, {"w": jnp.arange(3.0)})
+    with safetensors.safe_open(path, "np") as file:
+        metadata = file.metadata()
+    safetensors.numpy.save_file(
+        safetensors.numpy.load_file(path), path, metadata=metadata
+    )
+    with pytest.raises(BadFileError, match="rewritten by another tool") as info:
+        eb.load(path, like={"w": jnp.zeros(3)})
+    message = str(info.value)
+    assert str(path) in message
+    assert "failing disk" not in message and "damaged" not in message
+    assert f"safetensors.numpy.load_file('{path}')" in message
+    # ...which does give the arrays back.
+    assert safetensors.numpy.load_file(path)["['w']"].tolist() == [0.0, 1.0, 2.0]
+
+
+def _claim(count):
+    """An edit that makes the header claim `count` float32s for `w`, consistently:
+    the record's shape, the tensor's shape and its data offsets agree."""
+
+    def edit(metadata, tensors):
+        tensors["['w']"].update(shape=[count], data_offsets=[0, 4 * count])
+        metadata["eqx_batch.leaves"] = metadata["eqx_batch.leaves"].replace(
+            '"shape":[3]', f'"shape":[{count}]'
+        )
+
+    return edit
+
+
+@pytest.mark.parametrize("count", [1, 10**9])
+def test_consistent_size_lies_are_not_called_accidental_damage(tmp_path, count):
+    path = tmp_path / "tree.safetensors"
+    eb.save(path, {"w": jnp.zeros(3), "lr": 0.5})
+    _resign(path, _claim(count))
+    with pytest.raises(BadFileError, match="crafted") as info:
+        eb.load(path, like={"w": jnp.zeros(count), "lr": 0.5})
+    message = str(info.value)
+    assert f"describes {4 * count} bytes of tensor data but 12 follow it" in message
+    assert "failing disk" not in message
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [[0, 10**12], [0, 8], [4, 16]],
+)
+def test_sizes_that_disagree_with_each_other_say_not_written_by_save(tmp_path, offsets):
+    path = tmp_path / "tree.safetensors"
+    eb.save(path, {"w": jnp.zeros(3), "lr": 0.5})
+
+    def move(metadata, tensors):
+        tensors["['w']"].update(data_offsets=offsets)
+
+    _resign(path, move)
+    with pytest.raises(BadFileError, match="not written by `eb.save`") as info:
+        eb.load(path, like={"w": jnp.zeros(3), "lr": 0.5})
+    assert "failing disk" not in str(info.value)

@@ -1,5 +1,6 @@
 """`eb.save` / `eb.load` and the checkpoint layer's `write_tree` / `read_tree`: round
-trips, stacked <-> list, and every mismatch between a file and `like`."""
+trips, and every mismatch between a file and `like` or problem of a tree to save.
+Files loaded across layouts (stacked <-> list) are `test_load_layouts.py`'s."""
 
 import logging
 import math
@@ -245,115 +246,6 @@ def test_read_tree_on_host_places_and_compiles_nothing(getkey, tmp_path, caplog)
     np.testing.assert_array_equal(loaded["keys"], np.asarray(jr.key_data(tree["keys"])))
 
 
-def test_read_tree_on_host_between_layouts(getkey, tmp_path):
-    members = _members(getkey(), 3)
-    path = tmp_path / "stacked.safetensors"
-    eb.save(path, eb.stack(members))
-    loaded, _ = read_tree(path, members, on_host=True)
-    for member, got in zip(members, loaded, strict=True):
-        np.testing.assert_array_equal(
-            got["mlp"].layers[0].weight, np.asarray(member["mlp"].layers[0].weight)
-        )
-        np.testing.assert_array_equal(
-            got["key"], np.asarray(jr.key_data(member["key"]))
-        )
-
-
-# ------------------------------------------------------------------------------------
-# Stacked <-> list.
-
-
-def _members(key, count):
-    return [
-        {"mlp": eqx.nn.MLP(2, 1, 4, 1, key=k), "key": k, "steps": np.int32(i)}
-        for i, k in enumerate(jr.split(key, count))
-    ]
-
-
-def test_stacked_file_loads_into_a_list(getkey, tmp_path):
-    members = _members(getkey(), 3)
-    path = tmp_path / "stacked.safetensors"
-    eb.save(path, eb.stack(members))
-    loaded = eb.load(path, like=_members(getkey(), 3))
-    assert isinstance(loaded, list)
-    assert_trees_identical(loaded, members)
-
-
-def test_list_file_loads_into_stacked_like(getkey, tmp_path):
-    members = _members(getkey(), 3)
-    path = tmp_path / "list.safetensors"
-    eb.save(path, members)
-    like = eb.stack(_members(getkey(), 3))
-    assert_trees_identical(eb.load(path, like=like), eb.stack(members))
-
-
-def test_tuple_like_gets_a_tuple(getkey, tmp_path):
-    members = _members(getkey(), 2)
-    path = tmp_path / "stacked.safetensors"
-    eb.save(path, eb.stack(members))
-    loaded = eb.load(path, like=tuple(members))
-    assert isinstance(loaded, tuple)
-    assert_trees_identical(list(loaded), members)
-
-
-def _make(key):
-    return eqx.nn.MLP(2, 2, 8, 2, key=key)
-
-
-def test_stacked_file_into_shape_only_members(tmp_path):
-    keys = jr.split(jr.key(3), 4)
-    ensemble = eqx.filter_vmap(_make)(keys)
-    eb.save(tmp_path / "ens", ensemble)
-    like = [eqx.filter_eval_shape(_make, k) for k in keys]
-    loaded = eb.load(tmp_path / "ens", like=like)
-    assert_trees_identical(loaded, eb.unstack(ensemble))
-
-
-def test_list_file_into_shape_only_stacked_like(tmp_path):
-    keys = jr.split(jr.key(3), 4)
-    members = [_make(k) for k in keys]
-    eb.save(tmp_path / "members", members)
-    like = eqx.filter_eval_shape(eqx.filter_vmap(_make), keys)
-    loaded = eb.load(tmp_path / "members", like=like)
-    assert_trees_identical(loaded, eb.stack(members))
-
-
-def test_shape_only_member_count_mismatch(tmp_path):
-    keys = jr.split(jr.key(3), 4)
-    eb.save(tmp_path / "members", [_make(k) for k in keys])
-    like = eqx.filter_eval_shape(eqx.filter_vmap(_make), keys[:3])
-    with pytest.raises(eb.BatchError, match="list of 4 members") as info:
-        eb.load(tmp_path / "members", like=like)
-    assert "stacked with (3,) members" in str(info.value)
-    assert "like.layers[0].weight" in str(info.value)
-
-
-def test_member_count_mismatch_stacked_file_into_list(getkey, tmp_path):
-    path = tmp_path / "stacked.safetensors"
-    eb.save(path, eb.stack(_members(getkey(), 3)))
-    with pytest.raises(eb.BatchError, match="list of 2 members") as info:
-        eb.load(path, like=_members(getkey(), 2))
-    assert "leaf `['key']` has shape (3,)" in str(info.value)
-
-
-def test_member_count_mismatch_list_file_into_stacked(getkey, tmp_path):
-    path = tmp_path / "list.safetensors"
-    eb.save(path, _members(getkey(), 3))
-    with pytest.raises(eb.BatchError, match="list of 3 members") as info:
-        eb.load(path, like=eb.stack(_members(getkey(), 2)))
-    assert "stacked with (2,) members" in str(info.value)
-    assert "like['key']" in str(info.value)
-
-
-def test_list_file_members_that_differ_where_stacked_like_shares(tmp_path):
-    path = tmp_path / "list.safetensors"
-    eb.save(path, [{"w": jnp.zeros(2), "lr": 0.1}, {"w": jnp.ones(2), "lr": 0.2}])
-    like = {"w": jnp.zeros((2, 2)), "lr": 0.1}
-    with pytest.raises(eb.BatchError, match="differ there") as info:
-        eb.load(path, like=like)
-    assert "`[0]['lr']` is 0.1 and `[1]['lr']` is 0.2" in str(info.value)
-
-
 # ------------------------------------------------------------------------------------
 # Mismatches between the file and `like`.
 
@@ -482,6 +374,68 @@ def test_save_rejects_leaves_with_the_same_path(tmp_path):
     assert not path.exists()
 
 
-def test_save_into_missing_folder_is_an_os_error(tmp_path):
-    with pytest.raises(FileNotFoundError):
-        eb.save(tmp_path / "absent" / "tree.safetensors", jnp.zeros(3))
+class _Named:
+    """A pytree key printed as its name alone, as custom pytrees may have."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __str__(self):
+        return self.name
+
+    def __eq__(self, other):
+        return isinstance(other, _Named) and other.name == self.name
+
+    def __hash__(self):
+        return hash(self.name)
+
+
+class _Header:
+    """A pytree whose one leaf's path prints as safetensors' reserved `__metadata__`."""
+
+    def __init__(self, leaf):
+        self.leaf = leaf
+
+
+jtu.register_pytree_with_keys(
+    _Header,
+    lambda t: (((_Named("__metadata__"), t.leaf),), None),
+    lambda _, children: _Header(*children),
+)
+
+
+def test_save_refuses_a_leaf_named_like_the_safetensors_metadata(tmp_path):
+    path = tmp_path / "tree.safetensors"
+    with pytest.raises(eb.BatchError, match="__metadata__") as info:
+        eb.save(path, _Header(jnp.zeros(2)))
+    assert "`tree__metadata__`" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+    # A dict key of that name prints as `['__metadata__']`: no clash.
+    eb.save(path, {"__metadata__": jnp.arange(2.0)})
+    loaded = eb.load(path, like={"__metadata__": jnp.zeros(2)})
+    assert loaded["__metadata__"].tolist() == [0.0, 1.0]
+    # A scalar leaf is not a tensor: no clash either.
+    eb.save(path, _Header(0.5))
+    assert eb.load(path, like=_Header(0.0)).leaf == 0.5
+
+
+def test_save_into_missing_folder_names_the_path(tmp_path):
+    path = tmp_path / "absent" / "tree.safetensors"
+    with pytest.raises(eb.BatchError) as info:
+        eb.save(path, jnp.zeros(3))
+    message = str(info.value)
+    assert f"`path` ({path})" in message and "does not exist" in message
+    assert ".tmp" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_onto_a_folder_names_the_path(tmp_path):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    with pytest.raises(eb.BatchError) as info:
+        eb.save(folder, jnp.zeros(3))
+    message = str(info.value)
+    assert f"`path` ({folder}) is a folder" in message
+    assert ".tmp" not in message
+    assert list(tmp_path.iterdir()) == [folder]
+    assert list(folder.iterdir()) == []
