@@ -446,16 +446,21 @@ def test_bad_counts_are_refused(kwargs, match):
 def test_numpy_integer_counts_are_taken(tmp_path):
     init = make_init(3)
     plain = eb.run_chains(metropolis, init, jr.key(0), 12, thin=2, burn_in=2)
+    # As a user's untyped values: NumPy integers, one of each width.
+    counts: dict[str, Any] = {
+        "thin": np.int32(2),
+        "burn_in": np.uint8(2),
+        "checkpoint_every": np.int16(5),
+        "chunk_size": np.int64(2),
+    }
+    num_steps: Any = np.int64(12)
     counted = eb.run_chains(
         metropolis,
         init,
         jr.key(0),
-        np.int64(12),
-        thin=np.int32(2),
-        burn_in=np.uint8(2),
+        num_steps,
         checkpoint=tmp_path / "run.ckpt",
-        checkpoint_every=np.int16(5),
-        chunk_size=np.int64(2),
+        **counts,
     )
     assert_trees_identical(outputs(counted), outputs(plain))
 
