@@ -1,15 +1,18 @@
-"""Why the members given to `stack` or `concat` cannot be joined, in the user's names.
+"""The members given to `stack` or `concat`: how they are arranged, and why they
+cannot be joined, in the user's names.
 
-Members are named by their place in the user's sequence or grid (`trees[3]`,
-`trees[0][3]`). A leaf kept once (not stacked) must be equal across members, compared
-by type and value, floats and arrays bit for bit; members must have one structure, and
-where they do not, the first path where they differ is named with both nodes; a
-mapped leaf must have one dtype, weak type and member shape.
+A sequence of members is a list, tuple or iterator (one member on its own is refused,
+not read as a sequence of its keys or fields); a grid nests such sequences. Members
+are named by their place in the user's sequence or grid (`trees[3]`, `trees[0][3]`).
+A leaf kept once (not stacked) must be equal across members, compared by type and
+value, floats and arrays bit for bit; members must have one structure, and where they
+do not, the first path where they differ is named with both nodes; a mapped leaf must
+have one dtype, weak type and member shape.
 """
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -42,6 +45,76 @@ class MemberGrid(NamedTuple):
             return f"{self.argname}[{i}]"
         indices = np.unravel_index(i, self.shape)
         return self.argname + "".join(f"[{int(j)}]" for j in indices)
+
+
+# ------------------------------------------------------------------------------------
+# Reading the user's sequence (or grid) of members.
+
+
+def is_sequence(x: Any) -> bool:
+    """A list, tuple or iterator of members; not a string, and not a NamedTuple (one
+    member on its own)."""
+    if isinstance(x, (str, bytes)) or (isinstance(x, tuple) and hasattr(x, "_fields")):
+        return False
+    return isinstance(x, (Sequence, Iterator))
+
+
+def members_of(trees: Any, verb: str) -> list[Any]:
+    """`trees` as a list of members, refusing what is one member or has no order."""
+    if is_sequence(trees):
+        return list(trees)
+    namedtuple = isinstance(trees, tuple) and hasattr(trees, "_fields")
+    what = f"a {type(trees).__qualname__}"
+    if isinstance(trees, Mapping):
+        what += f" with keys {list(trees)[:5]}"
+    elif is_array(trees):
+        what = f"an array ({describe(trees)})"
+    raise BatchError(
+        f"`trees` is {what}, but {verb} takes a sequence of members: a list or tuple "
+        f"with one pytree per member, as in `eb.{verb}([a, b])`. To {verb} a "
+        f"single member, pass `[trees]`"
+        + (
+            "; to use the fields of this NamedTuple as members, `list(trees)`."
+            if namedtuple
+            else "."
+        )
+    )
+
+
+def grid_members(rows: list[Any], ndim: int, argname: str) -> tuple[list, tuple]:
+    """The members of a grid `ndim` deep, row by row, and the grid's shape.
+
+    `rows` is the outer sequence; each row must be a sequence `ndim - 1` deep, of the
+    same shape as row 0.
+    """
+    if ndim == 1:
+        return rows, (len(rows),)
+    flat: list[Any] = []
+    inner: tuple[int, ...] | None = None
+    for r, row in enumerate(rows):
+        name = f"{argname}[{r}]"
+        if not is_sequence(row):
+            raise BatchError(
+                f"`{name}` is {describe(row)} ({type(row).__qualname__}), but with "
+                f"`ndim={ndim}` every row of `{argname}` is a sequence of "
+                f"{'members' if ndim == 2 else 'rows'} (a list or tuple), as in "
+                f"`eb.stack([[a, b], [c, d]], ndim=2)`."
+            )
+        members, shape = grid_members(list(row), ndim - 1, name)
+        if inner is not None and shape != inner:
+            first = f"{argname}[0]"
+            if ndim == 2:
+                what = f"has {shape[0]} members where `{first}` has {inner[0]}"
+            else:
+                what = f"has shape {shape} where `{first}` has shape {inner}"
+            raise BatchError(
+                f"`{name}` {what}; the rows of a grid must all have the same "
+                f"{'length' if ndim == 2 else 'shape'}. Pad or trim the rows, or "
+                "stack them separately."
+            )
+        inner = shape
+        flat.extend(members)
+    return flat, (len(rows),) + (inner if inner is not None else (0,) * (ndim - 1))
 
 
 # ------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._pmap import member_mesh, shard
-from .._stack import take
+from .._select import take
 from .._tree import is_array
 
 
