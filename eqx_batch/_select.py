@@ -88,7 +88,8 @@ def index(tree: Tree, i: int, *, axes: Any = eqx.if_array(0)) -> Tree:
     - `tree`: a stacked pytree.
     - `i`: the member, an integer (not a bool); negative values count from the end.
         A traced `i` (inside `jax.jit`) cannot be range-checked: a negative one
-        counts from the end as well, and the result is clamped into range.
+        counts from the end as well, once, and the result is clamped into range
+        (of 4 members, `-5` gives member 0 and `7` member 3), as by `take`.
     - `axes`: an axis spec, as for `stack`.
 
     **Returns:**

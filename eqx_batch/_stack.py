@@ -68,9 +68,13 @@ _NDIM_HINT = (
 def index_leaf(x: jax.Array, i: jax.Array, axis: int) -> jax.Array:
     """Member `i` of `x` along `axis`: one compiled program per shape, not per index.
 
-    A negative `i` counts from the end, as it does eagerly.
+    A negative `i` counts from the end once, as it does eagerly; what is then still
+    out of range (a traced `i`, which cannot be checked) is clamped into range, as
+    `jnp.take(..., mode="clip")` does.
     """
-    i = jnp.where(i < 0, i + x.shape[axis], i)
+    size = x.shape[axis]
+    # Clamped here: `dynamic_index_in_dim` would wrap a still-negative index again.
+    i = jnp.clip(jnp.where(i < 0, i + size, i), 0, size - 1)
     return lax.dynamic_index_in_dim(x, i, axis, keepdims=False)
 
 

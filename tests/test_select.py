@@ -69,3 +69,12 @@ def test_index_out_of_range():
     raises("1-d", lambda: eb.take(tree, [0.5]))
     raises("1-d", lambda: eqx.filter_jit(eb.take)(tree, jnp.array(1)))
     assert eb.take(tree, [])["w"].shape == (0, 2)
+
+
+def test_traced_index_below_minus_n_is_clamped_like_take():
+    # Issue 15, item 7: -5 of 4 members wrapped twice, to the last member.
+    tree = {"w": jnp.arange(4.0)}
+    for i, member in ((-5, 0.0), (-100, 0.0), (4, 3.0), (100, 3.0)):
+        assert jax.jit(eb.index)(tree, jnp.array(i))["w"] == member
+        assert jax.jit(eb.take)(tree, jnp.array([i]))["w"].tolist() == [member]
+        assert jax.jit(lambda w, i: w[i])(tree["w"], i) == member
