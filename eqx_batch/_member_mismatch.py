@@ -19,7 +19,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError, describe, KeyPath, leaf_name
+from ._errors import BatchError, describe, KeyPath, leaf_name, qualified_name
 from ._tree import host_array, is_array, is_tracer, is_weak
 
 
@@ -183,9 +183,10 @@ def check_kept_once(column: list[Any], path: KeyPath, member_grid: MemberGrid) -
                 "equal across members. Give it a member axis (e.g. "
                 "`axes=eqx.if_array(0)`) to stack it, or make the members equal."
             )
+        leaf_type, first_type = _type_names(type(leaf), type(first))
         message = (
-            f"`{here}` is {describe(leaf)} ({type(leaf).__name__}) but "
-            f"`{there}` is {describe(first)} ({type(first).__name__}). "
+            f"`{here}` is {describe(leaf)} ({leaf_type}) but "
+            f"`{there}` is {describe(first)} ({first_type}). "
             "Non-array leaves are kept once, so they must be equal (same type and "
             "value) across members."
         )
@@ -208,28 +209,52 @@ def check_kept_once(column: list[Any], path: KeyPath, member_grid: MemberGrid) -
 # Structure.
 
 
-def _node_summary(treedef: Any) -> str:
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+def _type_names(a: type, b: type) -> tuple[str, str]:
+    """The names of types `a` and `b` for a message: short, unless two different
+    types share a short name, then `module.qualname` (`mylib.Linear`)."""
+    if a is not b and a.__name__ == b.__name__:
+        return qualified_name(a) or a.__name__, qualified_name(b) or b.__name__
+    return a.__name__, b.__name__
+
+
+def _is_leaf(treedef: Any) -> bool:
+    return treedef.num_nodes == 1 and treedef.num_leaves == 1
+
+
+def _node_summary(treedef: Any, type_name: str) -> str:
+    if _is_leaf(treedef):
         return "a leaf"
     node_type, aux = treedef.node_data()
     if node_type is dict:
         return f"a dict with keys {list(aux)}"
     if node_type in (list, tuple):
-        return f"a {node_type.__name__} of length {len(treedef.children())}"
+        return f"a {type_name} of length {len(treedef.children())}"
     if node_type is type(None):
         return "None"
     return (
-        f"a {node_type.__name__} with {len(treedef.children())} children and static "
+        f"a {type_name} with {len(treedef.children())} children and static "
         f"data {describe(aux)}"
     )
+
+
+def _node_summaries(treedef_a: Any, treedef_b: Any) -> tuple[str, str]:
+    """`_node_summary` of two nodes, their types told apart where names coincide."""
+    type_a, type_b = (
+        None if _is_leaf(treedef) else treedef.node_data()[0]
+        for treedef in (treedef_a, treedef_b)
+    )
+    names = ("", "")
+    if type_a is not None and type_b is not None:
+        names = _type_names(type_a, type_b)
+    return _node_summary(treedef_a, names[0]), _node_summary(treedef_b, names[1])
 
 
 def _first_difference(a: Any, b: Any, path: KeyPath) -> tuple[KeyPath, str, str]:
     """The first path where `a` and `b` differ in structure, and the nodes there."""
     treedef_a = jtu.tree_structure(a)
     treedef_b = jtu.tree_structure(b)
-    is_node_a = not (treedef_a.num_nodes == 1 and treedef_a.num_leaves == 1)
-    is_node_b = not (treedef_b.num_nodes == 1 and treedef_b.num_leaves == 1)
+    is_node_a = not _is_leaf(treedef_a)
+    is_node_b = not _is_leaf(treedef_b)
     if (
         is_node_a
         and is_node_b
@@ -256,7 +281,7 @@ def _first_difference(a: Any, b: Any, path: KeyPath) -> tuple[KeyPath, str, str]
         for (key, child_a), (_, child_b) in zip(children_a, children_b, strict=True):
             if jtu.tree_structure(child_a) != jtu.tree_structure(child_b):
                 return _first_difference(child_a, child_b, path + (key,))
-    return path, _node_summary(treedef_a), _node_summary(treedef_b)
+    return (path, *_node_summaries(treedef_a, treedef_b))
 
 
 def _children(node: Any) -> list[tuple[Any, Any]]:
