@@ -254,7 +254,8 @@ def test_python_number_as_the_carry_is_an_array_that_starts_as_it():
     def fn(x: jax.Array, total: Any) -> jax.Array:
         return total + x**2
 
-    expected = jax.lax.scan(lambda total, x: (fn(x, total), None), 0.0, xs)[0]
+    init: Any = 0.0  # what `jax.lax.scan` accepts, though typed as its carry
+    expected = jax.lax.scan(lambda total, x: (fn(x, total), None), init, xs)[0]
     assert tree_allclose(eb.scan_layers(xs, 0.0, fn=fn), expected)
     assert tree_allclose(eb.scan_layers(xs, 0, fn=fn), expected)
     assert tree_allclose(jax.jit(lambda xs: eb.scan_layers(xs, 0.0, fn=fn))(xs), 30.0)

@@ -415,6 +415,7 @@ def test_shared_value_set_in_the_state_goes_to_every_member():
     state = cast(optax.InjectStatefulHyperparamsState, sgd.init(params))
     state.hyperparams["learning_rate"] = jnp.asarray(0.05)
     updates, new_state = sgd.update(params, state)
+    new_state = cast(optax.InjectStatefulHyperparamsState, new_state)
     np.testing.assert_allclose(cast(dict, updates)["w"], -0.05 * jnp.ones((N, 2)))
     np.testing.assert_allclose(new_state.hyperparams["learning_rate"], [0.05] * N)
 
