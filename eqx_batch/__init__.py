@@ -9,14 +9,13 @@ from ._errors import BatchError as BatchError
 from ._layers import scan_layers as scan_layers
 from ._per_member import per_member as per_member
 from ._pmap import filter_pmap as filter_pmap
+from ._select import index as index, take as take
 from ._serialise import load as load, save as save
 from ._shard import shard as shard
 from ._stack import (
     batch_size as batch_size,
     concat as concat,
-    index as index,
     stack as stack,
-    take as take,
     unstack as unstack,
 )
 from ._typecheck import typecheck as typecheck

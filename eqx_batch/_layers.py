@@ -5,10 +5,11 @@ from typing import Any, Literal, overload, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
-from ._tree import axis_sizes, common_size, is_array, mapped_leaves
+from ._tree import axis_sizes, common_size, is_array, is_weak, mapped_leaves
 
 
 _Carry = TypeVar("_Carry")
@@ -88,7 +89,8 @@ def scan_layers(
     and scanning over them traces one layer once: compile time stays flat while the
     compiled loop runs as fast as the unrolled one. The non-array parts of `layers`
     (activation functions, sizes) are shared by every layer and closed over; so are
-    those of the carry `x`, which may therefore hold whole modules.
+    those of the carry `x` (other than Python numbers), which may therefore hold whole
+    modules.
 
     Stateful layers (holding an `eqx.nn.StateIndex`, such as `eqx.nn.BatchNorm` or a
     KV cache) built stacked, e.g. with `eb.ensemble(eqx.nn.make_with_state(Layer),
@@ -104,9 +106,13 @@ def scan_layers(
 
     - `layers`: a pytree (typically an `eqx.Module`) whose array leaves all have a
         leading layer axis of the same size, e.g. from `eb.stack` or `eb.ensemble`.
-    - `x`: the input to the first layer; the carry, any pytree. Each layer must return
-        a carry of the same structure, with array leaves of the same shapes and dtypes
-        and non-array leaves (functions, Python numbers) unchanged.
+    - `x`: the input to the first layer; the carry, any pytree. As in `jax.lax.scan`,
+        a Python number in it (`0.0` to start a running total) is an array that
+        starts as that number, and comes back as an array. Each layer must return a
+        carry of the same structure, with array leaves of the same shapes and dtypes
+        (a weakly typed one, from a Python number, may take the dtype the layer
+        returns, as `jax.lax.scan` allows) and other leaves (functions, strings)
+        unchanged.
     - `fn`: how one layer is applied. Called as `fn(layer, x)`, with `state` as
         `fn(layer, x, state)`, and with `xs` given with `extra` appended as a last
         argument. Defaults to `layer(x)`, or `layer(x, state)` with `state`.
@@ -190,6 +196,9 @@ def scan_layers(
             "`xs` is given but `fn` is not: the default `fn` calls `layer(x)` and has "
             "nowhere to put the extra input. Pass `fn=lambda layer, x, extra: ...`."
         )
+    # A Python number in the carry is an array that starts as that number, as in
+    # `jax.lax.scan`; only the other non-array leaves are closed over.
+    x = _numbers_as_arrays(x)
     scan = _Scan(
         apply=_call_layer if fn is None else fn,
         layers=layers,
@@ -258,6 +267,7 @@ class _Scan:
                 None if state_slice is None else self._state_values(state_slice)
             )
             new_x, new_state, y = self._unpack(self.apply(layer, *inputs))
+            new_x = _numbers_as_arrays(new_x)
             _check_unchanged("x", x, new_x, "the carry")
             if state_before is not None:
                 self._check_state(state_before, new_state)
@@ -373,7 +383,7 @@ class _Scan:
             inputs = [x] if state is None else [x, state]
             if xs is not None:
                 inputs.append(jax.tree.map(_first, xs))
-            new_x = self._unpack(self.apply(layers, *inputs))[0]
+            new_x = _numbers_as_arrays(self._unpack(self.apply(layers, *inputs))[0])
             _check_unchanged("x", x, new_x, "the carry")
 
         try:
@@ -385,6 +395,16 @@ class _Scan:
         except Exception:
             return False
         return True
+
+
+def _numbers_as_arrays(tree: Any) -> Any:
+    """`tree` with its Python numbers (bools included) as JAX arrays, weakly typed as
+    `jax.lax.scan` makes them."""
+
+    def as_array(leaf: Any) -> Any:
+        return jnp.asarray(leaf) if isinstance(leaf, (int, float, complex)) else leaf
+
+    return jtu.tree_map(as_array, tree)
 
 
 def _first(leaf: Any) -> Any:
@@ -457,7 +477,10 @@ def _check_unchanged(argname: str, before: Any, after: Any, what: str) -> None:
     for (path, old), (_, new) in zip(before_leaves, after_leaves, strict=True):
         name = f"`{leaf_name(argname, path)}`: {describe(old)} in, {describe(new)} out"
         if is_array(old) and is_array(new):
-            if old.shape != new.shape or old.dtype != new.dtype:
+            # `jax.lax.scan` promotes a weakly typed carry (a Python number's) to the
+            # dtype the layer returns, and raises itself if it cannot.
+            promoted = argname == "x" and is_weak(old)
+            if old.shape != new.shape or (old.dtype != new.dtype and not promoted):
                 reshaped.append(name)
         elif not _same(old, new):
             replaced.append(name)
@@ -469,11 +492,11 @@ def _check_unchanged(argname: str, before: Any, after: Any, what: str) -> None:
     if replaced:
         raise BatchError(
             f"a layer changed a non-array leaf of {what}. Non-array leaves (functions, "
-            "Python numbers, strings) are fixed for the whole scan, shared by every "
-            "layer; only arrays can change from layer to layer:\n"
+            "strings, other objects) are fixed for the whole scan, shared by every "
+            "layer; only arrays (and Python numbers, which become arrays) can change "
+            "from layer to layer:\n"
             + bullet_list(replaced)
-            + "\nMake a leaf that changes an array before the scan (`jnp.asarray`), "
-            "or return the one the layer was given."
+            + "\nReturn the one the layer was given."
         )
 
 

@@ -1,22 +1,25 @@
-"""Why the members given to `stack` or `concat` cannot be joined, in the user's names.
+"""The members given to `stack` or `concat`: how they are arranged, and why they
+cannot be joined, in the user's names.
 
-Members are named by their place in the user's sequence or grid (`trees[3]`,
-`trees[0][3]`). A leaf kept once (not stacked) must be equal across members, compared
-by type and value, floats and arrays bit for bit; members must have one structure, and
-where they do not, the first path where they differ is named with both nodes; a
-mapped leaf must have one dtype, weak type and member shape.
+A sequence of members is a list, tuple or iterator (one member on its own is refused,
+not read as a sequence of its keys or fields); a grid nests such sequences. Members
+are named by their place in the user's sequence or grid (`trees[3]`, `trees[0][3]`).
+A leaf kept once (not stacked) must be equal across members, compared by type and
+value, floats and arrays bit for bit; members must have one structure, and where they
+do not, the first path where they differ is named with both nodes; a mapped leaf must
+have one dtype, weak type and member shape.
 """
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError, describe, KeyPath, leaf_name
+from ._errors import BatchError, describe, KeyPath, leaf_name, qualified_name
 from ._tree import host_array, is_array, is_tracer, is_weak
 
 
@@ -42,6 +45,76 @@ class MemberGrid(NamedTuple):
             return f"{self.argname}[{i}]"
         indices = np.unravel_index(i, self.shape)
         return self.argname + "".join(f"[{int(j)}]" for j in indices)
+
+
+# ------------------------------------------------------------------------------------
+# Reading the user's sequence (or grid) of members.
+
+
+def is_sequence(x: Any) -> bool:
+    """A list, tuple or iterator of members; not a string, and not a NamedTuple (one
+    member on its own)."""
+    if isinstance(x, (str, bytes)) or (isinstance(x, tuple) and hasattr(x, "_fields")):
+        return False
+    return isinstance(x, (Sequence, Iterator))
+
+
+def members_of(trees: Any, verb: str) -> list[Any]:
+    """`trees` as a list of members, refusing what is one member or has no order."""
+    if is_sequence(trees):
+        return list(trees)
+    namedtuple = isinstance(trees, tuple) and hasattr(trees, "_fields")
+    what = f"a {type(trees).__qualname__}"
+    if isinstance(trees, Mapping):
+        what += f" with keys {list(trees)[:5]}"
+    elif is_array(trees):
+        what = f"an array ({describe(trees)})"
+    raise BatchError(
+        f"`trees` is {what}, but {verb} takes a sequence of members: a list or tuple "
+        f"with one pytree per member, as in `eb.{verb}([a, b])`. To {verb} a "
+        f"single member, pass `[trees]`"
+        + (
+            "; to use the fields of this NamedTuple as members, `list(trees)`."
+            if namedtuple
+            else "."
+        )
+    )
+
+
+def grid_members(rows: list[Any], ndim: int, argname: str) -> tuple[list, tuple]:
+    """The members of a grid `ndim` deep, row by row, and the grid's shape.
+
+    `rows` is the outer sequence; each row must be a sequence `ndim - 1` deep, of the
+    same shape as row 0.
+    """
+    if ndim == 1:
+        return rows, (len(rows),)
+    flat: list[Any] = []
+    inner: tuple[int, ...] | None = None
+    for r, row in enumerate(rows):
+        name = f"{argname}[{r}]"
+        if not is_sequence(row):
+            raise BatchError(
+                f"`{name}` is {describe(row)} ({type(row).__qualname__}), but with "
+                f"`ndim={ndim}` every row of `{argname}` is a sequence of "
+                f"{'members' if ndim == 2 else 'rows'} (a list or tuple), as in "
+                f"`eb.stack([[a, b], [c, d]], ndim=2)`."
+            )
+        members, shape = grid_members(list(row), ndim - 1, name)
+        if inner is not None and shape != inner:
+            first = f"{argname}[0]"
+            if ndim == 2:
+                what = f"has {shape[0]} members where `{first}` has {inner[0]}"
+            else:
+                what = f"has shape {shape} where `{first}` has shape {inner}"
+            raise BatchError(
+                f"`{name}` {what}; the rows of a grid must all have the same "
+                f"{'length' if ndim == 2 else 'shape'}. Pad or trim the rows, or "
+                "stack them separately."
+            )
+        inner = shape
+        flat.extend(members)
+    return flat, (len(rows),) + (inner if inner is not None else (0,) * (ndim - 1))
 
 
 # ------------------------------------------------------------------------------------
@@ -110,9 +183,10 @@ def check_kept_once(column: list[Any], path: KeyPath, member_grid: MemberGrid) -
                 "equal across members. Give it a member axis (e.g. "
                 "`axes=eqx.if_array(0)`) to stack it, or make the members equal."
             )
+        leaf_type, first_type = _type_names(type(leaf), type(first))
         message = (
-            f"`{here}` is {describe(leaf)} ({type(leaf).__name__}) but "
-            f"`{there}` is {describe(first)} ({type(first).__name__}). "
+            f"`{here}` is {describe(leaf)} ({leaf_type}) but "
+            f"`{there}` is {describe(first)} ({first_type}). "
             "Non-array leaves are kept once, so they must be equal (same type and "
             "value) across members."
         )
@@ -135,28 +209,52 @@ def check_kept_once(column: list[Any], path: KeyPath, member_grid: MemberGrid) -
 # Structure.
 
 
-def _node_summary(treedef: Any) -> str:
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+def _type_names(a: type, b: type) -> tuple[str, str]:
+    """The names of types `a` and `b` for a message: short, unless two different
+    types share a short name, then `module.qualname` (`mylib.Linear`)."""
+    if a is not b and a.__name__ == b.__name__:
+        return qualified_name(a) or a.__name__, qualified_name(b) or b.__name__
+    return a.__name__, b.__name__
+
+
+def _is_leaf(treedef: Any) -> bool:
+    return treedef.num_nodes == 1 and treedef.num_leaves == 1
+
+
+def _node_summary(treedef: Any, type_name: str) -> str:
+    if _is_leaf(treedef):
         return "a leaf"
     node_type, aux = treedef.node_data()
     if node_type is dict:
         return f"a dict with keys {list(aux)}"
     if node_type in (list, tuple):
-        return f"a {node_type.__name__} of length {len(treedef.children())}"
+        return f"a {type_name} of length {len(treedef.children())}"
     if node_type is type(None):
         return "None"
     return (
-        f"a {node_type.__name__} with {len(treedef.children())} children and static "
+        f"a {type_name} with {len(treedef.children())} children and static "
         f"data {describe(aux)}"
     )
+
+
+def _node_summaries(treedef_a: Any, treedef_b: Any) -> tuple[str, str]:
+    """`_node_summary` of two nodes, their types told apart where names coincide."""
+    type_a, type_b = (
+        None if _is_leaf(treedef) else treedef.node_data()[0]
+        for treedef in (treedef_a, treedef_b)
+    )
+    names = ("", "")
+    if type_a is not None and type_b is not None:
+        names = _type_names(type_a, type_b)
+    return _node_summary(treedef_a, names[0]), _node_summary(treedef_b, names[1])
 
 
 def _first_difference(a: Any, b: Any, path: KeyPath) -> tuple[KeyPath, str, str]:
     """The first path where `a` and `b` differ in structure, and the nodes there."""
     treedef_a = jtu.tree_structure(a)
     treedef_b = jtu.tree_structure(b)
-    is_node_a = not (treedef_a.num_nodes == 1 and treedef_a.num_leaves == 1)
-    is_node_b = not (treedef_b.num_nodes == 1 and treedef_b.num_leaves == 1)
+    is_node_a = not _is_leaf(treedef_a)
+    is_node_b = not _is_leaf(treedef_b)
     if (
         is_node_a
         and is_node_b
@@ -183,7 +281,7 @@ def _first_difference(a: Any, b: Any, path: KeyPath) -> tuple[KeyPath, str, str]
         for (key, child_a), (_, child_b) in zip(children_a, children_b, strict=True):
             if jtu.tree_structure(child_a) != jtu.tree_structure(child_b):
                 return _first_difference(child_a, child_b, path + (key,))
-    return path, _node_summary(treedef_a), _node_summary(treedef_b)
+    return (path, *_node_summaries(treedef_a, treedef_b))
 
 
 def _children(node: Any) -> list[tuple[Any, Any]]:

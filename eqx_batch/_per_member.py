@@ -1,9 +1,14 @@
 """Making any optax transformation treat each member of a stacked model on its own."""
 
-from typing import Any
+import functools as ft
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any, NamedTuple
 
 import equinox as eqx
+import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 import optax
 
 from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
@@ -35,7 +40,14 @@ def per_member(
     `optax.inject_hyperparams` one value per member, an array of shape `(n,)`, and
     member `i` trains with value `i`, as if alone with it (a learning-rate sweep
     trained as one stacked model). Like every injected hyperparameter it lives in the
-    state, there of shape `(n,)`, where it can be changed between steps.
+    state, there of shape `(n,)`, where it can be changed between steps; one value set
+    there (shape `()`) is given to every member. Give such values as an array, not a
+    Python list, which `optax.inject_hyperparams` does not inject.
+
+    On a grid (`m` rows of `n` members, two member axes), nest it:
+    `per_member(per_member(tx))`. A hyperparameter then holds one value per cell,
+    shape `(m, n)`, or any shape that broadcasts to it (`(n,)`: the same values in
+    every row), and cell `(i, j)` trains as if alone with its value.
 
     **Arguments:**
 
@@ -60,8 +72,10 @@ def per_member(
     of `params`, `updates`, `state` or the extra arguments disagree on the number of
     members (each such leaf is named), if an array leaf has no member axis, or if
     `state` was not made by `per_member(tx).init`; from `init`, if an injected
-    hyperparameter is neither one value nor one value per member (it is named, with
-    its shape and the number of members), or is a schedule returning several values.
+    hyperparameter is neither one value nor one value per member (per cell of a
+    nested grid; it is named, with its shape and the number of members), or is a
+    schedule returning several values; from `init` or `update`, if `tx` fails on a
+    hyperparameter given as a Python list or tuple.
 
     !!! Example
 
@@ -113,27 +127,49 @@ def per_member(
     def init(params: Any) -> Any:
         arrays = eqx.filter(params, eqx.is_array)
         n = common_size(_member_sizes(arrays, axes, "params"), fix=_FIX)
-        shapes = eqx.filter_eval_shape(
-            eqx.filter_vmap(inner.init, in_axes=(axes,), out_axes=eqx.if_array(0)),
-            arrays,
+        enclosing = _RUNNING.get()
+        grid = (() if enclosing is None else enclosing.grid) + (n,)
+        level = _Level(grid, whole=set(), handled=set())
+        token = _RUNNING.set(level)
+        try:
+            shapes = eqx.filter_eval_shape(
+                eqx.filter_vmap(inner.init, in_axes=(axes,), out_axes=eqx.if_array(0)),
+                arrays,
+            )
+            found, seen = _per_cell_hyperparams(shapes, level)
+            whole = found | level.whole
+            state = _naming_list_hyperparameters(
+                eqx.filter_vmap(
+                    inner.init, in_axes=(axes,), out_axes=_state_axes(shapes, whole)
+                )
+            )(arrays)
+        finally:
+            _RUNNING.reset(token)
+        if enclosing is not None:
+            enclosing.whole.update(whole)
+            enclosing.handled.update(seen | level.handled)
+        return jtu.tree_map_with_path(
+            lambda path, leaf: (
+                jnp.broadcast_to(leaf, level.grid) if path in found else leaf
+            ),
+            state,
         )
-        return eqx.filter_vmap(
-            inner.init, in_axes=(axes,), out_axes=_state_axes(shapes, n)
-        )(arrays)
 
     def update(
         updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
         update_arrays = eqx.filter(updates, eqx.is_array)
         params_arrays = eqx.filter(params, eqx.is_array)
-        sizes = _member_sizes(update_arrays, axes, "updates") + _state_sizes(state)
+        sizes = _member_sizes(update_arrays, axes, "updates")
         if params is not None:
             sizes += _member_sizes(params_arrays, axes, "params")
         for name, value in extra_args.items():
             sizes += _member_sizes(
                 eqx.filter(value, eqx.is_array), eqx.if_array(0), name
             )
-        common_size(sizes, fix=_FIX)
+        n = common_size(sizes, fix=_FIX)
+        state = _shared_hyperparams_per_member(state, n)
+        common_size(sizes + _state_sizes(state), fix=_FIX)
         params_axes = None if params is None else axes
 
         def member_update(
@@ -146,10 +182,12 @@ def per_member(
                 member_updates, member_state, member_params, **member_extra
             )
 
-        return eqx.filter_vmap(
-            member_update,
-            in_axes=(axes, eqx.if_array(0), params_axes, eqx.if_array(0)),
-            out_axes=(axes, eqx.if_array(0)),
+        return _naming_list_hyperparameters(
+            eqx.filter_vmap(
+                member_update,
+                in_axes=(axes, eqx.if_array(0), params_axes, eqx.if_array(0)),
+                out_axes=(axes, eqx.if_array(0)),
+            )
         )(update_arrays, state, params_arrays, extra_args)
 
     return optax.GradientTransformationExtraArgs(init, update)
@@ -207,55 +245,143 @@ def _state_sizes(state: Any) -> list[tuple[str, int]]:
     return [(leaf_name("state", path), leaf.shape[0]) for path, leaf in arrays]
 
 
-def _state_axes(shapes: Any, n: int) -> Any:
+class _Level(NamedTuple):
+    """A `per_member` level whose `init` is running.
+
+    `grid` holds the member counts of this level and of every level enclosing it,
+    outermost first: `(m, n)` for the inner level of a seeds x learning-rates grid.
+    `handled` collects the state paths of the injected hyperparameters that levels
+    nested inside this one have already read, and `whole` those of them that they
+    returned whole, per cell, already of the grid's full shape; the others they
+    returned with one value per member of theirs.
+    """
+
+    grid: tuple[int, ...]
+    whole: set[KeyPath]
+    handled: set[KeyPath]
+
+
+# An outer level's `init` traces the inner level's, so the inner level reads here the
+# grid it is part of, and tells the outer one which hyperparameters it returned whole.
+_RUNNING: ContextVar[_Level | None] = ContextVar("per_member_level", default=None)
+
+
+def _state_axes(shapes: Any, whole: set[KeyPath]) -> Any:
     """The member axis of each leaf of the state `init` makes, from its shapes.
 
     Every leaf gains a leading member axis, except the hyperparameters of
-    `optax.inject_hyperparams` given one value per member: init closes over those, so
-    they come out whole, and are then the member axis themselves.
+    `optax.inject_hyperparams` given one value per member (or per cell of a grid):
+    init closes over those, so they come out whole, and are then the member axes
+    themselves.
     """
-    per_member = _per_member_hyperparams(shapes, n)
     return jtu.tree_map_with_path(
-        lambda path, _: None if path in per_member else eqx.if_array(0), shapes
+        lambda path, _: None if path in whole else eqx.if_array(0), shapes
     )
 
 
-def _per_member_hyperparams(shapes: Any, n: int) -> set[KeyPath]:
+def _per_cell_hyperparams(
+    shapes: Any, level: _Level
+) -> tuple[set[KeyPath], set[KeyPath]]:
     """Paths of the injected hyperparameters in `shapes` that hold one value per
-    member; raises for those that hold neither that nor one shared value."""
-    found = set()
+    member, or per cell of the grid this level is part of (any shape that broadcasts
+    to it), and of all injected hyperparameters read; raises for those that hold
+    neither that nor one shared value.
+
+    Those that a nested `per_member` level has read are its business.
+    """
+    grid = level.grid
+    if len(grid) == 1:
+        per = f"one value per member, shape {grid}"
+    else:
+        per = (
+            f"one value per cell of the grid of shape {grid} (or a shape that "
+            f"broadcasts to it, such as {grid[1:]} for one value per column)"
+        )
+    found, seen = set(), set()
     for path, node in jtu.tree_flatten_with_path(shapes, is_leaf=_is_injected)[0]:
         if not _is_injected(node):
             continue
         scheduled = getattr(node, "hyperparams_states", {})
         for name, value in node.hyperparams.items():
+            leaf_path = (*path, _HYPERPARAMS, jtu.DictKey(name))
             # `shapes` comes from the vmapped init: a leading member axis, then the
             # hyperparameter's own shape.
             shape = tuple(value.shape[1:])
-            leaf_path = (*path, _HYPERPARAMS, jtu.DictKey(name))
-            where = f"hyperparameter `{name}` (`{leaf_name('state', leaf_path)}`)"
-            if len(value.shape) == 1:
+            if leaf_path in level.handled:
                 continue
+            seen.add(leaf_path)
+            if not shape:
+                continue
+            where = f"hyperparameter `{name}` (`{leaf_name('state', leaf_path)}`)"
             if name in scheduled:
                 raise BatchError(
                     f"{where} is a schedule returning shape {shape}; per_member runs "
                     "a schedule once per member, so it must return one value. Give "
-                    f"per-member values as an array of shape ({n},) instead."
+                    f"{per} as an array instead."
                 )
-            if len(value.shape) > 2:
+            if not _broadcasts_to(shape, grid):
+                if len(grid) == 1 and len(shape) == 1:
+                    what = (
+                        f"has {shape[0]} values, one per member, but `params` has "
+                        f"{grid[0]} members. Give {per}"
+                    )
+                else:
+                    what = f"has shape {shape}, but a hyperparameter holds {per}"
                 raise BatchError(
-                    f"{where} has shape {shape}, but a hyperparameter holds one value "
-                    f"per member, shape ({n},), or one value shared by all members, "
-                    "shape ()."
-                )
-            if value.shape[1] != n:
-                raise BatchError(
-                    f"{where} has {value.shape[1]} values, one per member, but "
-                    f"`params` has {n} members. Give one value per member, shape "
-                    f"({n},), or one value shared by all members."
+                    f"{where} {what}, or one value shared by all members, shape ()."
                 )
             found.add(leaf_path)
-    return found
+    return found, seen
+
+
+def _broadcasts_to(shape: tuple[int, ...], grid: tuple[int, ...]) -> bool:
+    try:
+        return np.broadcast_shapes(shape, grid) == grid
+    except ValueError:
+        return False
+
+
+def _shared_hyperparams_per_member(state: Any, n: int) -> Any:
+    """`state` with every 0-d injected hyperparameter given to each of `n` members:
+    what a user sets between steps (`state.hyperparams["learning_rate"] = 0.05`)."""
+
+    def per_member(node: Any) -> Any:
+        if not _is_injected(node):
+            return node
+        hyperparams = {
+            name: jnp.broadcast_to(value, (n,)) if np.ndim(value) == 0 else value
+            for name, value in node.hyperparams.items()
+        }
+        return node._replace(hyperparams=hyperparams)
+
+    return jtu.tree_map(per_member, state, is_leaf=_is_injected)
+
+
+def _naming_list_hyperparameters(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, raising a `BatchError` where optax fails on a hyperparameter given as a
+    Python list or tuple.
+
+    `optax.inject_hyperparams` injects numbers and arrays only; a list reaches the
+    optimiser unchanged and fails in its arithmetic, with a message that names no
+    hyperparameter (nor can we: optax keeps it out of the state).
+    """
+
+    @ft.wraps(fn)
+    def call(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except TypeError as error:
+            if "'list'" not in str(error) and "'tuple'" not in str(error):
+                raise
+            raise BatchError(
+                f"`tx` raised TypeError: {error}. A hyperparameter given as a Python "
+                "list or tuple (e.g. `learning_rate=[0.1, 0.2, 0.3]`) is not injected "
+                "by `optax.inject_hyperparams`, which takes numbers and arrays only, "
+                "so it reaches the optimiser as a list. Give per-member values as an "
+                "array: `learning_rate=jnp.asarray([0.1, 0.2, 0.3])`."
+            ) from error
+
+    return call
 
 
 _HYPERPARAMS = jtu.GetAttrKey("hyperparams")

@@ -1,4 +1,6 @@
-"""Stacking and unstacking pytrees along a member axis: `stack`, `unstack` and friends.
+"""Stacking and unstacking pytrees along a member axis: `stack`, `unstack`,
+`batch_size` and `concat`. Selecting members by position (`index`, `take`) is in
+`_select.py`, above this module.
 
 Concrete arrays that live on the CPU are stacked and split through host NumPy (a view,
 not a copy), and the results become JAX arrays through `_from_host.py`. Tracers (inside
@@ -14,8 +16,7 @@ once, `stack` stacks along one new axis and reshapes it into the grid's axes.
 
 import functools as ft
 import math
-import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal, overload, TypeVar
 
 import equinox as eqx
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError, check_int, describe, is_bool, KeyPath, leaf_name
+from ._errors import BatchError, check_int, KeyPath, leaf_name
 from ._from_host import (
     key_impl,
     on_cpu,
@@ -38,7 +39,9 @@ from ._member_mismatch import (
     check_kept_once,
     check_mapped_column,
     flatten_members,
+    grid_members,
     MemberGrid,
+    members_of,
 )
 from ._tree import (
     axis_sizes,
@@ -62,16 +65,17 @@ _NDIM_HINT = (
 
 
 @ft.partial(jax.jit, static_argnums=2)
-def _index_one(x: jax.Array, i: jax.Array, axis: int) -> jax.Array:
-    # Negative indices count from the end, as they do eagerly.
-    i = jnp.where(i < 0, i + x.shape[axis], i)
+def index_leaf(x: jax.Array, i: jax.Array, axis: int) -> jax.Array:
+    """Member `i` of `x` along `axis`: one compiled program per shape, not per index.
+
+    A negative `i` counts from the end once, as it does eagerly; what is then still
+    out of range (a traced `i`, which cannot be checked) is clamped into range, as
+    `jnp.take(..., mode="clip")` does.
+    """
+    size = x.shape[axis]
+    # Clamped here: `dynamic_index_in_dim` would wrap a still-negative index again.
+    i = jnp.clip(jnp.where(i < 0, i + size, i), 0, size - 1)
     return lax.dynamic_index_in_dim(x, i, axis, keepdims=False)
-
-
-@ft.partial(jax.jit, static_argnums=2)
-def _take_many(x: jax.Array, indices: jax.Array, axis: int) -> jax.Array:
-    indices = jnp.where(indices < 0, indices + x.shape[axis], indices)
-    return jnp.take(x, indices, axis=axis, mode="clip")
 
 
 def _join(column: list[Any], axis: int, new_axis: bool) -> Any:
@@ -105,12 +109,12 @@ def _join_members(
         axis_leaves = treedef.flatten_up_to(resolved)
     else:
         # Every tree's own mapped leaves must agree on its member count;
-        # `_leaves_and_count` also checks member 0's axes against its leaves and makes
+        # `leaves_and_count` also checks member 0's axes against its leaves and makes
         # them non-negative.
-        mapped, _ = _leaves_and_count(trees[0], axes, member_grid.member(0))
+        mapped, _ = leaves_and_count(trees[0], axes, member_grid.member(0))
         axis_leaves = [axis for _, _, axis in mapped]
         for i, tree in enumerate(trees[1:], start=1):
-            _leaves_and_count(tree, axes, member_grid.member(i))
+            leaves_and_count(tree, axes, member_grid.member(i))
     paths = [path for path, _ in jtu.tree_flatten_with_path(trees[0])[0]]
     grid_ndim = len(member_grid.shape)
     out = []
@@ -167,8 +171,11 @@ def _merge_axes(leaf: Any, axis: int, ndim: int) -> Any:
 # Splitting a leaf.
 
 
-def _leaves_and_count(tree: Any, axes: Any, argname: str) -> tuple[list, int]:
-    """`mapped_leaves` of `tree` and the common member-axis size."""
+def leaves_and_count(tree: Any, axes: Any, argname: str) -> tuple[list, int]:
+    """`mapped_leaves` of `tree` and the common member-axis size.
+
+    Raises `BatchError` if the mapped leaves disagree on it, naming each.
+    """
     leaves = mapped_leaves(tree, axes, argname)
     size = common_size(
         axis_sizes(leaves, argname),
@@ -187,7 +194,7 @@ def _leaves_and_grid(
     its spec names.
     """
     if ndim == 1:
-        leaves, size = _leaves_and_count(tree, axes, argname)
+        leaves, size = leaves_and_count(tree, axes, argname)
         return leaves, (size,)
     leaves = mapped_leaves(tree, axes, argname)
     for path, leaf, axis in leaves:
@@ -246,7 +253,7 @@ def _split_leaves(
             group.append((len(columns), rows, key_impl(leaf)))
             columns.append([])
         else:
-            columns.append([_index_one(leaf, i, axis) for i in range(size)])
+            columns.append([index_leaf(leaf, i, axis) for i in range(size)])
     for placement, group in by_placement.items():
         positions, hosts, key_impls = zip(*group, strict=True)
         split = rows_as_arrays(list(hosts), key_impls, placement)
@@ -255,119 +262,8 @@ def _split_leaves(
     return columns
 
 
-def _select(leaf: Any, where: Any, axis: int) -> Any:
-    """`leaf` indexed along `axis` by an integer (dropping the axis) or a 1-d array.
-
-    Integers must be in range when concrete; traced ones wrap once if negative and
-    are then clamped.
-    """
-    concrete = not is_tracer(leaf) and not is_tracer(where)
-    if concrete and is_numpy(leaf):
-        # `np.array` keeps a 0-d result an ndarray rather than a NumPy scalar.
-        return np.array(np.take(leaf, where, axis=axis))
-    if concrete and on_cpu(leaf):
-        return put_like(np.asarray(np.take(host_array(leaf), where, axis=axis)), leaf)
-    if np.ndim(where) == 0:
-        return _index_one(jnp.asarray(leaf), where, axis)
-    return _take_many(jnp.asarray(leaf), jnp.asarray(where), axis)
-
-
-def _check_traced_index(i: Any, argname: str) -> None:
-    if not jnp.issubdtype(i.dtype, jnp.integer):
-        raise BatchError(
-            f"`{argname}` is a traced {describe(i)}; an index must be an integer "
-            "(bools are refused, not read as 0 and 1)."
-        )
-
-
-def _check_index(i: Any, size: int, argname: str) -> int:
-    if is_bool(i):
-        raise BatchError(
-            f"`{argname}` is {i!r}, a bool; an index must be an integer (bools are "
-            "refused, not read as 0 and 1)."
-        )
-    try:
-        index_ = operator.index(i)
-    except TypeError:
-        raise BatchError(
-            f"`{argname}` is {describe(i)}; an index must be an integer."
-        ) from None
-    if not -size <= index_ < size:
-        raise BatchError(
-            f"index {index_} is out of range for {size} members (valid: {-size} to "
-            f"{size - 1})."
-        )
-    return index_ % size
-
-
 # ------------------------------------------------------------------------------------
 # Public API.
-
-
-def _is_sequence(x: Any) -> bool:
-    """A list, tuple or iterator of members; not a string, and not a NamedTuple (one
-    member on its own)."""
-    if isinstance(x, (str, bytes)) or (isinstance(x, tuple) and hasattr(x, "_fields")):
-        return False
-    return isinstance(x, (Sequence, Iterator))
-
-
-def _members(trees: Any, verb: str) -> list[Any]:
-    """`trees` as a list of members, refusing what is one member or has no order."""
-    if _is_sequence(trees):
-        return list(trees)
-    namedtuple = isinstance(trees, tuple) and hasattr(trees, "_fields")
-    what = f"a {type(trees).__qualname__}"
-    if isinstance(trees, Mapping):
-        what += f" with keys {list(trees)[:5]}"
-    elif is_array(trees):
-        what = f"an array ({describe(trees)})"
-    raise BatchError(
-        f"`trees` is {what}, but {verb} takes a sequence of members: a list or tuple "
-        f"with one pytree per member, as in `eb.{verb}([a, b])`. To {verb} a "
-        f"single member, pass `[trees]`"
-        + (
-            "; to use the fields of this NamedTuple as members, `list(trees)`."
-            if namedtuple
-            else "."
-        )
-    )
-
-
-def _grid_members(rows: list[Any], ndim: int, argname: str) -> tuple[list, tuple]:
-    """The members of a grid `ndim` deep, row by row, and the grid's shape.
-
-    `rows` is the outer sequence; each row must be a sequence `ndim - 1` deep, of the
-    same shape as row 0.
-    """
-    if ndim == 1:
-        return rows, (len(rows),)
-    flat: list[Any] = []
-    inner: tuple[int, ...] | None = None
-    for r, row in enumerate(rows):
-        name = f"{argname}[{r}]"
-        if not _is_sequence(row):
-            raise BatchError(
-                f"`{name}` is {describe(row)} ({type(row).__qualname__}), but with "
-                f"`ndim={ndim}` every row of `{argname}` is a sequence of "
-                f"{'members' if ndim == 2 else 'rows'} (a list or tuple), as in "
-                f"`eb.stack([[a, b], [c, d]], ndim=2)`."
-            )
-        members, shape = _grid_members(list(row), ndim - 1, name)
-        if inner is not None and shape != inner:
-            first = f"{argname}[0]"
-            if ndim == 2:
-                what = f"has {shape[0]} members where `{first}` has {inner[0]}"
-            else:
-                what = f"has shape {shape} where `{first}` has shape {inner}"
-            raise BatchError(
-                f"`{name}` {what}; the rows of a grid must all have the same "
-                f"{'length' if ndim == 2 else 'shape'}. Pad or trim the rows, or "
-                "stack them separately."
-            )
-        inner = shape
-        flat.extend(members)
-    return flat, (len(rows),) + (inner if inner is not None else (0,) * (ndim - 1))
 
 
 @overload
@@ -449,7 +345,7 @@ def stack(trees: Any, *, axes: Any = eqx.if_array(0), ndim: int = 1) -> Any:
         ```
     """
     ndim = check_int(ndim, "ndim", minimum=1, hint=_NDIM_HINT)
-    members, grid = _grid_members(_members(trees, "stack"), ndim, "trees")
+    members, grid = grid_members(members_of(trees, "stack"), ndim, "trees")
     member_grid = MemberGrid("trees", grid)
     return _join_members(members, axes, member_grid, "stack", new_axis=True)
 
@@ -584,115 +480,6 @@ def batch_size(
     return grid[0] if ndim == 1 else grid
 
 
-def index(tree: Tree, i: int, *, axes: Any = eqx.if_array(0)) -> Tree:
-    """Member `i` of a stacked pytree.
-
-    Like `unstack(tree)[i]`, without building the other members. Indexing every member
-    in a loop compiles nothing for CPU arrays, and at most one program per leaf shape
-    elsewhere, never one per index (as `tree.weight[i]` can).
-
-    **Arguments:**
-
-    - `tree`: a stacked pytree.
-    - `i`: the member, an integer (not a bool); negative values count from the end.
-        A traced `i` (inside `jax.jit`) cannot be range-checked: a negative one
-        counts from the end as well, and the result is clamped into range.
-    - `axes`: an axis spec, as for `stack`.
-
-    **Returns:**
-
-    One member, a pytree of the same structure with the member axis removed from every
-    mapped leaf.
-
-    **Raises:**
-
-    `BatchError` if `i` is not an integer (a bool included) or is out of range, or
-    for the reasons `batch_size` raises.
-
-    !!! Example
-
-        ```python
-        stacked = {"w": jnp.arange(6.0).reshape(3, 2)}
-        eb.index(stacked, -1)["w"]  # [4., 5.]
-        ```
-    """
-    leaves, size = _leaves_and_count(tree, axes, "tree")
-    if is_tracer(i):
-        _check_traced_index(i, "i")
-    else:
-        i = _check_index(i, size, "i")
-    out = [leaf if axis is None else _select(leaf, i, axis) for _, leaf, axis in leaves]
-    return jtu.tree_unflatten(jtu.tree_structure(tree), out)
-
-
-def take(tree: Tree, indices: Any, *, axes: Any = eqx.if_array(0)) -> Tree:
-    """A stacked pytree of the members at `indices`.
-
-    Selects a subset (or a reordering, or repeats) of an ensemble or population while
-    keeping it stacked, e.g. the best members after an evaluation.
-
-    **Arguments:**
-
-    - `tree`: a stacked pytree.
-    - `indices`: a 1-d sequence or array of integers (not bools); negative values
-        count from the end. Traced indices (inside `jax.jit`) cannot be
-        range-checked: negative ones count from the end as well, and the results are
-        clamped into range.
-    - `axes`: an axis spec, as for `stack`.
-
-    **Returns:**
-
-    A stacked pytree with `len(indices)` members. NumPy leaves stay NumPy.
-
-    **Raises:**
-
-    `BatchError` if `indices` is not a 1-d array of integers or holds a bool, if an
-    index is out of range (checked in the indices' own dtype, so a `uint64` above
-    int64's range is out of range, not negative), or for the reasons `batch_size`
-    raises.
-
-    !!! Example
-
-        ```python
-        stacked = {"w": jnp.arange(4.0)}
-        eb.take(stacked, [3, 0])["w"]  # [3., 0.]
-        ```
-    """
-    leaves, size = _leaves_and_count(tree, axes, "tree")
-    traced = is_tracer(indices)
-    positions = indices if traced else np.asarray(indices)
-    # An empty Python list becomes a float array; it selects nothing either way.
-    empty = not traced and positions.size == 0
-    # NumPy reads `[1, True]` as integers; a bool is refused wherever it is.
-    has_bool = isinstance(indices, (list, tuple)) and any(map(is_bool, indices))
-    if (
-        positions.ndim != 1
-        or not (jnp.issubdtype(positions.dtype, jnp.integer) or empty)
-        or has_bool
-    ):
-        raise BatchError(
-            f"`indices` is {describe(positions)}; it must be a 1-d sequence or array "
-            "of integers, without bools (use `eb.index` for a single member)."
-        )
-    if not traced:
-        # Checked in the indices' own dtype: casting first would wrap a uint64 above
-        # int64's range to a negative index.
-        bad = positions >= size
-        if not jnp.issubdtype(positions.dtype, jnp.unsignedinteger):
-            bad |= positions < -size
-        if bad.any():
-            raise BatchError(
-                f"indices {positions[bad].tolist()} are out of range for {size} "
-                f"members (valid: {-size} to {size - 1})."
-            )
-        positions = positions.astype(np.int64) % max(size, 1)
-    out = [
-        leaf if axis is None else _select(leaf, positions, axis)
-        for _, leaf, axis in leaves
-    ]
-    return jtu.tree_unflatten(jtu.tree_structure(tree), out)
-
-
 def concat(
     trees: Sequence[Tree] | Iterator[Tree], *, axes: Any = eqx.if_array(0)
 ) -> Tree:
@@ -726,6 +513,6 @@ def concat(
         eb.concat([a, b])["w"].shape  # (7, 3)
         ```
     """
-    members = _members(trees, "concat")
+    members = members_of(trees, "concat")
     member_grid = MemberGrid("trees", (len(members),))
     return _join_members(members, axes, member_grid, "concat", new_axis=False)

@@ -246,14 +246,43 @@ def test_layer_changing_a_non_array_leaf_names_it():
     assert "`x.label`" not in str(info.value)
 
 
-def test_python_number_in_carry_turned_into_an_array():
+def test_python_number_as_the_carry_is_an_array_that_starts_as_it():
+    # Issue 15, item 9: a user's running total, started at 0.0, as `jax.lax.scan`
+    # takes it.
+    xs = jnp.arange(5.0)
+
+    def fn(x: jax.Array, total: Any) -> jax.Array:
+        return total + x**2
+
+    init: Any = 0.0  # what `jax.lax.scan` accepts, though typed as its carry
+    expected = jax.lax.scan(lambda total, x: (fn(x, total), None), init, xs)[0]
+    assert tree_allclose(eb.scan_layers(xs, 0.0, fn=fn), expected)
+    assert tree_allclose(eb.scan_layers(xs, 0, fn=fn), expected)
+    assert tree_allclose(jax.jit(lambda xs: eb.scan_layers(xs, 0.0, fn=fn))(xs), 30.0)
+    assert tree_allclose(
+        jax.grad(lambda xs: eb.scan_layers(xs, 0.0, fn=fn))(xs), 2 * xs
+    )
+
+
+def test_python_numbers_in_carry_change_while_functions_stay():
     layers = make_layers(2, 3)
-    with pytest.raises(eb.BatchError, match=r"(?s)`x\[1\]`: 1\.0 in.*jnp\.asarray"):
-        eb.scan_layers(
-            layers,
-            (jnp.ones(3), 1.0),
-            fn=lambda layer, c: (layer(c[0]), c[1] * jnp.sum(c[0])),
-        )
+    carry = ({"h": jnp.ones(3), "scale": 1.0}, jax.nn.relu, "name")
+
+    def fn(layer: Residual, c: Any) -> Any:
+        hidden, activation, name = c
+        h = activation(layer(hidden["h"]))
+        return {"h": h, "scale": hidden["scale"] * jnp.sum(h)}, activation, name
+
+    expected = carry
+    for layer in eb.unstack(layers):
+        expected = fn(layer, expected)
+    ours = eb.scan_layers(layers, carry, fn=fn)
+    assert ours[1] is jax.nn.relu and ours[2] == "name"
+    assert tree_allclose(ours[0], expected[0])
+    # A layer may return a Python number for it, as in `jax.lax.scan`.
+    assert eb.scan_layers(layers, (jnp.ones(3), 1.0), fn=lambda layer, c: (c[0], 2.0))[
+        1
+    ] == jnp.asarray(2.0)
 
 
 def test_non_array_outputs_pass_through():

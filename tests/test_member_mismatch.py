@@ -158,3 +158,40 @@ def test_grid_members_named_by_row_and_column():
     raises("kept once", lambda: eb.stack(grid, ndim=2), "`trees[1][2]['lr']`")
     grid[1][2] = {"w": jnp.zeros(2)}
     raises("same structure", lambda: eb.stack(grid, ndim=2), "`trees[1][2]`")
+
+
+def _linear_in(module: str) -> type:
+    """A module class named `Linear`, as if defined in `module`."""
+
+    class Linear(eqx.Module):
+        weight: Any
+
+    Linear.__module__ = module
+    return Linear
+
+
+class _Config:
+    def __init__(self, module: str):
+        self.module = module
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    __hash__ = None  # pyright: ignore[reportAssignmentType]
+
+
+def test_types_of_one_name_are_told_apart_by_module():
+    # Issue 15, item 14: "a Linear ... but ... a Linear".
+    ours, theirs = _linear_in("mylib.layers"), _linear_in("otherlib.nn")
+    message = raises(
+        "same structure",
+        lambda: eb.stack([{"x": ours(jnp.ones(2))}, {"x": theirs(jnp.ones(2))}]),
+    )
+    assert "otherlib.nn" in message and "mylib.layers" in message
+    a, b = type("Config", (_Config,), {}), type("Config", (_Config,), {})
+    a.__module__, b.__module__ = "mylib.a", "mylib.b"
+    message = raises("kept once", lambda: eb.stack([{"c": a("x")}, {"c": b("x")}]))
+    assert "(mylib.b.Config)" in message and "(mylib.a.Config)" in message
+    # Names that differ stay short.
+    message = raises("kept once", lambda: eb.stack([{"c": 1}, {"c": "1"}]))
+    assert "(str)" in message and "(int)" in message

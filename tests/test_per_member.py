@@ -347,3 +347,81 @@ def test_schedule_of_per_member_values_is_refused():
     optim = eb.per_member(optax.inject_hyperparams(optax.sgd)(learning_rate=schedule))
     with pytest.raises(eb.BatchError, match=r"`learning_rate`.*schedule.*shape \(3,\)"):
         optim.init({"w": jnp.ones((N, 2))})
+
+
+# A seeds x learning-rates grid: nested per_member, one value per cell.
+
+GRID_TARGETS = jnp.arange(24.0).reshape(2, 3, 4) / 10
+
+
+def cell_loss(params: dict, target: jax.Array) -> jax.Array:
+    return jnp.sum((params["w"] - target) ** 2)
+
+
+def grid_loss(params: dict) -> jax.Array:
+    return jnp.sum(jax.vmap(jax.vmap(cell_loss))(params, GRID_TARGETS))
+
+
+def injected_sgd(learning_rate: Any) -> optax.GradientTransformationExtraArgs:
+    return optax.inject_hyperparams(optax.sgd)(
+        learning_rate=learning_rate, momentum=0.9
+    )
+
+
+def test_learning_rate_per_cell_of_a_grid_equals_each_cell_alone():
+    # Issue 15, item 10: the outer level misread the inner per-cell values.
+    params = {"w": jnp.zeros((2, 3, 4))}
+    rates = jnp.array([[0.01, 0.02, 0.03], [0.04, 0.05, 0.06]])
+    grid = eb.per_member(eb.per_member(injected_sgd(rates)))
+    trained = train(params, grid, 4, step=make_step(grid, grid_loss))
+    state = cast(optax.InjectStatefulHyperparamsState, grid.init(params))
+    np.testing.assert_array_equal(state.hyperparams["learning_rate"], rates)
+    for i in range(2):
+        for j in range(3):
+            alone = injected_sgd(rates[i, j])
+            cell = train(
+                {"w": params["w"][i, j]},
+                alone,
+                4,
+                GRID_TARGETS[i, j],
+                step=make_step(alone, cell_loss),
+            )
+            assert tree_allclose(cell["w"], trained["w"][i, j], rtol=1e-6)
+    # One rate per column (shared by the seeds) is the grid's broadcast.
+    columns = eb.per_member(eb.per_member(injected_sgd(rates[0])))
+    by_column = train(params, columns, 4, step=make_step(columns, grid_loss))
+    broadcast = eb.per_member(eb.per_member(injected_sgd(jnp.stack([rates[0]] * 2))))
+    expected = train(params, broadcast, 4, step=make_step(broadcast, grid_loss))
+    assert tree_allclose(by_column, expected)
+
+
+def test_hyperparameter_not_fitting_the_grid_names_it():
+    params = {"w": jnp.zeros((2, 3, 4))}
+    grid = eb.per_member(eb.per_member(injected_sgd(jnp.ones((3, 3)))))
+    with pytest.raises(
+        eb.BatchError,
+        match=r"`learning_rate`.*shape \(3, 3\).*grid of shape \(2, 3\)",
+    ):
+        grid.init(params)
+
+
+# Changing hyperparameters between steps.
+
+
+def test_shared_value_set_in_the_state_goes_to_every_member():
+    # Issue 15, item 11: a 0-d value was refused as a state "not made by init".
+    params = {"w": jnp.ones((N, 2))}
+    sgd = eb.per_member(injected_sgd(LEARNING_RATES))
+    state = cast(optax.InjectStatefulHyperparamsState, sgd.init(params))
+    state.hyperparams["learning_rate"] = jnp.asarray(0.05)
+    updates, new_state = sgd.update(params, state)
+    new_state = cast(optax.InjectStatefulHyperparamsState, new_state)
+    np.testing.assert_allclose(cast(dict, updates)["w"], -0.05 * jnp.ones((N, 2)))
+    np.testing.assert_allclose(new_state.hyperparams["learning_rate"], [0.05] * N)
+
+
+def test_learning_rates_as_a_python_list_say_to_make_an_array():
+    params = {"w": jnp.ones((N, 2))}
+    sgd = eb.per_member(injected_sgd([0.1, 0.2, 0.3]))
+    with pytest.raises(eb.BatchError, match=r"Python list.*jnp\.asarray"):
+        sgd.update(params, sgd.init(params))

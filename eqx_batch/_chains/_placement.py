@@ -17,8 +17,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .._select import take
 from .._shard import member_mesh, shard
-from .._stack import take
 from .._tree import is_array
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from .._errors import BatchError, check_int, describe
 from .._progress import ProgressBar
-from .._stack import take
+from .._select import take
 from .._tree import (
     as_key_data,
     as_keys_like,
