@@ -279,12 +279,15 @@ def filter_jit(
 
         ```python
         @eb.filter_jit
-        def step(model, x, scale):  # model's and x's arrays traced, scale static
+        def predict(model, x, scale):  # model's and x's arrays traced, scale static
             return jax.vmap(model)(x) * scale
 
-        step(model, x, 2.0)  # compiles
-        step(model, x + 1, 2.0)  # reuses the compilation
-        compiled = step.lower(model, x, 2.0).compile()
+        model = eqx.nn.MLP(2, 1, 8, 2, key=jr.key(0))
+        x = jnp.ones((4, 2))
+        y = predict(model, x, 2.0)  # compiles
+        y = predict(model, x + 1, 2.0)  # reuses the compilation
+        compiled = predict.lower(model, x, 2.0).compile()
+        assert jnp.array_equal(compiled(model, x, 2.0), predict(model, x, 2.0))
         ```
     """
     if donate not in _PROGRAMS:
