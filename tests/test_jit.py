@@ -62,7 +62,7 @@ def test_keywords_bind_to_positions_as_eqx_does():
     traces = 0
 
     @eb.filter_jit
-    def add(x, y=1.0):
+    def add(x, y: jax.Array | float = 1.0):
         nonlocal traces
         traces += 1
         return x + y
@@ -71,7 +71,7 @@ def test_keywords_bind_to_positions_as_eqx_does():
     assert add(jnp.ones(()), jnp.ones(())) == 2.0
     assert traces == 1
     with pytest.raises(TypeError):
-        add(jnp.ones(()), z=1)
+        add(jnp.ones(()), z=1)  # pyright: ignore[reportCallIssue]
 
 
 def test_a_module_with_arrays_as_the_function(getkey):
@@ -133,13 +133,16 @@ def test_lower_and_compile_call_like_the_function():
         return scale * x + shift
 
     x = jnp.arange(3.0)
-    compiled = eb.filter_jit(affine).lower(x, jnp.ones(()), scale=3).compile()
+    jitted = eb.filter_jit(affine)
+    lowered = jitted.lower(x, jnp.ones(()), scale=3)  # pyright: ignore
+    compiled = lowered.compile()
     assert jnp.array_equal(compiled(x, jnp.ones(()), scale=3), 3 * x + 1)
     assert "add" in compiled.as_text()
 
 
 def test_a_compiled_call_with_other_shapes_names_the_argument():
-    compiled = eb.filter_jit(lambda x, shift: x + shift).lower(jnp.ones(3), 1).compile()
+    jitted = eb.filter_jit(lambda x, shift: x + shift)
+    compiled = jitted.lower(jnp.ones(3), 1).compile()  # pyright: ignore
     raises(
         "other shapes or dtypes",
         lambda: compiled(jnp.ones(4), 1),
