@@ -6,6 +6,7 @@
 from ._chains import Chains as Chains, NonFinite as NonFinite, run_chains as run_chains
 from ._ensemble import ensemble as ensemble
 from ._errors import BatchError as BatchError
+from ._jit import filter_jit as filter_jit
 from ._layers import scan_layers as scan_layers
 from ._per_member import per_member as per_member
 from ._pmap import filter_pmap as filter_pmap
@@ -33,6 +34,7 @@ __all__ = [
     "batch_size",
     "concat",
     "ensemble",
+    "filter_jit",
     "filter_pmap",
     "filter_vmap",
     "index",

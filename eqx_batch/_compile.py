@@ -23,7 +23,7 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError
+from ._errors import BatchError, describe, KeyPath, leaf_name
 from ._tree import is_array
 
 
@@ -32,18 +32,34 @@ DYNAMIC = object()
 
 
 @jtu.register_static
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class StaticPart:
     """The static part of a pytree: its treedef and its leaves, with a marker where a
     dynamic leaf was taken out.
 
     Hashable, so it can be a `jax.jit` static argument; and a pytree with no leaves, so
     it passes as is through `jax.jit`'s outputs, `jax.vmap` and `lax.scan`, which carry
-    arrays only.
+    arrays only. Its hash is computed once: `jax.jit` hashes its static arguments on
+    every call.
     """
 
     treedef: Any
     leaves: tuple[Any, ...]
+
+    def __hash__(self) -> int:
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = hash((self.treedef, self.leaves))
+            object.__setattr__(self, "_hash", value)
+            return value
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, StaticPart):
+            return NotImplemented
+        return self.treedef == other.treedef and self.leaves == other.leaves
 
 
 def partition(
@@ -93,6 +109,31 @@ def _is_none(leaf: Any) -> bool:
     return leaf is None
 
 
+@dataclasses.dataclass
+class CallPlan:
+    """How `AsyncJit` calls its program for arguments of one static part: the static
+    part of each argument, and where each argument's arrays are among the leaves of
+    all arguments.
+
+    `checks` is filled in by whoever first asks whether the program holds runtime
+    checks (`AsyncJit.has_checks`); `None` until then.
+    """
+
+    statics: tuple[StaticPart, ...]
+    positions: tuple[tuple[int, ...], ...]
+    checks: bool | None = None
+
+    def arrays(self, leaves: Sequence[Any]) -> list[list[Any]]:
+        """Each argument's arrays, out of the leaves of all arguments."""
+        return [[leaves[i] for i in where] for where in self.positions]
+
+
+# Plans are looked up by the treedef and the identity of each non-array leaf, which is
+# cheap to compute on every call (hashing each leaf's value is not). An entry keeps its
+# leaves alive, so that no other object can take one of their ids while it is cached.
+_PLANS_BY_IDENTITY = 256
+
+
 class AsyncJit:
     """`fun` compiled by `jax.jit` per hashable static part of its arguments.
 
@@ -100,6 +141,9 @@ class AsyncJit:
     that JAX fills in when the work is done. Positional arguments only: array leaves
     are the program's arguments, every other leaf is part of its identity and must be
     hashable.
+
+    A call flattens its arguments once and finds their static part by the identity of
+    their non-array leaves; only arguments not seen before are partitioned and hashed.
 
     **Arguments:**
 
@@ -129,10 +173,86 @@ class AsyncJit:
         # Argument 0 of `run` is the static parts; `fun`'s arrays follow.
         donated = tuple(1 + parameters.index(name) for name in donate)
         self._jitted = jax.jit(run, static_argnums=0, donate_argnums=donated)
+        self._by_identity: dict[tuple, tuple[CallPlan, tuple]] = {}
+        self._by_statics: dict[tuple[StaticPart, ...], CallPlan] = {}
+        self._array_types: dict[type, bool] = {}
 
     def __call__(self, *args: Any) -> Any:
-        statics, arrays = self.split_args(args)
-        return self.finish(self._jitted(statics, *arrays))
+        leaves, treedef = jtu.tree_flatten(args)
+        plan = self.plan(leaves, treedef, args)
+        return self.finish(self.run(plan, plan.arrays(leaves)))
+
+    def run(
+        self, plan: CallPlan, arrays: list[list[Any]]
+    ) -> tuple[list[Any], StaticPart]:
+        """Queues the program of `plan` on each argument's arrays; `finish` makes what
+        it returns the function's output."""
+        return self._jitted(plan.statics, *arrays)
+
+    def plan(
+        self,
+        leaves: list[Any],
+        treedef: Any,
+        args: tuple[Any, ...],
+        name: Callable[[KeyPath], str] | None = None,
+    ) -> CallPlan:
+        """The plan for arguments `args`, flattened to `leaves` and `treedef`.
+
+        **Arguments:**
+
+        - `leaves`, `treedef`: `jax.tree_util.tree_flatten(args)`.
+        - `args`: the arguments of `fun`.
+        - `name`: the user's name of a leaf of `args` by its path, for messages;
+            `args[i]...` by default.
+
+        **Raises:**
+
+        `BatchError` if a non-array leaf is not hashable, naming it.
+        """
+        kinds = self._array_types
+        try:
+            identity = [None if kinds[type(x)] else id(x) for x in leaves]
+        except KeyError:
+            kinds.update((type(x), is_array(x)) for x in leaves)
+            identity = [None if kinds[type(x)] else id(x) for x in leaves]
+        key = (treedef, *identity)
+        found = self._by_identity.get(key)
+        if found is not None:
+            return found[0]
+        statics, _ = self.split_args(args)
+        try:
+            plan = self._by_statics.get(statics)
+        except TypeError:
+            _check_hashable(args, name)
+            raise
+        if plan is None:
+            positions, start = [], 0
+            for static in statics:
+                end = start + len(static.leaves)
+                positions.append(
+                    tuple(i for i in range(start, end) if identity[i] is None)
+                )
+                start = end
+            plan = self._by_statics.setdefault(
+                statics, CallPlan(statics, tuple(positions))
+            )
+        if len(self._by_identity) >= _PLANS_BY_IDENTITY:
+            del self._by_identity[next(iter(self._by_identity))]
+        held = tuple(x for x, i in zip(leaves, identity, strict=True) if i is not None)
+        self._by_identity[key] = (plan, held)
+        return plan
+
+    def has_checks(self, plan: CallPlan, arrays: list[list[Any]]) -> bool:
+        """Whether the program of `plan` holds host callbacks, such as the runtime
+        checks of `eqx.error_if`, whose failures a caller may want to wait for.
+
+        Traced once per plan, with `arrays` (concrete, not yet donated): the call that
+        follows reuses this trace.
+        """
+        if plan.checks is None:
+            traced = self._jitted.trace(plan.statics, *arrays)
+            plan.checks = _has_callback(traced.jaxpr.jaxpr)
+        return plan.checks
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """The program for these arguments, lowered.
@@ -141,6 +261,11 @@ class AsyncJit:
         what it returns is made the function's output by `finish`.
         """
         statics, arrays = self.split_args(args)
+        try:
+            hash(statics)
+        except TypeError:
+            _check_hashable(args, None)
+            raise
         return self._jitted.lower(statics, *arrays)
 
     @staticmethod
@@ -154,6 +279,45 @@ class AsyncJit:
     def finish(out: tuple[list[Any], StaticPart]) -> Any:
         """The function's output, from what the compiled program returned."""
         return combine(*out)
+
+
+def _check_hashable(
+    args: tuple[Any, ...], name: Callable[[KeyPath], str] | None
+) -> None:
+    """Raises `BatchError` naming the first non-array leaf of `args` that cannot be
+    hashed (and so cannot be part of a compiled program's identity)."""
+    for path, leaf in jtu.tree_flatten_with_path(args)[0]:
+        if is_array(leaf):
+            continue
+        try:
+            hash(leaf)
+        except TypeError:
+            where = name(path) if name is not None else leaf_name("args", path)
+            raise BatchError(
+                f"`{where}` is {describe(leaf)}, a non-array value, which is held "
+                "static (part of the compiled program's identity) and so must be "
+                f"hashable; {type(leaf).__name__} is not. Pass it as a JAX or NumPy "
+                "array to trace it, or as a hashable value (a tuple rather than a "
+                "list, a frozenset rather than a set)."
+            ) from None
+
+
+# The primitives of JAX's host callbacks (`jax.pure_callback`, `jax.debug.callback`,
+# `io_callback`), by which `eqx.error_if` and its kin raise at run time.
+_CALLBACKS = frozenset({"pure_callback", "debug_callback", "io_callback"})
+
+
+def _has_callback(jaxpr: Any) -> bool:
+    """Whether `jaxpr` or any jaxpr inside it calls back to the host."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _CALLBACKS:
+            return True
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's own
+                if hasattr(inner, "eqns") and _has_callback(inner):
+                    return True
+    return False
 
 
 # --------------------------------------------------------------- ahead of time

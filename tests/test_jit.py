@@ -1,0 +1,193 @@
+"""`eb.filter_jit`: `eqx.filter_jit`'s results, donation, methods, ahead-of-time
+compilation, runtime checks, and errors that name the argument."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import optax
+import pytest
+from helpers import assert_trees_identical, raises
+
+import eqx_batch as eb
+
+
+def test_results_equal_eqx_filter_jit_on_a_training_step(getkey):
+    keys = jr.split(getkey(), 4)
+    model = eqx.filter_vmap(lambda k: eqx.nn.MLP(2, 1, 8, 2, key=k))(keys)
+    optimiser = eb.per_member(optax.adam(1e-2))
+    state = optimiser.init(eqx.filter(model, eqx.is_array))
+    x = jr.normal(getkey(), (16, 2))
+
+    def step(model, state, x):
+        def loss(model):
+            return jnp.sum(eqx.filter_vmap(lambda m: jnp.mean(jax.vmap(m)(x)))(model))
+
+        grads = eqx.filter_grad(loss)(model)
+        params = eqx.filter(model, eqx.is_array)
+        updates, state = optimiser.update(grads, state, params)
+        return eqx.apply_updates(model, updates), state
+
+    # optax's Adam computes `decay ** count` from a Python float and an int32 count,
+    # which the suite's strict dtype promotion rejects; users run with the default.
+    with jax.numpy_dtype_promotion("standard"):
+        ours = eb.filter_jit(step)(model, state, x)
+        theirs = eqx.filter_jit(step)(model, state, x)
+    assert_trees_identical(ours, theirs)
+
+
+def test_python_scalars_are_static_and_arrays_traced():
+    traces = []
+
+    @eb.filter_jit
+    def scale(x, factor):
+        traces.append(factor)
+        return x * factor, factor
+
+    out, factor = scale(jnp.ones(2), 2.0)
+    assert jnp.array_equal(out, jnp.full(2, 2.0)) and factor == 2.0
+    assert type(factor) is float
+    scale(jnp.zeros(2), 2.0)
+    assert traces == [2.0]
+    scale(jnp.zeros(2), 3.0)
+    assert traces == [2.0, 3.0]
+    scale(jnp.zeros(2), jnp.asarray(4.0))
+    scale(jnp.zeros(2), jnp.asarray(5.0))
+    assert len(traces) == 3
+
+
+def test_keywords_bind_to_positions_as_eqx_does():
+    traces = 0
+
+    @eb.filter_jit
+    def add(x, y: jax.Array | float = 1.0):
+        nonlocal traces
+        traces += 1
+        return x + y
+
+    assert add(jnp.ones(()), y=jnp.ones(())) == 2.0
+    assert add(jnp.ones(()), jnp.ones(())) == 2.0
+    assert traces == 1
+    with pytest.raises(TypeError):
+        add(jnp.ones(()), z=1)  # pyright: ignore[reportCallIssue]
+
+
+def test_a_module_with_arrays_as_the_function(getkey):
+    mlp = eqx.nn.MLP(2, 2, 4, 1, key=getkey())
+    x = jnp.ones(2)
+    assert jnp.array_equal(eb.filter_jit(mlp)(x), eqx.filter_jit(mlp)(x))
+
+
+def test_methods_see_the_instance_as_the_first_argument():
+    class Counter(eqx.Module):
+        step: jax.Array
+
+        @eb.filter_jit(donate="all-except-first")
+        def advance(self, total):
+            return total + self.step
+
+    counter = Counter(jnp.asarray(2.0))
+    total = jnp.asarray(1.0)
+    assert counter.advance(total) == 3.0
+    assert total.is_deleted() and not counter.step.is_deleted()
+
+
+def test_donate_all_reuses_buffers_quietly():
+    @eb.filter_jit(donate="all")
+    def add_one(x, unusable):
+        return x + jnp.sum(unusable)
+
+    x, unusable = jnp.zeros(3), jnp.zeros(5)
+    pointer = x.unsafe_buffer_pointer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = add_one(x, unusable)
+    assert x.is_deleted() and out.unsafe_buffer_pointer() == pointer
+
+
+def test_donate_warn_keeps_the_warning():
+    @eb.filter_jit(donate="warn")
+    def add_one(x, unusable):
+        return x + jnp.sum(unusable)
+
+    with pytest.warns(UserWarning, match="Some donated buffers were not usable"):
+        add_one(jnp.zeros(3), jnp.zeros(5))
+
+
+def test_nested_in_jit_grad_and_vmap():
+    @eb.filter_jit
+    def square(x):
+        return x**2
+
+    assert jax.jit(jax.grad(square))(3.0) == 6.0
+    assert jnp.array_equal(
+        eb.filter_jit(jax.vmap(square))(jnp.arange(3.0)), jnp.array([0.0, 1.0, 4.0])
+    )
+    assert eb.filter_jit(eqx.filter_grad(square))(jnp.asarray(2.0)) == 4.0
+
+
+def test_lower_and_compile_call_like_the_function():
+    def affine(x, shift, scale=2):
+        return scale * x + shift
+
+    x = jnp.arange(3.0)
+    jitted = eb.filter_jit(affine)
+    lowered = jitted.lower(x, jnp.ones(()), scale=3)  # pyright: ignore
+    compiled = lowered.compile()
+    assert jnp.array_equal(compiled(x, jnp.ones(()), scale=3), 3 * x + 1)
+    assert "add" in compiled.as_text()
+
+
+def test_a_compiled_call_with_other_shapes_names_the_argument():
+    jitted = eb.filter_jit(lambda x, shift: x + shift)
+    compiled = jitted.lower(jnp.ones(3), 1).compile()  # pyright: ignore
+    raises(
+        "other shapes or dtypes",
+        lambda: compiled(jnp.ones(4), 1),
+        "`x`",
+        "float32[3]",
+        "float32[4]",
+    )
+    raises("other non-array values", lambda: compiled(jnp.ones(3), 2))
+
+
+def test_an_unhashable_static_leaf_is_named_by_argument_and_path():
+    @eb.filter_jit
+    def f(x, config):
+        return x
+
+    raises(
+        "must be hashable",
+        lambda: f(jnp.ones(2), {"layers": [1, {2, 3}]}),
+        "`config['layers'][1]`",
+        "set",
+    )
+
+
+def test_a_bad_donate_is_refused():
+    raises("donate='some'", lambda: eb.filter_jit(lambda x: x, donate="some"))  # type: ignore[arg-type]
+
+
+def test_error_if_is_raised_at_the_call():
+    @eb.filter_jit
+    def positive(x):
+        return eqx.error_if(x, x <= 0, "x must be positive")
+
+    assert positive(jnp.asarray(1.0)) == 1.0
+    with pytest.raises(eqx.EquinoxRuntimeError, match="x must be positive"):
+        positive(jnp.asarray(-1.0))
+
+
+def test_a_fresh_wrapper_of_an_equal_function_reuses_the_compilation():
+    traces = 0
+
+    def f(x):
+        nonlocal traces
+        traces += 1
+        return x + 1
+
+    eb.filter_jit(eqx.filter_grad(f))(jnp.asarray(1.0))
+    eb.filter_jit(eqx.filter_grad(f))(jnp.asarray(2.0))
+    assert traces == 1
