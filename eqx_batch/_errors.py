@@ -71,6 +71,14 @@ def qualified_name(x: Any) -> str | None:
     return None
 
 
+def type_names(a: type, b: type) -> tuple[str, str]:
+    """The names of types `a` and `b` for a message: short, unless two different types
+    share a short name, then `module.qualname` (`mylib.Linear`, `equinox.nn.Linear`)."""
+    if a is not b and a.__name__ == b.__name__:
+        return qualified_name(a) or a.__name__, qualified_name(b) or b.__name__
+    return a.__qualname__, b.__qualname__
+
+
 def check_int(
     value: Any,
     name: str,

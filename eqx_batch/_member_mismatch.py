@@ -19,7 +19,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError, describe, KeyPath, leaf_name, qualified_name
+from ._errors import BatchError, describe, KeyPath, leaf_name, type_names
 from ._tree import host_array, is_array, is_tracer, is_weak
 
 
@@ -183,7 +183,7 @@ def check_kept_once(column: list[Any], path: KeyPath, member_grid: MemberGrid) -
                 "equal across members. Give it a member axis (e.g. "
                 "`axes=eqx.if_array(0)`) to stack it, or make the members equal."
             )
-        leaf_type, first_type = _type_names(type(leaf), type(first))
+        leaf_type, first_type = type_names(type(leaf), type(first))
         message = (
             f"`{here}` is {describe(leaf)} ({leaf_type}) but "
             f"`{there}` is {describe(first)} ({first_type}). "
@@ -207,14 +207,6 @@ def check_kept_once(column: list[Any], path: KeyPath, member_grid: MemberGrid) -
 
 # ------------------------------------------------------------------------------------
 # Structure.
-
-
-def _type_names(a: type, b: type) -> tuple[str, str]:
-    """The names of types `a` and `b` for a message: short, unless two different
-    types share a short name, then `module.qualname` (`mylib.Linear`)."""
-    if a is not b and a.__name__ == b.__name__:
-        return qualified_name(a) or a.__name__, qualified_name(b) or b.__name__
-    return a.__name__, b.__name__
 
 
 def _is_leaf(treedef: Any) -> bool:
@@ -245,7 +237,7 @@ def _node_summaries(treedef_a: Any, treedef_b: Any) -> tuple[str, str]:
     )
     names = ("", "")
     if type_a is not None and type_b is not None:
-        names = _type_names(type_a, type_b)
+        names = type_names(type_a, type_b)
     return _node_summary(treedef_a, names[0]), _node_summary(treedef_b, names[1])
 
 

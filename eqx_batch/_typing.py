@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, TYPE_CHECKING
 import jaxtyping
 from jaxtyping import AbstractArray, Shaped
 
-from ._errors import BatchError, leaf_name
+from ._errors import BatchError, leaf_name, type_names
 from ._leaf_annotations import Field, flatten_annotated, Instance, LeafAnnotations
 from ._tree import is_array
 from ._typecheck import CHECKED_ARGUMENTS
@@ -93,10 +93,9 @@ class _StackedMeta(type):
         """Empty if `obj` matches; else why not, naming the leaf and the dims."""
         argname = _argument_name(obj)
         if not isinstance(obj, cls.model):
-            return (
-                f"`{argname}` has type {type(obj).__qualname__}, not "
-                f"{cls.model.__qualname__} as {cls!r} expects."
-            )
+            # Qualified by module when the names alone would read "Linear, not Linear".
+            found, expected = type_names(type(obj), cls.model)
+            return f"`{argname}` has type {found}, not {expected} as {cls!r} expects."
         leaves, annotations = flatten_annotated(obj)
         return _StackCheck(cls, argname, leaves, annotations).run()
 

@@ -563,3 +563,20 @@ def test_bad_annotations(item, words):
     with pytest.raises(eb.BatchError, match="eb.Stacked") as info:
         Stacked[item if len(item) != 1 else item[0]]
     assert words in str(info.value)
+
+
+def test_a_model_of_another_class_of_the_same_name_is_named_by_module(getkey):
+    class Linear(eqx.Module):
+        weight: jax.Array
+
+    ours = Linear(jnp.ones((3, 2, 2)))
+
+    @eb.typecheck
+    def apply(models: eb.Stacked[eqx.nn.Linear, " n"]) -> None:
+        del models
+
+    with pytest.raises(TypeError) as info:
+        apply(ours)
+    message = str(info.value)
+    assert "equinox" in message and "test_typing" in message
+    assert "has type Linear, not Linear" not in message
