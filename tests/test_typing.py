@@ -569,7 +569,7 @@ def test_a_model_of_another_class_of_the_same_name_is_named_by_module(getkey):
     class Linear(eqx.Module):
         weight: jax.Array
 
-    ours = Linear(jnp.ones((3, 2, 2)))
+    ours: Any = Linear(jnp.ones((3, 2, 2)))  # deliberately not the annotated class
 
     @eb.typecheck
     def apply(models: eb.Stacked[eqx.nn.Linear, " n"]) -> None:
