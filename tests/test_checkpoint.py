@@ -811,7 +811,7 @@ def test_another_chunk_size_warns_of_the_checkpoints_it_does_not_read(tmp_path):
 
 def test_another_prng_configuration_is_refused(tmp_path):
     path = tmp_path / "run.ckpt"
-    now = jax.config.jax_threefry_partitionable
+    now = jax.config.values["jax_threefry_partitionable"]
     eb.run_chains(metropolis, make_init(2), jr.key(0), 5, checkpoint=path)
     with jax.threefry_partitionable(not now):
         with pytest.raises(eb.BatchError, match="random bits may differ") as info:

@@ -206,12 +206,13 @@ def _step_digests(program: jax.extend.core.ClosedJaxpr) -> dict[str, str]:
 def _jax_versions() -> dict[str, str]:
     """What decides JAX's random bits besides the keys: its version, and its PRNG
     configuration (`jax_threefry_partitionable` changed its default in JAX 0.5)."""
+    config = jax.config.values
     return {
         "jax": jax.__version__,
         "jaxlib": importlib.metadata.version("jaxlib"),
         "prng": (
-            f"default {jax.config.jax_default_prng_impl}, threefry_partitionable="
-            f"{jax.config.jax_threefry_partitionable}"
+            f"default {config['jax_default_prng_impl']}, threefry_partitionable="
+            f"{config['jax_threefry_partitionable']}"
         ),
     }
 
