@@ -115,7 +115,13 @@ def take_lock(path: pathlib.Path) -> int | None:
     try:
         descriptor = os.open(lock_path, flags, 0o666)
     except OSError as e:
-        raise _not_a_lock(path, lock_path, _kind_at(lock_path) or e.strerror) from None
+        kind = _kind_at(lock_path)
+        if kind is not None:
+            raise _not_a_lock(path, lock_path, kind) from None
+        raise BatchError(
+            f"`checkpoint` ({path}) cannot be locked: opening its lock file "
+            f"{lock_path} failed ({e.strerror or e}). Pass another path."
+        ) from None
     try:
         status = os.fstat(descriptor)
         if not stat.S_ISREG(status.st_mode):
