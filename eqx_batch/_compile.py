@@ -15,7 +15,7 @@ are its programs compiled ahead of time.
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -307,17 +307,21 @@ def _check_hashable(
 _CALLBACKS = frozenset({"pure_callback", "debug_callback", "io_callback"})
 
 
-def _has_callback(jaxpr: Any) -> bool:
-    """Whether `jaxpr` or any jaxpr inside it calls back to the host."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _CALLBACKS:
-            return True
-        for param in eqn.params.values():
+def all_equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of `jaxpr` and of the jaxprs inside it (`cond` branches, `scan`
+    bodies, nested `jit`s), depth first."""
+    for equation in jaxpr.eqns:
+        yield equation
+        for param in equation.params.values():
             for inner in param if isinstance(param, tuple | list) else (param,):
                 inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's own
-                if hasattr(inner, "eqns") and _has_callback(inner):
-                    return True
-    return False
+                if hasattr(inner, "eqns"):
+                    yield from all_equations(inner)
+
+
+def _has_callback(jaxpr: Any) -> bool:
+    """Whether `jaxpr` or any jaxpr inside it calls back to the host."""
+    return any(eqn.primitive.name in _CALLBACKS for eqn in all_equations(jaxpr))
 
 
 # --------------------------------------------------------------- ahead of time

@@ -25,6 +25,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
+from .._compile import all_equations
 from .._errors import BatchError, describe, qualified_name
 from .._tree import host_array, is_array, is_key
 
@@ -81,19 +82,13 @@ class _Unidentifiable(Exception):
 def _host_callbacks(jaxpr: jax.extend.core.Jaxpr) -> Iterator[tuple[str, Any]]:
     """`(primitive name, function)` of every host callback in `jaxpr`, nested ones
     included, whose result the program uses (`jax.debug.callback` returns nothing)."""
-    for equation in jaxpr.eqns:
+    for equation in all_equations(jaxpr):
         name = equation.primitive.name
         if name.endswith("callback") and name != "debug_callback":
             callback = equation.params.get("callback")
             # JAX wraps the user's function; its attribute is not public API, so a
             # JAX that names it otherwise gets the wrapper, which is refused below.
             yield name, getattr(callback, "callback_func", callback)
-        for value in equation.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _host_callbacks(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _host_callbacks(sub)
 
 
 def _code_parts(x: Any, seen: set[int]) -> Iterator[bytes]:
