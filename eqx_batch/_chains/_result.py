@@ -50,6 +50,9 @@ class Chains(eqx.Module):
     - `trace`: the recorded states (or the step's outputs with `with_output=True`),
         each array leaf shaped `[chains, draws, ...]`; non-array leaves of the state
         (an MLP's activation) are kept as in `init`. `None` with `trace=False`.
+    - `states`: with `with_output=True`, the recorded states (shaped as `trace`
+        would be without it), recorded beside the outputs; `None` otherwise, where
+        `trace` holds them.
     - `keys`: each chain's PRNG key after the run, in the form it was given (typed or
         legacy). Passing `final` and `keys` to `run_chains` continues the chains
         exactly where they stopped.
@@ -69,6 +72,7 @@ class Chains(eqx.Module):
 
     final: Any
     trace: Any
+    states: Any
     keys: jax.Array
     nonfinite: NonFinite
     with_output: bool = eqx.field(static=True, default=False)
@@ -82,18 +86,24 @@ class Chains(eqx.Module):
         `arviz_plots.plot_rank`) from this conversion. It needs the optional extra:
         `pip install 'eqx_batch[arviz]'`.
 
-        Every array leaf of `trace` becomes one variable, named by its
+        The layout is the one BlackJAX and NumPyro users get: the recorded states go
+        in the group `posterior`, where ArviZ's functions look by default, and with
+        `with_output=True` the step's outputs (its acceptance, divergence, energy...)
+        go in the group `sample_stats`, so `arviz_stats.summary(data)` summarises the
+        posterior alone. Every array leaf becomes one variable, named by its
         `jax.tree_util.keystr` path (`['layer1']['weights']`, `.layers[0].weight`; a
-        trace that is one array is named `state`, or `output`), with dimensions
-        `chain`, `draw`, then one per axis of the leaf, named as ArviZ names them
-        (`['layer1']['weights']_dim_0`, ...). Non-array leaves and PRNG keys are left
-        out. The draws go in the group `posterior`, where ArviZ's functions look by
-        default; with `with_output=True` the step's outputs go in the group `outputs`
-        instead (pass `group="outputs"` to ArviZ).
+        state that is one array is named `state`, an output that is one array
+        `output`), with dimensions `chain`, `draw`, then one per axis of the leaf,
+        named as ArviZ names them (`['layer1']['weights']_dim_0`, ...). Floats
+        narrower than float32 (bfloat16, float16), which NumPy and ArviZ cannot
+        compute in, become float32, exactly. Non-array leaves and typed PRNG keys
+        (`jr.key`) are left out; legacy keys (`jr.PRNGKey`, `uint32` data) cannot be
+        told from data and become variables: keep keys in the state typed.
 
         **Returns:**
 
-        An `xarray.DataTree` with one group, `posterior` or `outputs`: the data
+        An `xarray.DataTree` with the group `posterior` and, with
+        `with_output=True`, `sample_stats`, each only if it holds an array: the data
         structure of ArviZ (`arviz-base`), in its 0.8 series (Python 3.11) and 1.x
         alike.
 
@@ -109,12 +119,18 @@ class Chains(eqx.Module):
             import arviz_stats
 
             def step(x, key):
-                return x + jr.normal(key, x.shape)
+                new = x + jr.normal(key, x.shape)
+                return new, {"size": jnp.sum(new**2)}
 
-            result = eb.run_chains(step, jnp.zeros((4, 3)), jr.key(0), 100)
+            result = eb.run_chains(
+                step, jnp.zeros((4, 3)), jr.key(0), 100, with_output=True
+            )
             data = result.to_arviz()
             data["posterior"]["state"].dims  # ('chain', 'draw', 'state_dim_0')
-            arviz_stats.rhat(data)  # a random walk: far above 1, not converged
+            data["sample_stats"]["['size']"].dims  # ('chain', 'draw')
+            arviz_stats.summary(data)  # state[0], state[1], state[2]: not converged
             ```
         """
-        return trace_to_arviz(self.trace, with_output=self.with_output)
+        if self.with_output:
+            return trace_to_arviz(self.states, self.trace)
+        return trace_to_arviz(self.trace)

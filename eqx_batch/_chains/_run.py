@@ -31,6 +31,7 @@ from .._tree import (
     common_size,
     is_array,
     is_key,
+    is_numpy,
     mapped_leaves,
 )
 from ._checkpoint import (
@@ -190,6 +191,9 @@ def run_chains(
             hint="It is how many chains to run at a time; None runs every chain at "
             "once.",
         )
+    # NumPy leaves get the dtypes JAX gives them, as `jax.vmap` would: a float64
+    # NumPy `init` is float32 unless 64-bit mode is on, like the step's results.
+    init = jtu.tree_map(_with_jax_dtype, init)
     init_arrays, shared = eqx.partition(init, is_array)
     num_chains = _chain_count(init_arrays)
     keys, legacy = _chain_keys(key, num_chains)
@@ -201,8 +205,21 @@ def run_chains(
     num_draws = draws_before(num_steps, burn_in, thin)
     one_chain = OneChain(per_chain(init_arrays), jax.ShapeDtypeStruct((), keys.dtype))
     # One chain's recorded leaves: shape-dtype structs for the arrays, and the leaves
-    # that are the same in every draw (an MLP's activation) as they are.
-    recorded = traced.output if with_output else per_chain(init)
+    # that are the same in every draw (an MLP's activation) as they are. With
+    # `with_output`, the state and the output, as a pair.
+    recorded = (per_chain(init), traced.output) if with_output else per_chain(init)
+    counts = {
+        "num_steps": num_steps,
+        "thin": thin,
+        "burn_in": burn_in,
+        "with_output": with_output,
+        "trace": trace,
+    }
+    if with_output:
+        # Checkpoints of `with_output` runs once held the outputs alone: a different
+        # layout of draws, so a different run (refused, saying so), while the runs
+        # without outputs keep their identity.
+        counts["recorded"] = "states and outputs"
     run = RunPlan(
         step=step,
         shared=shared,
@@ -220,13 +237,7 @@ def run_chains(
         recorded=None if not trace else eqx.filter(recorded, _is_struct),
         recorded_static=eqx.filter(recorded, _is_struct, inverse=True),
         program=traced.program,
-        counts={
-            "num_steps": num_steps,
-            "thin": thin,
-            "burn_in": burn_in,
-            "with_output": with_output,
-            "trace": trace,
-        },
+        counts=counts,
         checkpoint_every=checkpoint_every,
     )
     # Typed PRNG keys become raw data here, once, and keys again on the way out: in
@@ -308,9 +319,13 @@ def run_chains(
     nonfinite_steps = np.asarray(chains.first_bad)
     bad_chains = np.flatnonzero(nonfinite_steps)
     keys = as_keys_like(chains.keys, one_chain.key)
+    states = outputs = None
+    if recorded is not None and with_output:
+        states, outputs = recorded
     return Chains(
         final=eqx.combine(as_keys_like(chains.states, one_chain.state), shared),
-        trace=recorded,
+        trace=outputs if with_output else recorded,
+        states=states,
         keys=jr.key_data(keys) if legacy else keys,
         nonfinite=NonFinite(
             chains=bad_chains.astype(np.int64),
@@ -318,6 +333,12 @@ def run_chains(
         ),
         with_output=with_output,
     )
+
+
+def _with_jax_dtype(x: Any) -> Any:
+    if is_numpy(x):
+        return x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
+    return x
 
 
 def _is_struct(x: Any) -> bool:

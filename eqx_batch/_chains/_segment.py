@@ -140,7 +140,7 @@ def _segment(
                 new = jnp.where(keep, x, old)
                 return lax.dynamic_update_index_in_dim(draws, new, slot, 1)
 
-            recorded = output if plan.with_output else states
+            recorded = (states, output) if plan.with_output else states
             buffer = jtu.tree_map(write, buffer, recorded)
         if progress is not None:
             # Counted over the whole run: chains run earlier (in chunks) included.
