@@ -160,8 +160,28 @@ def test_with_output_records_outputs():
     )
     assert result.trace["moved"].shape == (6, 5)
     assert result.trace["moved"].dtype == jnp.bool_
-    plain = eb.run_chains(metropolis, make_init(6), jr.key(8), 20)
+    plain = eb.run_chains(metropolis, make_init(6), jr.key(8), 20, thin=4)
     assert_trees_identical(result.final, plain.final)
+    # The states are recorded beside the outputs, as a run without them records them.
+    assert_trees_identical(result.states, plain.trace)
+    assert plain.states is None
+
+
+def test_numpy_float64_init_runs_as_float32():
+    # As BlackJAX's how-to on multiple chains starts them: NumPy float64 positions,
+    # and a step whose results are float32 (JAX's default 32-bit mode).
+    def step(x: jax.Array, key: jax.Array) -> jax.Array:
+        return x + 0.1 * jr.normal(key, x.shape)
+
+    init = np.random.default_rng(0).standard_normal((4, 2))
+    assert init.dtype == np.float64
+    from_numpy = eb.run_chains(step, init, jr.key(0), 10)
+    from_float32 = eb.run_chains(step, jnp.asarray(init), jr.key(0), 10)
+    assert from_numpy.final.dtype == jnp.float32
+    assert_trees_identical(outputs(from_numpy), outputs(from_float32))
+    # Integers too: int64 is int32, as `jnp.asarray` makes it.
+    counts = eb.run_chains(lambda n, key: n + 1, np.arange(3), jr.key(0), 2)
+    assert counts.trace.dtype == jnp.int32
 
 
 def test_data_passed_with_partial():

@@ -16,6 +16,7 @@ import pytest
 import xarray as xr
 
 import eqx_batch as eb
+from eqx_batch._chains._arviz import trace_to_arviz
 
 
 def noisy(state, key):
@@ -98,6 +99,12 @@ def test_one_array_is_named_state(getkey):
     np.testing.assert_array_equal(variable.values, result.trace)
 
 
+def test_more_chains_than_draws_convert_without_a_warning(getkey):
+    # Many short chains, as nested R-hat is made for (the suite makes warnings errors).
+    result = eb.run_chains(noisy, jnp.zeros((16, 2)), getkey(), 3)
+    assert result.to_arviz()["posterior"]["state"].shape == (16, 3, 2)
+
+
 def test_prng_keys_in_the_state_are_left_out(getkey):
     def step(state, key):
         carried, subkey = jr.split(state["key"])
@@ -108,30 +115,102 @@ def test_prng_keys_in_the_state_are_left_out(getkey):
     assert list(data["posterior"].data_vars) == ["['x']"]
 
 
-def test_outputs_are_a_group_of_their_own(getkey):
+def test_outputs_are_sample_stats_beside_the_posterior(getkey):
     def step(x, key):
         new = x + jr.normal(key, x.shape)
         return new, {"norm": jnp.sqrt(jnp.sum(new**2)), "first": new[:2]}
 
-    result = eb.run_chains(step, jnp.zeros((3, 5)), getkey(), 8, with_output=True)
+    init = jnp.zeros((3, 5))
+    result = eb.run_chains(step, init, getkey(), 8, with_output=True)
     data = result.to_arviz()
-    assert list(data.children) == ["outputs"]
-    outputs = data["outputs"]
-    assert set(outputs.data_vars) == {"['first']", "['norm']"}
-    assert outputs["['norm']"].dims == ("chain", "draw")
-    assert outputs["['first']"].dims == ("chain", "draw", "['first']_dim_0")
-    np.testing.assert_array_equal(outputs["['norm']"].values, result.trace["norm"])
-    np.testing.assert_array_equal(outputs["['first']"].values, result.trace["first"])
+    # The layout of BlackJAX and NumPyro: the states are the posterior, the step's
+    # per-draw information its sample statistics.
+    assert list(data.children) == ["posterior", "sample_stats"]
+    np.testing.assert_array_equal(data["posterior"]["state"].values, result.states)
+    stats = data["sample_stats"]
+    assert set(stats.data_vars) == {"['first']", "['norm']"}
+    assert stats["['norm']"].dims == ("chain", "draw")
+    assert stats["['first']"].dims == ("chain", "draw", "['first']_dim_0")
+    np.testing.assert_array_equal(stats["['norm']"].values, result.trace["norm"])
+    np.testing.assert_array_equal(stats["['first']"].values, result.trace["first"])
     # ArviZ's diagnostics read the group when told to.
-    rhat = arviz_stats.rhat(data, group="outputs")
+    rhat = arviz_stats.rhat(data, group="sample_stats")
     assert rhat["['first']"].shape == (2,)
 
     scalar = eb.run_chains(
         lambda x, key: (x, jnp.sum(x)), jnp.ones((2, 3)), getkey(), 3, with_output=True
     )
-    output = scalar.to_arviz()["outputs"]["output"]
+    output = scalar.to_arviz()["sample_stats"]["output"]
     assert output.dims == ("chain", "draw")
     np.testing.assert_array_equal(output.values, np.full((2, 3), 3.0))
+
+
+def test_summary_reads_the_posterior_without_the_step_information(getkey):
+    def step(x, key):
+        new = ar1(x, key, rho=0.5)
+        return new, {"accepted": jnp.array(True), "energy": jnp.sum(new**2)}
+
+    init, key = jr.normal(getkey(), (4, 2)), getkey()
+    result = eb.run_chains(step, init, key, 50, with_output=True)
+    summary = arviz_stats.summary(result.to_arviz())
+    assert list(summary.index) == ["state[0]", "state[1]"]
+    # The summary of the same chains run without outputs, number for number.
+    plain = eb.run_chains(ft.partial(ar1, rho=0.5), init, key, 50)
+    assert summary.equals(arviz_stats.summary(plain.to_arviz()))
+
+
+def test_narrow_floats_become_float32_exactly(getkey):
+    def step(state, key):
+        keys = {"b": key, "h": jr.fold_in(key, 1)}
+        return jax.tree.map(
+            lambda x, k: 0.5 * x + jr.normal(k, x.shape, x.dtype), state, keys
+        )
+
+    init = {
+        "b": jr.normal(getkey(), (4, 3), jnp.bfloat16),
+        "h": jr.normal(getkey(), (4,), jnp.float16),
+    }
+    result = eb.run_chains(step, init, getkey(), 40)
+    data = result.to_arviz()
+    for name, leaf in [("['b']", result.trace["b"]), ("['h']", result.trace["h"])]:
+        variable = data["posterior"][name]
+        assert variable.dtype == np.float32
+        # Every value kept: back in the narrow dtype, the very same bits.
+        back = jnp.asarray(variable.values).astype(leaf.dtype)
+        np.testing.assert_array_equal(
+            np.asarray(jax.lax.bitcast_convert_type(back, jnp.uint16)),
+            np.asarray(jax.lax.bitcast_convert_type(leaf, jnp.uint16)),
+        )
+    summary = arviz_stats.summary(data)
+    assert list(summary.index) == ["['b'][0]", "['b'][1]", "['b'][2]", "['h']"]
+    assert np.all(np.isfinite(summary["r_hat"].to_numpy(dtype=float)))
+
+
+def test_superchain_ids_are_a_coordinate_of_the_chains(getkey):
+    # Three superchains of two chains: each pair starts from one point, far apart.
+    starts = jnp.array([[-10.0], [0.0], [10.0]])
+    init = jnp.repeat(starts, 2, axis=0)
+    result = eb.run_chains(ft.partial(ar1, rho=0.9), init, getkey(), 30)
+    ids = np.array([0, 0, 1, 1, 2, 2])
+    data = trace_to_arviz(result.trace, superchain_ids=ids)
+    superchain = data["posterior"].superchain
+    assert superchain.dims == ("chain",)
+    np.testing.assert_array_equal(superchain.values, ids)
+    nested = arviz_stats.rhat_nested(data, superchain_ids=superchain.values)
+    # ArviZ's nested R-hat of the same draws, given the ids by hand.
+    by_hand = arviz_stats.rhat_nested(trace_to_arviz(result.trace), superchain_ids=ids)
+    np.testing.assert_array_equal(nested["state"].values, by_hand["state"].values)
+    # Superchains that start apart and have not mixed: far from 1.
+    assert float(nested["state"][0]) > 1.5
+
+
+@pytest.mark.parametrize(
+    "ids", [np.array([0, 0, 1]), np.array([[0, 0, 1, 1]]), np.array([0.0, 0, 1, 1])]
+)
+def test_superchain_ids_not_one_integer_per_chain_are_refused(getkey, ids):
+    result = eb.run_chains(noisy, jnp.zeros((4, 2)), getkey(), 3)
+    with pytest.raises(eb.BatchError, match=r"`superchain_ids` is .* 4 chains"):
+        trace_to_arviz(result.trace, superchain_ids=ids)
 
 
 def test_rhat_flags_chains_started_far_apart_until_they_converge():

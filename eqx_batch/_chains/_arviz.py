@@ -80,7 +80,11 @@ def trace_to_arviz(
             "`chains.trace` holds no array to convert: every leaf of the recorded "
             "state (and output) is a PRNG key or a non-array (static) value."
         )
-    data = arviz_base.from_dict(groups, dims=dims, sample_dims=["chain", "draw"])
+    # Its check of the conventions warns of more chains than draws, which is no
+    # misnamed dimension here (the names are ours) but a run of many short chains.
+    data = arviz_base.from_dict(
+        groups, dims=dims, sample_dims=["chain", "draw"], check_conventions=False
+    )
     if superchain_ids is not None:
         ids = _checked_superchain_ids(superchain_ids, data[next(iter(groups))])
         for group in groups:
