@@ -92,15 +92,19 @@ def run_chains(
         `functools.partial` (its arrays become arguments of the compiled loop, so a
         new partial does not recompile) or by closure (compiled in as constants).
     - `init`: the chains' initial states, stacked along axis 0 of every array leaf (a
-        dict of arrays, an Equinox module, ...). Non-array leaves are shared.
+        dict of arrays, an Equinox module, ...). Non-array leaves are shared. NumPy
+        leaves take the dtype JAX gives them (`jnp.asarray`): a float64 NumPy `init`
+        runs as float32 unless 64-bit mode is on, as `jax.vmap` reads it.
     - `key`: one PRNG key, split with `jax.random.split(key, chains)`, or an array of
         one key per chain. Typed (`jr.key`) and legacy (`jr.PRNGKey`) keys both work;
         `step` receives keys of the same kind.
     - `num_steps`: how many steps each chain takes.
     - `thin`, `burn_in`: the trace keeps the state after steps `burn_in + 1`,
         `burn_in + 1 + thin`, ... : the uninterrupted trace `[:, burn_in::thin]`.
-    - `with_output`: record `step`'s second output in the trace instead of the state.
-    - `trace`: whether to record a trace at all (memory: chains x draws x state).
+    - `with_output`: record `step`'s second output (its acceptance, divergence,
+        energy...) in `trace`, and the states beside it in `states`.
+    - `trace`: whether to record a trace at all (memory: chains x draws x state, plus
+        the output with `with_output=True`).
     - `progress`: show one tqdm bar for all chains, updated from inside the compiled
         loop (each update is one host callback): at most about 100 times per run,
         and, once the loop's speed is known, about every 0.1 s (as often as tqdm
@@ -140,8 +144,9 @@ def run_chains(
 
     **Returns:**
 
-    A [`eb.Chains`][] with `final`, `trace` (`[chains, draws, ...]` per leaf), `keys`
-    (to continue the run exactly) and `nonfinite`. Its arrays stay split over the
+    A [`eb.Chains`][] with `final`, `trace` (`[chains, draws, ...]` per leaf),
+    `states` (with `with_output=True`), `keys` (to continue the run exactly) and
+    `nonfinite`. Its arrays stay split over the
     devices; in a job of several processes, every process gets whole results.
 
     **Raises:**
