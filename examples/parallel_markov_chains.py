@@ -198,15 +198,19 @@ def main() -> None:
     print(f"trace plot: {png}")
 
     # --- Convergence, from ArviZ: R-hat and ESS per variable, trace and rank plots ----
-    # The recorded outputs are the group "outputs", variables named by their paths.
+    # The states (weights) are the group "posterior" and the recorded outputs the group
+    # "sample_stats", as for BlackJAX and NumPyro, variables named by their paths. The
+    # weights are not identifiable, so the outputs are what to diagnose.
     data = result.to_arviz()
     outputs = ["['log_posterior']", "['prediction']"]
-    rhat = arviz_stats.rhat(data, group="outputs", var_names=outputs)
-    ess = arviz_stats.ess(data, group="outputs", var_names=outputs)
+    rhat = arviz_stats.rhat(data, group="sample_stats", var_names=outputs)
+    ess = arviz_stats.ess(data, group="sample_stats", var_names=outputs)
     # Per variable, the worst of its entries (the prediction has one per grid point).
     worst_rhat = {name: float(rhat[name].max()) for name in outputs}
     least_ess = {name: float(ess[name].min()) for name in outputs}
-    total = int(data["outputs"].sizes["chain"] * data["outputs"].sizes["draw"])
+    total = int(
+        data["sample_stats"].sizes["chain"] * data["sample_stats"].sizes["draw"]
+    )
     print(f"\nArviZ's diagnostics, over all {total} draws:")
     print("variable             worst R-hat  least ESS (bulk)")
     for name in outputs:
@@ -231,7 +235,7 @@ def main() -> None:
     for kind, plot in plots.items():
         figure = plot(
             data,
-            group="outputs",
+            group="sample_stats",
             var_names=outputs,
             coords=at_query,
             backend="matplotlib",

@@ -145,6 +145,18 @@ def test_outputs_are_sample_stats_beside_the_posterior(getkey):
     np.testing.assert_array_equal(output.values, np.full((2, 3), 3.0))
 
 
+def test_a_state_and_an_output_may_share_a_path(getkey):
+    # A scalar state and a vector output, both at `['x']`.
+    def step(state, key):
+        new = {"x": state["x"] + jr.normal(key)}
+        return new, {"x": new["x"] * jnp.arange(3.0)}
+
+    init = {"x": jnp.zeros(2)}
+    data = eb.run_chains(step, init, getkey(), 4, with_output=True).to_arviz()
+    assert data["posterior"]["['x']"].dims == ("chain", "draw")
+    assert data["sample_stats"]["['x']"].dims == ("chain", "draw", "['x']_dim_0")
+
+
 def test_summary_reads_the_posterior_without_the_step_information(getkey):
     def step(x, key):
         new = ar1(x, key, rho=0.5)

@@ -30,8 +30,9 @@ def trace_to_arviz(
     - `states`: the recorded states, or None if there are none.
     - `outputs`: the recorded outputs of the step, or None.
     - `superchain_ids`: one integer per chain, its superchain: added to every group
-        as the coordinate `superchain` of the `chain` dimension, for
-        `arviz_stats.rhat_nested(data, superchain_ids=data.posterior.superchain.values)`.
+        as the coordinate `superchain` of the `chain` dimension, for `ids =
+        data.posterior.superchain.values` and
+        `arviz_stats.rhat_nested(data, superchain_ids=ids)`.
 
     **Returns:**
 
@@ -63,33 +64,50 @@ def trace_to_arviz(
             "These chains hold no trace to convert: they were run with `trace=False`. "
             "Run them with `trace=True` (the default) to diagnose their draws."
         )
-    groups, dims = {}, {}
     # The name of a trace that is one array, by what was recorded.
-    for group, root, trace in [
-        ("posterior", "state", states),
-        ("sample_stats", "output", outputs),
-    ]:
-        variables = _variables(trace, root)
-        if variables:
-            groups[group] = variables
-            for name, values in variables.items():
-                # ArviZ's own naming, spelled out so that it holds whatever its defaults.
-                dims[name] = [f"{name}_dim_{axis}" for axis in range(values.ndim - 2)]
+    groups = {
+        group: variables
+        for group, root, trace in [
+            ("posterior", "state", states),
+            ("sample_stats", "output", outputs),
+        ]
+        if (variables := _variables(trace, root))
+    }
     if not groups:
         raise BatchError(
             "`chains.trace` holds no array to convert: every leaf of the recorded "
             "state (and output) is a PRNG key or a non-array (static) value."
         )
+    # One group at a time: ArviZ names dimensions by variable, and a state and an
+    # output may hold leaves of one path and different shapes.
+    first, *others = groups
+    data = _as_group(arviz_base, first, groups[first])
+    for group in others:
+        data[group] = _as_group(arviz_base, group, groups[group])[group]
+    if superchain_ids is not None:
+        ids = _checked_superchain_ids(superchain_ids, data[first])
+        for group in groups:
+            data[group] = (
+                data[group].to_dataset().assign_coords(superchain=("chain", ids))
+            )
+    return data
+
+
+def _as_group(arviz_base: Any, group: str, variables: dict) -> "xarray.DataTree":
+    """`variables` as the one group `group` of an ArviZ `DataTree`."""
+    dims = {
+        # ArviZ's own naming, spelled out so that it holds whatever its defaults.
+        name: [f"{name}_dim_{axis}" for axis in range(values.ndim - 2)]
+        for name, values in variables.items()
+    }
     # Its check of the conventions warns of more chains than draws, which is no
     # misnamed dimension here (the names are ours) but a run of many short chains.
-    data = arviz_base.from_dict(
-        groups, dims=dims, sample_dims=["chain", "draw"], check_conventions=False
+    return arviz_base.from_dict(
+        {group: variables},
+        dims=dims,
+        sample_dims=["chain", "draw"],
+        check_conventions=False,
     )
-    if superchain_ids is not None:
-        ids = _checked_superchain_ids(superchain_ids, data[next(iter(groups))])
-        for group in groups:
-            data[group] = data[group].to_dataset().assign_coords(superchain=("chain", ids))
-    return data
 
 
 def _variables(trace: Any, root: str) -> dict[str, np.ndarray]:
