@@ -168,7 +168,11 @@ def test_summary_reads_the_posterior_without_the_step_information(getkey):
     assert list(summary.index) == ["state[0]", "state[1]"]
     # The summary of the same chains run without outputs, number for number.
     plain = eb.run_chains(ft.partial(ar1, rho=0.5), init, key, 50)
-    assert summary.equals(arviz_stats.summary(plain.to_arviz()))
+    expected = arviz_stats.summary(plain.to_arviz())
+    assert list(summary.index) == list(expected.index)
+    np.testing.assert_array_equal(
+        np.asarray(summary, dtype=float), np.asarray(expected, dtype=float)
+    )
 
 
 def test_narrow_floats_become_float32_exactly(getkey):
@@ -195,7 +199,7 @@ def test_narrow_floats_become_float32_exactly(getkey):
         )
     summary = arviz_stats.summary(data)
     assert list(summary.index) == ["['b'][0]", "['b'][1]", "['b'][2]", "['h']"]
-    assert np.all(np.isfinite(summary["r_hat"].to_numpy(dtype=float)))
+    assert np.all(np.isfinite(np.asarray(summary["r_hat"], dtype=float)))
 
 
 def test_superchain_ids_are_a_coordinate_of_the_chains(getkey):
