@@ -146,8 +146,8 @@ def run_chains(
 
     A [`eb.Chains`][] with `final`, `trace` (`[chains, draws, ...]` per leaf),
     `states` (with `with_output=True`), `keys` (to continue the run exactly) and
-    `nonfinite`. Its arrays stay split over the
-    devices; in a job of several processes, every process gets whole results.
+    `nonfinite`. Its arrays stay split over the devices; in a job of several
+    processes, every process gets whole results.
 
     **Raises:**
 
