@@ -115,6 +115,19 @@ def test_prng_keys_in_the_state_are_left_out(getkey):
     assert list(data["posterior"].data_vars) == ["['x']"]
 
 
+def test_legacy_keys_in_the_state_are_data_like_any_other(getkey):
+    # Legacy keys are plain uint32 arrays, which nothing tells apart from counts or
+    # bit masks: they stay variables (the docs recommend typed keys).
+    def step(state, key):
+        carried, subkey = jr.split(state["key"])
+        return {"x": state["x"] + jr.normal(subkey), "key": carried}
+
+    init = {"x": jnp.zeros(3), "key": jr.key_data(jr.split(getkey(), 3))}
+    data = eb.run_chains(step, init, getkey(), 4).to_arviz()
+    assert list(data["posterior"].data_vars) == ["['key']", "['x']"]
+    assert data["posterior"]["['key']"].dtype == np.uint32
+
+
 def test_outputs_are_sample_stats_beside_the_posterior(getkey):
     def step(x, key):
         new = x + jr.normal(key, x.shape)
