@@ -17,9 +17,12 @@ if TYPE_CHECKING:
     import xarray
 
 
-def trace_to_arviz(trace: Any, *, with_output: bool) -> "xarray.DataTree":
+def trace_to_arviz(
+    trace: Any, *, with_output: bool, superchain_ids: np.ndarray | None = None
+) -> "xarray.DataTree":
     """`trace` (`[chains, draws, ...]` per leaf) as an ArviZ `DataTree`; see
-    `Chains.to_arviz`. `with_output` says it holds the step's outputs, not states."""
+    `Chains.to_arviz`. `with_output` says it holds the step's outputs, not states;
+    `superchain_ids`, each chain's superchain, become the coordinate `superchain`."""
     try:
         import arviz_base
     except ImportError as error:
@@ -48,6 +51,12 @@ def trace_to_arviz(trace: Any, *, with_output: bool) -> "xarray.DataTree":
             "`chains.trace` holds no array to convert: every leaf of the recorded "
             f"{root} is a PRNG key or a non-array (static) value."
         )
-    return arviz_base.from_dict(
+    data = arviz_base.from_dict(
         {group: variables}, dims=dims, sample_dims=["chain", "draw"]
     )
+    if superchain_ids is not None:
+        node = data[group]
+        node.dataset = node.to_dataset().assign_coords(
+            superchain=("chain", superchain_ids)
+        )
+    return data

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from ._arviz import trace_to_arviz
+from ._convergence import Diagnostics
 
 
 if TYPE_CHECKING:
@@ -57,6 +58,11 @@ class Chains(eqx.Module):
         infinite.
     - `with_output`: whether `trace` holds the step's outputs (`with_output=True`)
         rather than the states.
+    - `superchain`: with `superchains=K`, each chain's superchain, `c // M` for chain
+        `c` (NumPy `int64[chains]`); `None` without superchains.
+    - `diagnostics`: with `diagnostics=True`, an [`eb.Diagnostics`][] of the chains
+        (R-hat, split R-hat, nested R-hat with superchains, ESS), computed on the
+        devices from running moments of the recorded draws; `None` without.
 
     !!! Example
 
@@ -72,6 +78,8 @@ class Chains(eqx.Module):
     keys: jax.Array
     nonfinite: NonFinite
     with_output: bool = eqx.field(static=True, default=False)
+    superchain: np.ndarray | None = None
+    diagnostics: Diagnostics | None = None
 
     def to_arviz(self) -> "xarray.DataTree":
         """The trace as ArviZ data, for its convergence diagnostics and plots.
@@ -89,7 +97,9 @@ class Chains(eqx.Module):
         (`['layer1']['weights']_dim_0`, ...). Non-array leaves and PRNG keys are left
         out. The draws go in the group `posterior`, where ArviZ's functions look by
         default; with `with_output=True` the step's outputs go in the group `outputs`
-        instead (pass `group="outputs"` to ArviZ).
+        instead (pass `group="outputs"` to ArviZ). With `superchains`, the `chain`
+        dimension has a coordinate `superchain` holding each chain's superchain, for
+        `arviz_stats.rhat_nested(data, superchain_ids=data.posterior.superchain.values)`.
 
         **Returns:**
 
@@ -117,4 +127,6 @@ class Chains(eqx.Module):
             arviz_stats.rhat(data)  # a random walk: far above 1, not converged
             ```
         """
-        return trace_to_arviz(self.trace, with_output=self.with_output)
+        return trace_to_arviz(
+            self.trace, with_output=self.with_output, superchain_ids=self.superchain
+        )

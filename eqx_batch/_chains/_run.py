@@ -39,7 +39,9 @@ from ._checkpoint import (
     warn_of_other_chunkings,
 )
 from ._chunk import RunPlan
+from ._convergence import diagnose
 from ._lock import check_folder, refuse_if_in_use, WriteAccess
+from ._moments import check_diagnostics, zeros
 from ._result import Chains, NonFinite
 from ._segment import (
     ChainState,
@@ -48,6 +50,7 @@ from ._segment import (
     SegmentPlan,
 )
 from ._step import per_chain, trace_step
+from ._superchains import expand_superchains
 
 
 def run_chains(
@@ -64,6 +67,8 @@ def run_chains(
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
     chunk_size: int | None = None,
+    superchains: int | None = None,
+    diagnostics: bool = False,
 ) -> Chains:
     """Runs many independent Markov chains in parallel, from a step written for one.
 
@@ -192,6 +197,12 @@ def run_chains(
         )
     init_arrays, shared = eqx.partition(init, is_array)
     num_chains = _chain_count(init_arrays)
+    superchain_ids = None
+    if superchains is not None:
+        init_arrays, superchain_ids = expand_superchains(
+            init_arrays, num_chains, key, superchains
+        )
+        init, num_chains = eqx.combine(init_arrays, shared), len(superchain_ids)
     keys, legacy = _chain_keys(key, num_chains)
     if isinstance(step, ft.partial) and not isinstance(step, jtu.Partial):
         # As a pytree, a partial's arrays (the data) are arguments of the compiled loop
@@ -200,6 +211,8 @@ def run_chains(
     traced = trace_step(step, init, keys, legacy, with_output)
     num_draws = draws_before(num_steps, burn_in, thin)
     one_chain = OneChain(per_chain(init_arrays), jax.ShapeDtypeStruct((), keys.dtype))
+    if diagnostics:
+        check_diagnostics(one_chain.state, num_draws)
     # One chain's recorded leaves: shape-dtype structs for the arrays, and the leaves
     # that are the same in every draw (an MLP's activation) as they are.
     recorded = traced.output if with_output else per_chain(init)
@@ -226,13 +239,18 @@ def run_chains(
             "burn_in": burn_in,
             "with_output": with_output,
             "trace": trace,
+            # Only when on, so that the runs of before keep their identity.
+            **({"diagnostics": True} if diagnostics else {}),
         },
         checkpoint_every=checkpoint_every,
     )
     # Typed PRNG keys become raw data here, once, and keys again on the way out: in
     # between, chunks, placement and checkpoints handle plain arrays.
     chains = ChainState(
-        as_key_data(init_arrays), jr.key_data(keys), np.zeros(num_chains, np.int32)
+        as_key_data(init_arrays),
+        jr.key_data(keys),
+        np.zeros(num_chains, np.int32),
+        zeros(one_chain.state, num_chains) if diagnostics else None,
     )
     size = num_chains if chunk_size is None else min(chunk_size, num_chains)
     chunks = [
@@ -317,6 +335,13 @@ def run_chains(
             steps=nonfinite_steps[bad_chains].astype(np.int64),
         ),
         with_output=with_output,
+        superchain=superchain_ids,
+        diagnostics=None
+        if not diagnostics
+        else diagnose(
+            chains.moments,
+            None if superchain_ids is None else int(superchain_ids[-1]) + 1,
+        ),
     )
 
 
