@@ -62,11 +62,18 @@ class Diagnostics(eqx.Module):
     !!! Example
 
         ```python
+        def step(state, key):  # an AR(1) chain on every leaf; stationary: N(0, 1)
+            return jax.tree.map(
+                lambda x: 0.9 * x + 0.44 * jr.normal(key, x.shape), state
+            )
+
+        init = {"w": jnp.array([[-3.0, 0.0], [3.0, 1.0]])}  # 2 superchains' starts
+        keys = jr.split(jr.key(0), 2 * 64)  # 64 chains per superchain
         result = eb.run_chains(
-            step, init, keys, 1000, superchains=4, diagnostics=True, trace=False
+            step, init, keys, 400, superchains=2, diagnostics=True, trace=False
         )
-        result.diagnostics.nested_rhat  # shaped like one chain's state
-        result.diagnostics.worst()  # {'['w']': Worst(value=1.02, index=(3,)), ...}
+        result.diagnostics.nested_rhat  # {'w': f32[2]}, each near 1
+        result.diagnostics.worst()  # {"['w']": Worst(value=1.00..., index=(0,))}
         ```
     """
 
@@ -90,7 +97,7 @@ class Diagnostics(eqx.Module):
 
         A dict from each leaf's `jax.tree_util.keystr` path (as `Chains.to_arviz`
         names its variables; a state that is one array is `"state"`) to its worst
-        element's [`Worst`] `(value, index)`, ordered from the worst leaf to the best
+        element's `Worst(value, index)`, ordered from the worst leaf to the best
         (NaN leaves last): `next(iter(d.items()))` is the worst element of the state.
 
         **Raises:**

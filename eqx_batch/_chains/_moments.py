@@ -46,7 +46,8 @@ def has_moments(leaf: Any) -> bool:
 
 def moments_dtype(dtype: Any) -> np.dtype:
     """The dtype moments of a `dtype` leaf are kept in: at least float32."""
-    return np.dtype(jnp.promote_types(dtype, jnp.float32))
+    dtype = np.dtype(dtype)
+    return dtype if dtype.itemsize >= 4 else np.dtype(np.float32)
 
 
 def check_diagnostics(states: Any, num_draws: int) -> None:

@@ -141,12 +141,29 @@ def run_chains(
         another `chunk_size` (or none) are not read, and a warning names it. The
         progress bar counts the steps of every chunk. `None` (the default), or at
         least the number of chains, runs them all at once.
+    - `superchains`: `K`, to run the chains in K superchains of M chains each, the
+        chains of a superchain started from the same point (for nested R-hat,
+        Margossian et al. 2024). `init` then holds K members, one start per
+        superchain, and `key` K * M keys, one per chain (a single key is refused:
+        the number of keys is what says M). Chain `c` belongs to superchain `c // M`
+        and starts from `init[c // M]`. `Chains.superchain` holds each chain's
+        superchain, and `Chains.to_arviz` gives it to ArviZ.
+    - `diagnostics`: compute R-hat, split R-hat, nested R-hat (with `superchains`)
+        and an effective sample size estimate while sampling, in memory that does not
+        grow with the steps: each chain carries running moments (count, mean and
+        second central moment, of the two halves of its draws) of the draws the trace
+        records (after `burn_in`, every `thin`-th), of every floating-point leaf of
+        the state (with `with_output=True` too). They are checkpointed with the
+        chains, so a resumed, chunked or multi-device run reports the same
+        statistics, and computed on the devices at the end, into `Chains.diagnostics`
+        (an [`eb.Diagnostics`][]). It works with `trace=False`. Off (the default), the
+        loop carries nothing more.
 
     **Returns:**
 
     A [`eb.Chains`][] with `final`, `trace` (`[chains, draws, ...]` per leaf), `keys`
-    (to continue the run exactly) and `nonfinite`. Its arrays stay split over the
-    devices; in a job of several processes, every process gets whole results.
+    (to continue the run exactly) and `nonfinite`, and `superchain` and `diagnostics`
+    with those arguments. Its arrays stay split over the devices; in a job of several processes, every process gets whole results.
 
     **Raises:**
 
@@ -154,7 +171,11 @@ def run_chains(
         dtype (naming the leaf), or does not return a pair with `with_output=True`;
         if `key` does not hold one key or one key per chain; if the array leaves of
         `init` disagree on the number of chains; if `num_steps`, `thin`, `burn_in`,
-        `checkpoint_every` or `chunk_size` are out of range (a bool is no count).
+        `checkpoint_every`, `chunk_size` or `superchains` are out of range (a bool
+        is no count). With `superchains=K`: if `init` does not hold K members, if
+        `key` is a single key, or if K does not divide the number of keys. With
+        `diagnostics=True`: if the run records no draw (`burn_in == num_steps`) or
+        the state has no floating-point leaf.
         For `checkpoint`: before any step, if its folder is missing or cannot be
         written (names too long included), another live run holds it, or its lock
         path holds a link or a file that is not a lock; if it holds a checkpoint of
@@ -175,6 +196,15 @@ def run_chains(
         init = jnp.zeros((8, 3))  # 8 chains of a 3-d state
         result = eb.run_chains(step, init, jr.key(0), 200, burn_in=100, thin=2)
         result.trace.shape  # (8, 50, 3)
+
+        # 4 superchains of 16 chains, diagnosed while sampling, no trace kept.
+        starts = jnp.array([[-4.0] * 3, [-1.0] * 3, [1.0] * 3, [4.0] * 3])
+        keys = jr.split(jr.key(1), 4 * 16)
+        result = eb.run_chains(
+            step, starts, keys, 500, superchains=4, diagnostics=True, trace=False
+        )
+        result.superchain  # [0 0 ... 3 3], 16 of each
+        result.diagnostics.nested_rhat  # f32[3], near 1 once mixed
         ```
     """
     num_steps = check_int(num_steps, "num_steps")
