@@ -82,8 +82,9 @@ def _assert_equal_to_arviz(result: eb.Chains, superchains: bool, rtol: float) ->
     [(3, 12, 120, 1, 0), (2, 10, 97, 3, 8), (4, 8, 40, 2, 3)],
 )
 @pytest.mark.parametrize("superchains", [True, False])
-def test_equal_to_arviz_in_float64(members, num_chains, num_steps, thin, burn_in,
-                                   superchains):
+def test_equal_to_arviz_in_float64(
+    members, num_chains, num_steps, thin, burn_in, superchains
+):
     with jax.enable_x64(True):
         init = starts(members if superchains else num_chains, np.float64)
         keys = jr.split(jr.key(1), num_chains)
@@ -106,7 +107,12 @@ def test_equal_to_arviz_in_float32(superchains):
     init = starts(3 if superchains else 12)
     keys = jr.split(jr.key(2), 12)
     result = eb.run_chains(
-        ar1, init, keys, 301, burn_in=10, superchains=3 if superchains else None,
+        ar1,
+        init,
+        keys,
+        301,
+        burn_in=10,
+        superchains=3 if superchains else None,
         diagnostics=True,
     )
     assert result.diagnostics is not None
@@ -117,8 +123,11 @@ def test_equal_to_arviz_in_float32(superchains):
 def test_ess_estimate_is_near_arviz_bulk_ess_for_stationary_chains():
     # AR(1) with rho = 0.8 from its stationary distribution: tau = 9, so 256 chains of
     # 300 draws hold about 256 * 300 / 9 = 8500 effective draws.
-    init = {"x": jr.normal(jr.key(3), (256, 2, 3)), "y": jnp.zeros((256, 1)),
-            "n": jnp.zeros(256, jnp.int32)}
+    init = {
+        "x": jr.normal(jr.key(3), (256, 2, 3)),
+        "y": jnp.zeros((256, 1)),
+        "n": jnp.zeros(256, jnp.int32),
+    }
     result = eb.run_chains(ar1, init, jr.key(4), 300, diagnostics=True)
     assert result.diagnostics is not None
     ours = np.asarray(result.diagnostics.ess["x"])
@@ -139,7 +148,8 @@ def test_off_by_default_and_with_trace_false_the_same_statistics():
     assert_trees_identical(untraced.diagnostics, traced.diagnostics)
     # Diagnostics change nothing else.
     assert_trees_identical(
-        (traced.final, traced.trace, traced.keys), (plain.final, plain.trace, plain.keys)
+        (traced.final, traced.trace, traced.keys),
+        (plain.final, plain.trace, plain.keys),
     )
 
 
@@ -158,8 +168,15 @@ def test_segments_and_a_finished_checkpoint_give_the_same_statistics(tmp_path):
     path = tmp_path / "run.ckpt"
     for _ in range(2):  # run in segments, then read back
         saved = eb.run_chains(
-            ar1, init, keys, 61, thin=2, superchains=2, diagnostics=True,
-            checkpoint=path, checkpoint_every=7,
+            ar1,
+            init,
+            keys,
+            61,
+            thin=2,
+            superchains=2,
+            diagnostics=True,
+            checkpoint=path,
+            checkpoint_every=7,
         )
         assert_trees_identical(saved.diagnostics, whole.diagnostics)
 
@@ -210,8 +227,15 @@ def test_killed_and_resumed_equals_one_run_bit_for_bit(tmp_path):
 
     def run(**checkpointing: object) -> eb.Chains:
         return eb.run_chains(
-            metropolis, make_init(6), jr.key(0), 4000, thin=3, burn_in=5,
-            trace=False, diagnostics=True, **checkpointing,
+            metropolis,
+            make_init(6),
+            jr.key(0),
+            4000,
+            thin=3,
+            burn_in=5,
+            trace=False,
+            diagnostics=True,
+            **checkpointing,
         )
 
     resumed = run(checkpoint=path, checkpoint_every=20)

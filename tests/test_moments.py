@@ -43,7 +43,9 @@ def test_merging_two_parts_gives_the_moments_of_the_whole(draws, data):
         whole = _summary(draws)
         assert int(merged.count) == len(draws)
         scale = 1 + np.abs(draws).max(initial=0)
-        np.testing.assert_allclose(merged.mean, whole.mean, rtol=1e-9, atol=1e-9 * scale)
+        np.testing.assert_allclose(
+            merged.mean, whole.mean, rtol=1e-9, atol=1e-9 * scale
+        )
         np.testing.assert_allclose(
             merged.m2, whole.m2, rtol=1e-9, atol=1e-9 * scale**2 * max(len(draws), 1)
         )
@@ -71,7 +73,9 @@ def test_moments_of_a_run_are_those_of_its_trace():
         }
 
     init = {"a": jnp.zeros((5, 4)), "b": jnp.zeros((5, 1), jnp.bfloat16)}
-    result = eb.run_chains(step, init, jr.key(0), 90, thin=2, burn_in=7, diagnostics=True)
+    result = eb.run_chains(
+        step, init, jr.key(0), 90, thin=2, burn_in=7, diagnostics=True
+    )
     assert result.diagnostics is not None
     assert result.diagnostics.rhat["b"].dtype == np.float32
     draws = np.asarray(result.trace["a"], np.float64)

@@ -99,7 +99,8 @@ class Chains(eqx.Module):
         default; with `with_output=True` the step's outputs go in the group `outputs`
         instead (pass `group="outputs"` to ArviZ). With `superchains`, the `chain`
         dimension has a coordinate `superchain` holding each chain's superchain, for
-        `arviz_stats.rhat_nested(data, superchain_ids=data.posterior.superchain.values)`.
+        `arviz_stats.rhat_nested(data,
+        superchain_ids=data.posterior.superchain.values)`.
 
         **Returns:**
 

@@ -163,7 +163,8 @@ def run_chains(
 
     A [`eb.Chains`][] with `final`, `trace` (`[chains, draws, ...]` per leaf), `keys`
     (to continue the run exactly) and `nonfinite`, and `superchain` and `diagnostics`
-    with those arguments. Its arrays stay split over the devices; in a job of several processes, every process gets whole results.
+    with those arguments. Its arrays stay split over the devices; in a job of several
+    processes, every process gets whole results.
 
     **Raises:**
 

@@ -134,7 +134,12 @@ def _segment(
         states, keys, finite, output = jax.vmap(one_chain)(states, keys)
         first_bad = jnp.where((first_bad == 0) & ~finite, t + 1, first_bad)
         moments = record(
-            moments, states, t, burn_in=plan.burn_in, thin=plan.thin, num_draws=plan.num_draws
+            moments,
+            states,
+            t,
+            burn_in=plan.burn_in,
+            thin=plan.thin,
+            num_draws=plan.num_draws,
         )
         if plan.record:
             # A read-modify-write of one slot (clamped into range) rather than a

@@ -34,8 +34,9 @@ def expand_superchains(
     )
     if members != superchains:
         raise BatchError(
-            f"`init` has {members} members along axis 0, but `superchains={superchains}`"
-            f": with superchains, `init` holds one start per superchain "
+            f"`init` has {members} members along axis 0, but "
+            f"`superchains={superchains}`: with superchains, `init` holds one start "
+            "per superchain "
             f"({superchains}), and chain `c` starts from `init[c // M]` (M chains per "
             "superchain). If `init` already holds a start per chain, pass one per "
             "superchain instead (e.g. `init[::M]`), so that the chains of a superchain "
