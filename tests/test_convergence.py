@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import arviz_stats
 import jax
@@ -225,7 +226,7 @@ def test_killed_and_resumed_equals_one_run_bit_for_bit(tmp_path):
     assert worker.returncode == -signal.SIGKILL
     assert 0 < _steps_done(path) < 4000 and not out.exists()
 
-    def run(**checkpointing: object) -> eb.Chains:
+    def run(**checkpointing: Any) -> eb.Chains:
         return eb.run_chains(
             metropolis,
             make_init(6),
@@ -269,12 +270,12 @@ def test_worst_finds_the_element_whose_chains_disagree():
     assert result.diagnostics is not None
     worst = result.diagnostics.worst()
     assert list(worst) == ["['x']", "['y']"]  # worst leaf first; `n` has none
-    assert worst["['x']"].index == (1, 2)
+    assert worst["['x']"].element == (1, 2)
     assert worst["['x']"].value == pytest.approx(
         float(np.max(np.asarray(result.diagnostics.rhat["x"])))
     )
     smallest = result.diagnostics.worst("ess")
-    assert smallest["['x']"].index == (1, 2)
+    assert smallest["['x']"].element == (1, 2)
     with pytest.raises(eb.BatchError, match="superchains"):
         result.diagnostics.worst("nested_rhat")
     with pytest.raises(eb.BatchError, match="'r_hat'"):

@@ -1,6 +1,8 @@
 """`superchains=K`: K starts, K * M keys; chain `c` starts from `init[c // M]`, and
 ArviZ sees each chain's superchain."""
 
+from typing import Any
+
 import arviz_stats
 import jax.numpy as jnp
 import jax.random as jr
@@ -40,7 +42,8 @@ def test_chain_c_starts_from_init_c_over_m_and_runs_as_an_expanded_init():
 def test_legacy_keys_and_numpy_integers():
     starts = _starts()
     legacy = jr.key_data(jr.split(jr.key(1), 6))
-    result = eb.run_chains(metropolis, starts, legacy, 3, superchains=np.int64(3))
+    three: Any = np.int64(3)
+    result = eb.run_chains(metropolis, starts, legacy, 3, superchains=three)
     assert result.superchain is not None
     np.testing.assert_array_equal(result.superchain, [0, 0, 1, 1, 2, 2])
     assert result.keys.dtype == np.uint32

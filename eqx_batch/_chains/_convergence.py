@@ -19,11 +19,11 @@ from ._moments import bins, merge, Moments, Summary
 
 
 class Worst(NamedTuple):
-    """The worst element of one leaf of a statistic: its value and its index in the
-    leaf (`()` for a scalar leaf)."""
+    """The worst element of one leaf of a statistic: its value and where it is in the
+    leaf, an index (`()` for a scalar leaf)."""
 
     value: float
-    index: tuple[int, ...]
+    element: tuple[int, ...]
 
 
 _STATISTICS = ("rhat", "split_rhat", "nested_rhat", "ess")
@@ -73,7 +73,7 @@ class Diagnostics(eqx.Module):
             step, init, keys, 400, superchains=2, diagnostics=True, trace=False
         )
         result.diagnostics.nested_rhat  # {'w': f32[2]}, each near 1
-        result.diagnostics.worst()  # {"['w']": Worst(value=1.00..., index=(0,))}
+        result.diagnostics.worst()  # {"['w']": Worst(value=1.00..., element=(0,))}
         ```
     """
 
@@ -97,7 +97,7 @@ class Diagnostics(eqx.Module):
 
         A dict from each leaf's `jax.tree_util.keystr` path (as `Chains.to_arviz`
         names its variables; a state that is one array is `"state"`) to its worst
-        element's `Worst(value, index)`, ordered from the worst leaf to the best
+        element's `Worst(value, element)`, ordered from the worst leaf to the best
         (NaN leaves last): `next(iter(d.items()))` is the worst element of the state.
 
         **Raises:**
@@ -108,8 +108,8 @@ class Diagnostics(eqx.Module):
         !!! Example
 
             ```python
-            path, (value, index) = next(iter(result.diagnostics.worst().items()))
-            print(f"worst R-hat {value:.3f} at {path}{list(index)}")
+            path, (value, element) = next(iter(result.diagnostics.worst().items()))
+            print(f"worst R-hat {value:.3f} at {path}{list(element)}")
             ```
         """
         if statistic is None:
@@ -134,8 +134,10 @@ class Diagnostics(eqx.Module):
             flat = 0
             if not np.all(np.isnan(values)):
                 flat = int(np.nanargmax(values) if largest else np.nanargmin(values))
-            index = tuple(int(i) for i in np.unravel_index(flat, values.shape))
-            found[jtu.keystr(path) or "state"] = Worst(float(values.flat[flat]), index)
+            element = tuple(int(i) for i in np.unravel_index(flat, values.shape))
+            found[jtu.keystr(path) or "state"] = Worst(
+                float(values.flat[flat]), element
+            )
 
         def badness(item: tuple[str, Worst]) -> tuple[bool, float]:
             value = item[1].value
