@@ -151,13 +151,13 @@ def run_chains(
     - `diagnostics`: compute R-hat, split R-hat, nested R-hat (with `superchains`)
         and an effective sample size estimate while sampling, in memory that does not
         grow with the steps: each chain carries running moments (count, mean and
-        second central moment, of the two halves of its draws) of the draws the trace
-        records (after `burn_in`, every `thin`-th), of every floating-point leaf of
-        the state (with `with_output=True` too). They are checkpointed with the
-        chains, so a resumed, chunked or multi-device run reports the same
-        statistics, and computed on the devices at the end, into `Chains.diagnostics`
-        (an [`eb.Diagnostics`][]). It works with `trace=False`. Off (the default), the
-        loop carries nothing more.
+        second central moment; the two halves of its draws kept apart, for split
+        R-hat) of the draws the trace records (after `burn_in`, every `thin`-th), of
+        every floating-point leaf of the state (with `with_output=True` too). They
+        are checkpointed with the chains, so a resumed, chunked or multi-device run
+        reports the same statistics, and computed on the devices at the end, into
+        `Chains.diagnostics` (an [`eb.Diagnostics`][]). It works with `trace=False`.
+        Off (the default), the loop carries nothing more.
 
     **Returns:**
 
