@@ -3,7 +3,12 @@
 `import eqx_batch as eb` is the whole interface.
 """
 
-from ._chains import Chains as Chains, NonFinite as NonFinite, run_chains as run_chains
+from ._chains import (
+    Chains as Chains,
+    Diagnostics as Diagnostics,
+    NonFinite as NonFinite,
+    run_chains as run_chains,
+)
 from ._ensemble import ensemble as ensemble
 from ._errors import BatchError as BatchError
 from ._jit import filter_jit as filter_jit
@@ -29,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchError",
     "Chains",
+    "Diagnostics",
     "NonFinite",
     "Stacked",
     "batch_size",

@@ -7,10 +7,14 @@
 - `_segment.py`: the compiled segment, which knows nothing about files;
 - `_placement.py`: chains padded and split over the devices;
 - `_result.py`: `Chains` and `NonFinite`; `_arviz.py`: the trace as ArviZ data;
+- `_superchains.py`: chains grouped in superchains that share a start;
+- `_moments.py`: running moments of each chain's draws, updated in the loop;
+- `_convergence.py`: `Diagnostics` (R-hat, nested R-hat, ESS) from those moments;
 - `_identity.py`: what makes two calls one run;
 - `_checkpoint.py`: the checkpoint files, read back and written in the background;
 - `_lock.py`: the lock and the writability check, before any work.
 """
 
+from ._convergence import Diagnostics as Diagnostics
 from ._result import Chains as Chains, NonFinite as NonFinite
 from ._run import run_chains as run_chains

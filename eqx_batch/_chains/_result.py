@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from ._arviz import trace_to_arviz
+from ._convergence import Diagnostics
 
 
 if TYPE_CHECKING:
@@ -60,6 +61,11 @@ class Chains(eqx.Module):
         infinite.
     - `with_output`: whether `trace` holds the step's outputs (`with_output=True`)
         rather than the states.
+    - `superchain`: with `superchains=K`, each chain's superchain, `c // M` for chain
+        `c` (NumPy `int64[chains]`); `None` without superchains.
+    - `diagnostics`: with `diagnostics=True`, an [`eb.Diagnostics`][] of the chains
+        (R-hat, split R-hat, nested R-hat with superchains, ESS), computed on the
+        devices from running moments of the recorded draws; `None` without.
 
     !!! Example
 
@@ -76,6 +82,8 @@ class Chains(eqx.Module):
     keys: jax.Array
     nonfinite: NonFinite
     with_output: bool = eqx.field(static=True, default=False)
+    superchain: np.ndarray | None = None
+    diagnostics: Diagnostics | None = None
 
     def to_arviz(self) -> "xarray.DataTree":
         """The trace as ArviZ data, for its convergence diagnostics and plots.
@@ -98,7 +106,10 @@ class Chains(eqx.Module):
         narrower than float32 (bfloat16, float16), which NumPy and ArviZ cannot
         compute in, become float32, exactly. Non-array leaves and typed PRNG keys
         (`jr.key`) are left out; legacy keys (`jr.PRNGKey`, `uint32` data) cannot be
-        told from data and become variables: keep keys in the state typed.
+        told from data and become variables: keep keys in the state typed. With
+        `superchains`, the `chain` dimension has a coordinate `superchain` holding each
+        chain's superchain, for `arviz_stats.rhat_nested(data,
+        superchain_ids=data.posterior.superchain.values)`.
 
         **Returns:**
 
@@ -131,6 +142,7 @@ class Chains(eqx.Module):
             arviz_stats.summary(data)  # state[0], state[1], state[2]: not converged
             ```
         """
+        ids = self.superchain
         if self.with_output:
-            return trace_to_arviz(self.states, self.trace)
-        return trace_to_arviz(self.trace)
+            return trace_to_arviz(self.states, self.trace, superchain_ids=ids)
+        return trace_to_arviz(self.trace, superchain_ids=ids)

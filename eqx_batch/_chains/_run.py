@@ -40,7 +40,9 @@ from ._checkpoint import (
     warn_of_other_chunkings,
 )
 from ._chunk import RunPlan
+from ._convergence import diagnose
 from ._lock import check_folder, refuse_if_in_use, WriteAccess
+from ._moments import check_diagnostics, zeros
 from ._result import Chains, NonFinite
 from ._segment import (
     ChainState,
@@ -49,6 +51,7 @@ from ._segment import (
     SegmentPlan,
 )
 from ._step import per_chain, trace_step
+from ._superchains import expand_superchains
 
 
 def run_chains(
@@ -65,6 +68,8 @@ def run_chains(
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
     chunk_size: int | None = None,
+    superchains: int | None = None,
+    diagnostics: bool = False,
 ) -> Chains:
     """Runs many independent Markov chains in parallel, from a step written for one.
 
@@ -141,12 +146,30 @@ def run_chains(
         another `chunk_size` (or none) are not read, and a warning names it. The
         progress bar counts the steps of every chunk. `None` (the default), or at
         least the number of chains, runs them all at once.
+    - `superchains`: `K`, to run the chains in K superchains of M chains each, the
+        chains of a superchain started from the same point (for nested R-hat,
+        Margossian et al. 2024). `init` then holds K members, one start per
+        superchain, and `key` K * M keys, one per chain (a single key is refused:
+        the number of keys is what says M). Chain `c` belongs to superchain `c // M`
+        and starts from `init[c // M]`. `Chains.superchain` holds each chain's
+        superchain, and `Chains.to_arviz` gives it to ArviZ.
+    - `diagnostics`: compute R-hat, split R-hat, nested R-hat (with `superchains`)
+        and an effective sample size estimate while sampling, in memory that does not
+        grow with the steps: each chain carries running moments (count, mean and
+        second central moment; the two halves of its draws kept apart, for split
+        R-hat) of the draws the trace records (after `burn_in`, every `thin`-th), of
+        every floating-point leaf of the state (with `with_output=True` too). They
+        are checkpointed with the chains, so a resumed, chunked or multi-device run
+        reports the same statistics, and computed on the devices at the end, into
+        `Chains.diagnostics` (an [`eb.Diagnostics`][]). It works with `trace=False`.
+        Off (the default), the loop carries nothing more.
 
     **Returns:**
 
     A [`eb.Chains`][] with `final`, `trace` (`[chains, draws, ...]` per leaf),
     `states` (with `with_output=True`), `keys` (to continue the run exactly) and
-    `nonfinite`. Its arrays stay split over the devices; in a job of several
+    `nonfinite`, and `superchain` and `diagnostics` with those arguments. Its arrays
+    stay split over the devices; in a job of several
     processes, every process gets whole results.
 
     **Raises:**
@@ -155,7 +178,11 @@ def run_chains(
         dtype (naming the leaf), or does not return a pair with `with_output=True`;
         if `key` does not hold one key or one key per chain; if the array leaves of
         `init` disagree on the number of chains; if `num_steps`, `thin`, `burn_in`,
-        `checkpoint_every` or `chunk_size` are out of range (a bool is no count).
+        `checkpoint_every`, `chunk_size` or `superchains` are out of range (a bool
+        is no count). With `superchains=K`: if `init` does not hold K members, if
+        `key` is a single key, or if K does not divide the number of keys. With
+        `diagnostics=True`: if the run records no draw (`burn_in == num_steps`) or
+        the state has no floating-point leaf.
         For `checkpoint`: before any step, if its folder is missing or cannot be
         written (names too long included), another live run holds it, or its lock
         path holds a link or a file that is not a lock; if it holds a checkpoint of
@@ -176,6 +203,15 @@ def run_chains(
         init = jnp.zeros((8, 3))  # 8 chains of a 3-d state
         result = eb.run_chains(step, init, jr.key(0), 200, burn_in=100, thin=2)
         result.trace.shape  # (8, 50, 3)
+
+        # 4 superchains of 16 chains, diagnosed while sampling, no trace kept.
+        starts = jnp.array([[-4.0] * 3, [-1.0] * 3, [1.0] * 3, [4.0] * 3])
+        keys = jr.split(jr.key(1), 4 * 16)
+        result = eb.run_chains(
+            step, starts, keys, 500, superchains=4, diagnostics=True, trace=False
+        )
+        result.superchain  # [0 0 ... 3 3], 16 of each
+        result.diagnostics.nested_rhat  # f32[3], near 1 once mixed
         ```
     """
     num_steps = check_int(num_steps, "num_steps")
@@ -201,6 +237,12 @@ def run_chains(
     init = jtu.tree_map(_with_jax_dtype, init)
     init_arrays, shared = eqx.partition(init, is_array)
     num_chains = _chain_count(init_arrays)
+    superchain_ids = None
+    if superchains is not None:
+        init_arrays, superchain_ids = expand_superchains(
+            init_arrays, num_chains, key, superchains
+        )
+        init, num_chains = eqx.combine(init_arrays, shared), len(superchain_ids)
     keys, legacy = _chain_keys(key, num_chains)
     if isinstance(step, ft.partial) and not isinstance(step, jtu.Partial):
         # As a pytree, a partial's arrays (the data) are arguments of the compiled loop
@@ -209,6 +251,8 @@ def run_chains(
     traced = trace_step(step, init, keys, legacy, with_output)
     num_draws = draws_before(num_steps, burn_in, thin)
     one_chain = OneChain(per_chain(init_arrays), jax.ShapeDtypeStruct((), keys.dtype))
+    if diagnostics:
+        check_diagnostics(one_chain.state, num_draws)
     # One chain's recorded leaves: shape-dtype structs for the arrays, and the leaves
     # that are the same in every draw (an MLP's activation) as they are. With
     # `with_output`, the state and the output, as a pair.
@@ -225,6 +269,9 @@ def run_chains(
         # layout of draws, so a different run (refused, saying so), while the runs
         # without outputs keep their identity.
         counts["recorded"] = "states and outputs"
+    if diagnostics:
+        # Only when on, so that the runs of before keep their identity.
+        counts["diagnostics"] = True
     run = RunPlan(
         step=step,
         shared=shared,
@@ -248,7 +295,10 @@ def run_chains(
     # Typed PRNG keys become raw data here, once, and keys again on the way out: in
     # between, chunks, placement and checkpoints handle plain arrays.
     chains = ChainState(
-        as_key_data(init_arrays), jr.key_data(keys), np.zeros(num_chains, np.int32)
+        as_key_data(init_arrays),
+        jr.key_data(keys),
+        np.zeros(num_chains, np.int32),
+        zeros(one_chain.state, num_chains) if diagnostics else None,
     )
     size = num_chains if chunk_size is None else min(chunk_size, num_chains)
     chunks = [
@@ -337,6 +387,13 @@ def run_chains(
             steps=nonfinite_steps[bad_chains].astype(np.int64),
         ),
         with_output=with_output,
+        superchain=superchain_ids,
+        diagnostics=None
+        if not diagnostics
+        else diagnose(
+            chains.moments,
+            None if superchain_ids is None else int(superchain_ids[-1]) + 1,
+        ),
     )
 
 

@@ -26,6 +26,7 @@ import jax.tree_util as jtu
 from .._compile import AsyncJit
 from .._progress import ProgressHandle
 from .._tree import as_key_data, as_keys_like, is_array
+from ._moments import record
 from ._step import numbers_as_arrays
 
 
@@ -56,6 +57,9 @@ class ChainState(NamedTuple):
     states: Any
     keys: Any
     first_bad: Any  # the first non-finite step, counted from 1; 0 while finite
+    # The running moments of the recorded draws (`_moments.py`), with
+    # `diagnostics=True`; else None.
+    moments: Any = None
 
 
 class OneChain(NamedTuple):
@@ -126,9 +130,17 @@ def _segment(
         return as_key_data(new), jr.key_data(key), finite, as_key_data(output)
 
     def body(carry: tuple, _: None) -> tuple:
-        (states, keys, first_bad), buffer, t, due = carry
+        (states, keys, first_bad, moments), buffer, t, due = carry
         states, keys, finite, output = jax.vmap(one_chain)(states, keys)
         first_bad = jnp.where((first_bad == 0) & ~finite, t + 1, first_bad)
+        moments = record(
+            moments,
+            states,
+            t,
+            burn_in=plan.burn_in,
+            thin=plan.thin,
+            num_draws=plan.num_draws,
+        )
         if plan.record:
             # A read-modify-write of one slot (clamped into range) rather than a
             # `lax.cond`, which XLA may turn into a copy of the whole buffer per step.
@@ -145,7 +157,7 @@ def _segment(
         if progress is not None:
             # Counted over the whole run: chains run earlier (in chunks) included.
             due = progress.handle(progress.steps_before + t + 1, due)
-        return (ChainState(states, keys, first_bad), buffer, t + 1, due), None
+        return (ChainState(states, keys, first_bad, moments), buffer, t + 1, due), None
 
     due = None if progress is None else progress.due
     (chains, trace_buffer, _, due), _ = lax.scan(

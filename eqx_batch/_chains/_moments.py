@@ -1,0 +1,188 @@
+"""Running moments of each chain's recorded draws: count, mean and second central
+moment, updated one draw at a time (Welford) and merged exactly (Chan et al.).
+
+They are what `diagnostics=True` carries through the compiled loop, so that R-hat and
+ESS can be computed at the end without keeping the draws: memory is three times two
+states per chain (the two halves of the draws and the middle draw between them, for
+split R-hat), whatever the number of steps.
+
+Only the floating-point leaves of the state have moments; every other leaf (integers,
+bools, PRNG key data) is `None`. Moments are kept in at least float32, so that bfloat16
+and float16 states do not lose their sums.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from .._errors import BatchError
+
+
+# The bins of a chain's draws: the first half, the middle draw (when the number of
+# draws is odd) and the second half, as ArviZ's split R-hat splits them.
+NUM_BINS = 3
+
+
+class Moments(NamedTuple):
+    """Running moments of each chain, per bin (see `NUM_BINS`).
+
+    Every array has the chains on axis 0 and the bins on axis 1; `mean` and `m2` are
+    pytrees shaped like the state (`None` for leaves without moments).
+    """
+
+    count: Any  # `int32[chains, bins]`: the draws seen
+    mean: Any  # `[chains, bins, ...]` per float leaf
+    m2: Any  # the sum of squared deviations from `mean`
+
+
+def has_moments(leaf: Any) -> bool:
+    """Whether a leaf of the state gets moments: a real floating-point array."""
+    return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
+def moments_dtype(dtype: Any) -> np.dtype:
+    """The dtype moments of a `dtype` leaf are kept in: at least float32."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype.itemsize >= 4 else np.dtype(np.float32)
+
+
+def check_diagnostics(states: Any, num_draws: int) -> None:
+    """Refuses `diagnostics=True` for a run with nothing to diagnose.
+
+    `states` is one chain's state as shape-dtype structs.
+    """
+    if num_draws == 0:
+        raise BatchError(
+            "`diagnostics=True`, but the run records no draw (`burn_in` is "
+            "`num_steps`): lower `burn_in` or run more steps."
+        )
+    if not any(has_moments(x) for x in jtu.tree_leaves(states)):
+        raise BatchError(
+            "`diagnostics=True`, but `init` has no floating-point array leaf to "
+            "diagnose (integers, bools and PRNG keys have no R-hat)."
+        )
+
+
+def zeros(states: Any, num_chains: int) -> Moments:
+    """Moments of no draws, on the host, for `states` given as one chain's shape-dtype
+    structs."""
+
+    def empty(x: Any) -> np.ndarray | None:
+        if not has_moments(x):
+            return None
+        return np.zeros((num_chains, NUM_BINS, *x.shape), moments_dtype(x.dtype))
+
+    mean = jtu.tree_map(empty, states)
+    m2 = jtu.tree_map(empty, states)
+    return Moments(np.zeros((num_chains, NUM_BINS), np.int32), mean, m2)
+
+
+def record(
+    moments: Moments | None,
+    states: Any,
+    step: jax.Array,
+    *,
+    burn_in: int,
+    thin: int,
+    num_draws: int,
+) -> Moments | None:
+    """`moments` with every chain's state after step `step + 1` added, if the trace
+    records that step (after `burn_in`, every `thin`-th); `None` stays `None`.
+
+    One bin is read, updated and written back (rather than all three updated under a
+    mask): the cost per step is one state's worth of arithmetic.
+    """
+    if moments is None:
+        return None
+    keep = (step >= burn_in) & ((step - burn_in) % thin == 0)
+    draw = (step - burn_in) // thin
+    half = num_draws // 2
+    which = (draw >= half).astype(jnp.int32) + (draw >= num_draws - half).astype(
+        jnp.int32
+    )
+    count = lax.dynamic_index_in_dim(moments.count, which, 1, keepdims=False)
+    new_count = count + keep.astype(count.dtype)
+
+    def update(mean: Any, m2: Any, x: jax.Array) -> tuple:
+        old_mean = lax.dynamic_index_in_dim(mean, which, 1, keepdims=False)
+        old_m2 = lax.dynamic_index_in_dim(m2, which, 1, keepdims=False)
+        x = x.astype(mean.dtype)
+        n = _per_chain(jnp.maximum(new_count, 1).astype(mean.dtype), x)
+        delta = x - old_mean
+        new_mean = jnp.where(keep, old_mean + delta / n, old_mean)
+        new_m2 = jnp.where(keep, old_m2 + delta * (x - new_mean), old_m2)
+        return (
+            lax.dynamic_update_index_in_dim(mean, new_mean, which, 1),
+            lax.dynamic_update_index_in_dim(m2, new_m2, which, 1),
+        )
+
+    means, m2s = [], []
+    mean_leaves, treedef = jtu.tree_flatten(moments.mean, is_leaf=_is_none)
+    for mean, m2, x in zip(
+        mean_leaves,
+        jtu.tree_leaves(moments.m2, is_leaf=_is_none),
+        treedef.flatten_up_to(states),
+        strict=True,
+    ):
+        if mean is None:
+            means.append(None)
+            m2s.append(None)
+        else:
+            new_mean, new_m2 = update(mean, m2, x)
+            means.append(new_mean)
+            m2s.append(new_m2)
+    return Moments(
+        lax.dynamic_update_index_in_dim(moments.count, new_count, which, 1),
+        treedef.unflatten(means),
+        treedef.unflatten(m2s),
+    )
+
+
+class Summary(NamedTuple):
+    """The moments of one group of draws of one leaf: `count` (an integer array that
+    broadcasts against `mean`), `mean` and `m2`."""
+
+    count: Any
+    mean: Any
+    m2: Any
+
+
+def merge(a: Summary, b: Summary) -> Summary:
+    """The moments of the draws of `a` and of `b` together, as if seen in one pass.
+
+    Chan, Golub and LeVeque's pairwise update: exact in real arithmetic, and stable,
+    whatever the sizes of the two groups (an empty group leaves the other unchanged).
+    """
+    count = a.count + b.count
+    n = jnp.maximum(count, 1).astype(a.mean.dtype)
+    delta = b.mean - a.mean
+    weight_b = b.count.astype(a.mean.dtype) / n
+    mean = a.mean + delta * weight_b
+    m2 = a.m2 + b.m2 + delta**2 * a.count.astype(a.mean.dtype) * weight_b
+    return Summary(count, mean, m2)
+
+
+def bins(moments: Moments, mean: jax.Array, m2: jax.Array) -> list[Summary]:
+    """The three bins of one leaf, each with a count that broadcasts to its mean."""
+    return [
+        Summary(
+            _per_chain(moments.count[:, index], mean[:, index]),
+            mean[:, index],
+            m2[:, index],
+        )
+        for index in range(NUM_BINS)
+    ]
+
+
+def _per_chain(values: jax.Array, like: jax.Array) -> jax.Array:
+    """`values` (one per chain) shaped to broadcast against `like` (`[chains, ...]`),
+    rank promotion being explicit."""
+    return values.reshape(values.shape + (1,) * (like.ndim - 1))
+
+
+def _is_none(x: Any) -> bool:
+    return x is None

@@ -1,0 +1,70 @@
+"""Superchains: groups of chains started from the same point (Margossian et al.,
+"Nested R-hat", 2024). With `superchains=K`, `init` holds one start per superchain and
+`key` one key per chain; chain `c` belongs to superchain `c // M` and starts from
+`init[c // M]`."""
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._errors import BatchError, check_int, describe
+from .._select import take
+from .._tree import is_array, is_key
+
+
+def expand_superchains(
+    init_arrays: Any, members: int, key: Any, superchains: Any
+) -> tuple:
+    """`init_arrays` (`members` starts, one per superchain) repeated for each chain,
+    and each chain's superchain id (`int64[chains]`).
+
+    **Raises:**
+
+    `BatchError` if `superchains` is not a positive integer, if `init` does not hold
+    `superchains` members, if `key` is one key rather than one per chain, or if the
+    number of keys is not a multiple of `superchains`.
+    """
+    superchains = check_int(
+        superchains,
+        "superchains",
+        minimum=1,
+        hint="It is how many superchains (groups of chains started from the same "
+        "point) the chains form.",
+    )
+    if members != superchains:
+        raise BatchError(
+            f"`init` has {members} members along axis 0, but "
+            f"`superchains={superchains}`: with superchains, `init` holds one start "
+            "per superchain "
+            f"({superchains}), and chain `c` starts from `init[c // M]` (M chains per "
+            "superchain). If `init` already holds a start per chain, pass one per "
+            "superchain instead (e.g. `init[::M]`), so that the chains of a superchain "
+            "cannot start apart."
+        )
+    num_keys = _key_count(key)
+    if num_keys is None:
+        raise BatchError(
+            f"`key` is {describe(key)}, but `superchains={superchains}` needs an array "
+            "of one key per chain: the number of keys, K * M, says how many chains (M) "
+            f"each superchain has. Pass `jax.random.split(key, {superchains} * M)`."
+        )
+    if num_keys == 0 or num_keys % superchains:
+        raise BatchError(
+            f"`key` holds {num_keys} keys, which `superchains={superchains}` does not "
+            f"divide: every superchain has the same number of chains, so pass "
+            f"{superchains} * M keys (one per chain)."
+        )
+    per_superchain = num_keys // superchains
+    ids = np.arange(num_keys) // per_superchain
+    return take(init_arrays, ids), ids.astype(np.int64)
+
+
+def _key_count(key: Any) -> int | None:
+    """How many keys `key` holds, if it is an array of keys (typed, or legacy
+    `uint32[n, 2]` data); else None."""
+    if isinstance(key, jax.Array) and is_key(key):
+        return key.shape[0] if key.ndim == 1 else None
+    if is_array(key) and np.ndim(key) == 2:
+        return key.shape[0]
+    return None
