@@ -7,13 +7,13 @@ checked once, before timing: bit for bit where both compute the same thing, else
 against the posterior's moments (or, for the ensemble, the members' losses).
 
 - BlackJAX random walk: `jax.vmap` of BlackJAX's per-chain `inference_loop` (its
-    multiple-chains how-to) over `blackjax.additive_step_random_walk.normal_random_walk`,
-    against `eb.run_chains` with the same `step`: the loop's overhead only. 1000 chains x
-    1000 steps on the chains benchmark's nested-dict state, a standard normal.
+    multiple-chains how-to) over its normal random walk, against `eb.run_chains` with
+    the same `step`: the loop's overhead only. 1000 chains x 1000 steps on the chains
+    benchmark's nested-dict state, a standard normal.
 - NumPyro: `MCMC(HMC(model), chain_method="vectorized")` on a small Bayesian linear
-    regression, against `eb.run_chains` of NumPyro's own HMC kernel (`hmc(...)` of the
-    same model), bit for bit. Wall time (NumPyro traces and compiles its loop on every
-    `run`), and the same less the tracing and compiling JAX reports during NumPyro's run.
+    regression, against `eb.run_chains` of NumPyro's own HMC kernel of the same model
+    (`numpyro.infer.hmc.hmc`), bit for bit. Wall time (NumPyro traces and compiles its
+    loop on every `run`), and that less the tracing and compiling JAX reports in it.
 - BlackJAX HMC (fixed step size and integration steps) on the same regression, the
     how-to's recipe against `eb.run_chains` with the same step: time per draw.
 - Flax NNX: the ensemble step of `benchmarks/bench_jit.py` (8 MLPs of width 32, 64
@@ -77,7 +77,9 @@ def check_moments(
     flat = np.asarray(draws, dtype=np.float64).reshape(-1, mean.shape[0])
     scale = np.sqrt(np.diag(cov))
     mean_error = np.max(np.abs(flat.mean(0) - mean) / scale)
-    cov_error = np.max(np.abs(np.cov(flat, rowvar=False) - cov) / np.outer(scale, scale))
+    cov_error = np.max(
+        np.abs(np.cov(flat, rowvar=False) - cov) / np.outer(scale, scale)
+    )
     if mean_error > tol or cov_error > tol:
         raise AssertionError(
             f"{name}: draws off the posterior: mean by {mean_error:.3f}, covariance by "
@@ -143,7 +145,7 @@ def blackjax_random_walk(blackjax: ModuleType) -> None:
             axis=-1,
         )
         check_moments(f"{name}, {side}", draws, np.zeros(18), np.eye(18), 0.1)
-    t_ours, t_theirs = interleaved(ours, theirs, repeat=5)
+    t_ours, t_theirs = interleaved(ours, theirs, repeat=3)
     compare(
         f"{name}: run_chains / recipe",
         t_ours,
@@ -157,9 +159,7 @@ def blackjax_random_walk(blackjax: ModuleType) -> None:
 
 POINTS, FEATURES, NOISE = 100, 3, 0.5
 x_data = jr.normal(jr.key(1), (POINTS, FEATURES))
-y_data = x_data @ jnp.array([1.0, -2.0, 0.5]) + NOISE * jr.normal(
-    jr.key(2), (POINTS,)
-)
+y_data = x_data @ jnp.array([1.0, -2.0, 0.5]) + NOISE * jr.normal(jr.key(2), (POINTS,))
 # The exact posterior of `w ~ N(0, I)`, `y ~ N(x w, NOISE^2)`.
 _x, _y = np.asarray(x_data, np.float64), np.asarray(y_data, np.float64)
 POSTERIOR_COV = np.linalg.inv(_x.T @ _x / NOISE**2 + np.eye(FEATURES))
@@ -309,7 +309,10 @@ def numpyro_vectorized(numpyro: ModuleType) -> None:
         states = initial_states(key, init_params)
         return jax.block_until_ready(
             eb.run_chains(
-                step, states, jr.split(key, NUMPYRO_CHAINS), NUMPYRO_STEPS,
+                step,
+                states,
+                jr.split(key, NUMPYRO_CHAINS),
+                NUMPYRO_STEPS,
                 with_output=True,
             ).trace
         )
@@ -452,7 +455,7 @@ def nnx_ensemble(flax: ModuleType) -> None:
         ("nnx.jit", plain),
         ("nnx.jit + nnx.cached_partial", cached),
     ):
-        t_ours, t_theirs = interleaved(ours, theirs, repeat=7)
+        t_ours, t_theirs = interleaved(ours, theirs, repeat=5)
         compare(
             f"{name}: eb.filter_jit / {label}",
             t_ours,
