@@ -64,11 +64,6 @@ def compare(name: str, ours: float, theirs: float, bound: float, detail: str) ->
     report(name, ratio, f"<= {bound}", ratio <= bound, detail)
 
 
-def unavailable(names: list[str], bound: str, reason: str) -> None:
-    for name in names:
-        report(name, float("nan"), bound, False, f"peer unavailable: {reason}")
-
-
 def check_moments(
     name: str, draws: jax.Array, mean: np.ndarray, cov: np.ndarray, tol: float
 ) -> None:
@@ -106,8 +101,11 @@ def inference_loop(rng_key, kernel, initial_state, num_samples):
     return states
 
 
+RANDOM_WALK = f"BlackJAX vmap(inference_loop) random walk ({CHAINS} chains x {STEPS})"
+RANDOM_WALK_ROWS = [(f"{RANDOM_WALK}: run_chains / recipe", 1.05)]
+
+
 def blackjax_random_walk(blackjax: ModuleType) -> None:
-    name = f"BlackJAX vmap(inference_loop) random walk ({CHAINS} chains x {STEPS})"
     random_walk = blackjax.additive_step_random_walk.normal_random_walk(
         log_density, 0.5
     )
@@ -144,13 +142,14 @@ def blackjax_random_walk(blackjax: ModuleType) -> None:
             ],
             axis=-1,
         )
-        check_moments(f"{name}, {side}", draws, np.zeros(18), np.eye(18), 0.1)
+        check_moments(f"{RANDOM_WALK}, {side}", draws, np.zeros(18), np.eye(18), 0.1)
     t_ours, t_theirs = interleaved(ours, theirs, repeat=3)
+    ((row, bound),) = RANDOM_WALK_ROWS
     compare(
-        f"{name}: run_chains / recipe",
+        row,
         t_ours,
         t_theirs,
-        1.05,
+        bound,
         f"{t_ours:.3f}s vs {t_theirs:.3f}s, same step, loop overhead only",
     )
 
@@ -181,13 +180,14 @@ def regression_log_density(w: jax.Array) -> jax.Array:
 
 
 HMC_CHAINS, HMC_STEPS = 1000, 200
+HMC = (
+    f"BlackJAX vmap(inference_loop) HMC ({HMC_CHAINS} chains x {HMC_STEPS}, "
+    f"{INTEGRATION_STEPS} leapfrog steps)"
+)
+HMC_ROWS = [(f"{HMC}: run_chains / recipe, per draw", 1.05)]
 
 
 def blackjax_hmc(blackjax: ModuleType) -> None:
-    name = (
-        f"BlackJAX vmap(inference_loop) HMC ({HMC_CHAINS} chains x {HMC_STEPS}, "
-        f"{INTEGRATION_STEPS} leapfrog steps)"
-    )
     hmc = blackjax.hmc(
         regression_log_density, STEP_SIZE, jnp.ones(FEATURES), INTEGRATION_STEPS
     )
@@ -213,15 +213,16 @@ def blackjax_hmc(blackjax: ModuleType) -> None:
 
     for side, trace in (("ours", ours()), ("BlackJAX", theirs())):
         check_moments(
-            f"{name}, {side}", trace.position, POSTERIOR_MEAN, POSTERIOR_COV, 0.03
+            f"{HMC}, {side}", trace.position, POSTERIOR_MEAN, POSTERIOR_COV, 0.03
         )
     t_ours, t_theirs = interleaved(ours, theirs, repeat=5)
     per_draw = 1e6 / (HMC_CHAINS * HMC_STEPS)
+    ((row, bound),) = HMC_ROWS
     compare(
-        f"{name}: run_chains / recipe, per draw",
+        row,
         t_ours,
         t_theirs,
-        1.05,
+        bound,
         f"{t_ours * per_draw:.2f} us vs {t_theirs * per_draw:.2f} us per draw, "
         "same step",
     )
@@ -230,6 +231,14 @@ def blackjax_hmc(blackjax: ModuleType) -> None:
 # -- NumPyro's vectorized chains --------------------------------------------------
 
 NUMPYRO_CHAINS, NUMPYRO_STEPS = 256, 200
+NUMPYRO = (
+    f"NumPyro MCMC(chain_method='vectorized') HMC ({NUMPYRO_CHAINS} chains x "
+    f"{NUMPYRO_STEPS}, {INTEGRATION_STEPS} leapfrog steps)"
+)
+NUMPYRO_ROWS = [
+    (f"{NUMPYRO}: run_chains / MCMC.run, wall", 1.0),
+    (f"{NUMPYRO}: run_chains / MCMC.run less its recompile", 1.05),
+]
 
 
 def numpyro_vectorized(numpyro: ModuleType) -> None:
@@ -237,11 +246,6 @@ def numpyro_vectorized(numpyro: ModuleType) -> None:
     from numpyro.infer import HMC, MCMC
     from numpyro.infer.hmc import hmc
     from numpyro.infer.util import initialize_model
-
-    name = (
-        f"NumPyro MCMC(chain_method='vectorized') HMC ({NUMPYRO_CHAINS} chains x "
-        f"{NUMPYRO_STEPS}, {INTEGRATION_STEPS} leapfrog steps)"
-    )
 
     def model(x, y):
         w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([FEATURES]).to_event(1))
@@ -342,18 +346,19 @@ def numpyro_vectorized(numpyro: ModuleType) -> None:
         t_theirs = min(t_theirs, wall)
         t_theirs_compiled = min(t_theirs_compiled, wall - compiling[0])
     jax.monitoring.unregister_event_duration_listener(listen)
+    (wall_row, wall_bound), (loop_row, loop_bound) = NUMPYRO_ROWS
     compare(
-        f"{name}: run_chains / MCMC.run, wall",
+        wall_row,
         t_ours,
         t_theirs,
-        1.0,
+        wall_bound,
         f"{t_ours:.3f}s vs {t_theirs:.3f}s, bit for bit; NumPyro recompiles each run",
     )
     compare(
-        f"{name}: run_chains / MCMC.run less its recompile",
+        loop_row,
         t_ours,
         t_theirs_compiled,
-        1.05,
+        loop_bound,
         f"{t_ours:.3f}s vs {t_theirs_compiled:.3f}s (NumPyro's wall less the "
         "tracing, lowering and compiling JAX reports during it)",
     )
@@ -362,13 +367,19 @@ def numpyro_vectorized(numpyro: ModuleType) -> None:
 # -- Flax NNX's ensemble step ------------------------------------------------------
 
 WIDTH, ENSEMBLE_POINTS, ENSEMBLE_STEPS = 32, 64, 200
+NNX = (
+    f"Flax NNX ensemble step ({MEMBERS} MLPs, width {WIDTH}, {ENSEMBLE_POINTS} "
+    "points, Adam)"
+)
+NNX_ROWS = [
+    (f"{NNX}: eb.filter_jit / nnx.jit", 1.0),
+    (f"{NNX}: eb.filter_jit / nnx.jit + nnx.cached_partial", 1.0),
+]
 
 
 def nnx_ensemble(flax: ModuleType) -> None:
     import optax
     from flax import nnx
-
-    name = f"Flax NNX ensemble step ({MEMBERS} MLPs, width {WIDTH}, 64 points, Adam)"
 
     class MLP(nnx.Module):
         """`eqx.nn.MLP(1, 1, WIDTH, 2)` in NNX: ReLU between three linear layers."""
@@ -451,61 +462,33 @@ def nnx_ensemble(flax: ModuleType) -> None:
     plain()
     cached()
     per_step = 1e6 / ENSEMBLE_STEPS
-    for label, theirs in (
-        ("nnx.jit", plain),
-        ("nnx.jit + nnx.cached_partial", cached),
-    ):
+    for (row, bound), theirs in zip(NNX_ROWS, (plain, cached), strict=True):
         t_ours, t_theirs = interleaved(ours, theirs, repeat=5)
         compare(
-            f"{name}: eb.filter_jit / {label}",
+            row,
             t_ours,
             t_theirs,
-            1.0,
+            bound,
             f"ours {t_ours * per_step:.0f} us, NNX {t_theirs * per_step:.0f} us per "
             "step",
         )
 
 
+# Each peer: its module, the functions that measure against it, and their rows.
+PEERS = [
+    ("blackjax", [blackjax_random_walk, blackjax_hmc], RANDOM_WALK_ROWS + HMC_ROWS),
+    ("numpyro", [numpyro_vectorized], NUMPYRO_ROWS),
+    ("flax.nnx", [nnx_ensemble], NNX_ROWS),
+]
+
+
 if __name__ == "__main__":
-    blackjax, why_not_blackjax = optional("blackjax")
-    numpyro, why_not_numpyro = optional("numpyro")
-    flax, why_not_flax = optional("flax.nnx")
-    if blackjax is None:
-        unavailable(
-            [
-                "BlackJAX vmap(inference_loop) random walk: run_chains / recipe",
-                "BlackJAX vmap(inference_loop) HMC: run_chains / recipe, per draw",
-            ],
-            "<= 1.05",
-            why_not_blackjax,
-        )
-    else:
-        blackjax_random_walk(blackjax)
-        blackjax_hmc(blackjax)
-    if numpyro is None:
-        unavailable(
-            ["NumPyro MCMC(chain_method='vectorized'): run_chains / MCMC.run, wall"],
-            "<= 1.0",
-            why_not_numpyro,
-        )
-        unavailable(
-            [
-                "NumPyro MCMC(chain_method='vectorized'): run_chains / MCMC.run less "
-                "its recompile"
-            ],
-            "<= 1.05",
-            why_not_numpyro,
-        )
-    else:
-        numpyro_vectorized(numpyro)
-    if flax is None:
-        unavailable(
-            [
-                "Flax NNX ensemble step: eb.filter_jit / nnx.jit",
-                "Flax NNX ensemble step: eb.filter_jit / nnx.jit + nnx.cached_partial",
-            ],
-            "<= 1.0",
-            why_not_flax,
-        )
-    else:
-        nnx_ensemble(flax)
+    for module_name, measures, rows in PEERS:
+        module, why_not = optional(module_name)
+        if module is None:
+            for row, bound in rows:
+                detail = f"peer unavailable: {why_not}"
+                report(row, float("nan"), f"<= {bound}", False, detail)
+        else:
+            for measure in measures:
+                measure(module)
