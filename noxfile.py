@@ -108,8 +108,13 @@ def demo(session: nox.Session) -> None:
     session.run("python", "examples/ensemble_regression.py", *session.posargs)
 
 
-@nox.session(python=PYTHON)
+# On the newest Python, as `tests`: the newest JAX (0.12 and later need Python 3.12)
+# and the newest peers are what a benchmark should measure.
+@nox.session(python=NEWEST)
 def bench(session: nox.Session) -> None:
-    """Run every benchmark and print one table of ratios against their baselines."""
-    session.install("-e", ".[test]")
+    """Run every benchmark and print one table of ratios against their baselines.
+
+    The `bench` extra brings the peers that `benchmarks/bench_peers.py` compares with.
+    """
+    session.install("-e", ".[test,bench]")
     session.run("python", "benchmarks/run.py", *session.posargs)
