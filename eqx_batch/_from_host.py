@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._tree import is_key, is_weak, make_weak
+from ._tree import is_key, is_weak, make_weak, weak_scalar
 
 
 def on_cpu(x: jax.Array) -> bool:
@@ -53,12 +53,15 @@ def key_impl(x: Any) -> Any:
 def put_like(host: np.ndarray, like: jax.Array) -> jax.Array:
     """A new JAX array holding `host`, placed and typed (weak, key) like `like`."""
     placement = placement_of(like)
+    scalar = weak_scalar(host) if is_weak(like) else None
+    # A 0-d weak leaf of a default dtype arrives weak as a Python scalar.
+    source = host if scalar is None else scalar
     if placement.committed_to is not None:
-        out = jax.device_put(host, placement.committed_to)
+        out = jax.device_put(source, placement.committed_to)
     else:
         with jax.default_device(placement.device):
-            out = jax.device_put(host)
-    if is_weak(like):
+            out = jax.device_put(source)
+    if is_weak(like) and not is_weak(out):
         return make_weak([out])[0]
     impl = key_impl(like)
     return out if impl is None else jax.random.wrap_key_data(out, impl=impl)
