@@ -17,7 +17,7 @@ import numpy as np
 from ._errors import BatchError, describe, KeyPath, leaf_name, qualified_name
 from ._file_format import CheckedFile
 from ._file_layout import storable
-from ._tree import is_array, is_key, is_tracer, is_weak, make_weak
+from ._tree import is_array, is_key, is_tracer, is_weak, make_weak, weak_scalar
 
 
 _KIND_PHRASES = {
@@ -229,11 +229,13 @@ def _committed_sharding(like_leaf: Any) -> Any:
 def materialise(values: list[Any], like_leaves: list[Any], on_host: bool) -> list:
     """`values` with `Stored` arrays turned into leaves of the types of `like`'s.
 
-    Arrays for the default device travel in one transfer; weak ones are made weak in
-    one program.
+    Arrays for the default device travel in one transfer, 0-d weak ones as Python
+    scalars (`weak_scalar`), which arrive weak; other weak ones are made weak by
+    `make_weak`, which compiles per shape and dtype, not per tree.
     """
     out = list(values)
     to_place: list[int] = []
+    sources: list[Any] = []
     for i, (value, like_leaf) in enumerate(zip(values, like_leaves, strict=True)):
         if not isinstance(value, Stored):
             continue
@@ -243,7 +245,9 @@ def materialise(values: list[Any], like_leaves: list[Any], on_host: bool) -> lis
             out[i] = np.array(value.data)
         else:
             to_place.append(i)
-    placed = jax.device_put([values[i].data for i in to_place]) if to_place else []
+            scalar = weak_scalar(value.data) if value.weak else None
+            sources.append(value.data if scalar is None else scalar)
+    placed = jax.device_put(sources) if to_place else []
     weak: list[int] = []
     for i, data in zip(to_place, placed, strict=True):
         value, sharding = values[i], _committed_sharding(like_leaves[i])
@@ -252,7 +256,7 @@ def materialise(values: list[Any], like_leaves: list[Any], on_host: bool) -> lis
         if sharding is not None:
             data = jax.device_put(data, sharding)
         out[i] = data
-        if value.weak:
+        if value.weak and not is_weak(data):
             weak.append(i)
     for i, data in zip(weak, make_weak([out[i] for i in weak]), strict=True):
         out[i] = data

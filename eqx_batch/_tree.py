@@ -86,38 +86,63 @@ def as_keys_like(tree: Any, like: Any) -> Any:
     return jtu.tree_map(wrap, tree, like)
 
 
+def weak_scalar(host: np.ndarray) -> int | float | complex | None:
+    """The Python scalar that `jax.device_put` turns into a weakly typed array equal,
+    bit for bit, to the 0-d `host`; `None` if there is none.
+
+    `jax.device_put` of a Python scalar makes a weak array of JAX's default dtype for
+    its type without compiling anything, so a 0-d weak leaf of that dtype (the common
+    case: a Python number that became an array) needs no `make_weak`. A NaN goes
+    through `make_weak`, which keeps its payload bits.
+    """
+    python_type = _PYTHON_TYPES.get(host.dtype.kind)
+    if (
+        host.ndim != 0
+        or python_type is None
+        or jax.dtypes.canonicalize_dtype(python_type) != host.dtype
+    ):
+        return None
+    value = host.item()
+    return None if value != value else value
+
+
+_PYTHON_TYPES = {"i": int, "f": float, "c": complex}
+
+
 def make_weak(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     """`arrays` with the same values, dtypes and placement, weakly typed.
 
     Weak types decide dtype promotion (a weak float32 scalar times a bfloat16 array is
     bfloat16), so stacking and saving must keep them. Public JAX makes weak arrays only
-    from Python scalars, or as the outputs of a program whose inputs are weak: this
-    runs one identity program, compiled ahead of time for weak inputs (it accepts
-    strong ones of the same shapes), per combination of shapes, dtypes and placements,
-    whatever the number of calls. Committed arrays stay committed to their shardings;
-    uncommitted ones stay uncommitted on their device.
+    from Python scalars (see `weak_scalar`), or as the outputs of a program whose
+    inputs are weak: each array goes through an identity program compiled ahead of
+    time for one weak input (it accepts a strong one of the same shape). There is one
+    program per shape, dtype and placement, never one per tree, so the first call on
+    a tree of thousands of leaves compiles as many programs as it has distinct
+    shapes. Committed arrays stay committed to their shardings; uncommitted ones stay
+    uncommitted on their device.
     """
-    if not arrays:
-        return []
-    devices = {next(iter(x.devices())) for x in arrays if not x.committed}
-    if len(devices) > 1:
-        return [make_weak([x])[0] for x in arrays]
-    specs = tuple(
-        jax.ShapeDtypeStruct(
+    return [
+        _weak_identity(
             x.shape,
             x.dtype,
-            weak_type=True,
-            sharding=x.sharding if x.committed else None,
-        )
+            x.sharding if x.committed else None,
+            None if x.committed else next(iter(x.devices())),
+        )(x)
         for x in arrays
-    )
-    return list(_weak_identity(specs, next(iter(devices), None))(*arrays))
+    ]
 
 
-@ft.lru_cache(maxsize=256)
-def _weak_identity(specs: tuple[jax.ShapeDtypeStruct, ...], device: Any) -> Any:
+@ft.lru_cache(maxsize=4096)
+def _weak_identity(
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    sharding: jax.sharding.Sharding | None,
+    device: Any,
+) -> Any:
+    spec = jax.ShapeDtypeStruct(shape, dtype, weak_type=True, sharding=sharding)
     with jax.default_device(device):
-        return jax.jit(lambda *xs: xs).lower(*specs).compile()
+        return jax.jit(lambda x: x).lower(spec).compile()
 
 
 def is_int(x: Any) -> TypeGuard[int]:

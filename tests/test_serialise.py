@@ -5,6 +5,7 @@ Files loaded across layouts (stacked <-> list) are `test_load_layouts.py`'s."""
 import logging
 import math
 import struct
+from typing import Any
 
 import equinox as eqx
 import hypothesis.extra.numpy as hnp
@@ -68,6 +69,51 @@ def test_weak_types_come_back(tmp_path):
     assert members[0]["steps"].weak_type and not members[1]["strong"].weak_type
     eb.save(path, members)
     assert_trees_identical(eb.load(path, like=stacked), stacked)
+
+
+def _backend_compiles(caplog: Any) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if "Finished XLA compilation" in r.getMessage()
+    ]
+
+
+def test_many_weak_leaves_compile_per_shape_not_per_leaf(tmp_path, caplog):
+    # 0-d weak leaves of JAX's default dtypes arrive weak from Python scalars; the
+    # rest go through one identity program per shape, dtype and placement.
+    nan = np.frombuffer(struct.pack("<I", 0x7FC0_1234), np.float32)[0]
+    second = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+    values = [
+        jnp.asarray(-0.0),
+        jnp.asarray(7),
+        jnp.asarray(1 + 2j),
+        # A weak NaN with a payload, which a Python float need not keep.
+        jax.jit(lambda x: x)
+        .lower(jax.ShapeDtypeStruct((), jnp.float32, weak_type=True))
+        .compile()(nan),
+        jnp.full((3, 7), 2.5),
+        jnp.full((11,), -4),
+        jax.device_put(jnp.full((3, 7), 0.5), second),
+        jax.device_put(jnp.asarray(9.0), second),
+        jnp.ones((3, 7)),
+    ]
+    tree = [values[i % len(values)] for i in range(300)]
+    assert [x.weak_type for x in tree[:9]] == [True] * 8 + [False]
+    path = tmp_path / "weak.safetensors"
+    eb.save(path, tree)
+    with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
+        loaded = eb.load(path, like=tree)
+    assert_trees_identical(loaded, tree)
+    assert loaded[6].sharding == second and loaded[7].sharding == second
+    # At most the NaN's, (3, 7) float32 on two placements and (11,) int32.
+    assert len(_backend_compiles(caplog)) <= 4
+    # Another tree of the same shapes compiles nothing.
+    caplog.clear()
+    eb.save(path, tree[:123])
+    with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
+        assert_trees_identical(eb.load(path, like=tree[:123]), tree[:123])
+    assert _backend_compiles(caplog) == []
 
 
 def test_leaf_types_follow_like(getkey, tmp_path):

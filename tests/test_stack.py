@@ -247,13 +247,37 @@ def test_compilations_do_not_grow_with_members(placement):
             _compiles(lambda: eb.concat([tree, tree])),
         )
 
-    # The first unstack of a structure compiles its one rows program, whatever the
-    # member count; stacking, indexing and concatenating CPU arrays compile nothing.
+    # The first unstack compiles one rows program per row shape and dtype (three
+    # here), whatever the member count; stacking, indexing and concatenating CPU
+    # arrays compile nothing.
     first = fresh(40)
-    assert _compiles(lambda: eb.unstack(first)) <= 1
+    assert _compiles(lambda: eb.unstack(first)) <= 3
     assert count(first) == (0, 0, 0, 0, 0)
     assert count(fresh(57)) == (0, 0, 0, 0, 0)
     assert count(fresh(9)) == (0, 0, 0, 0, 0)
+
+
+def test_unstack_compiles_per_row_shape_not_per_tree():
+    # Shapes unused elsewhere, so no earlier test has compiled for them.
+    def wide(leaves: int, members: int) -> list[jax.Array]:
+        shapes = [(members, 19), (members, 2, 19)]
+        return jax.block_until_ready(
+            [jnp.full(shapes[i % 2], float(i), jnp.float32) for i in range(leaves)]
+        )
+
+    tree = wide(50, 5)
+    assert _compiles(lambda: eb.unstack(tree)) <= 2
+    # Another tree of those row shapes, with other counts of leaves and members,
+    # compiles nothing: the programs are per row shape, not per tree.
+    other = wide(77, 23)
+    members: list[Any] = []
+    assert _compiles(lambda: members.extend(eb.unstack(other))) == 0
+    for i, member in enumerate(members):
+        assert_trees_identical(member, [leaf[i] for leaf in other])
+        assert all(
+            piece.devices() == leaf.devices()
+            for piece, leaf in zip(member, other, strict=True)
+        )
 
 
 def test_weak_leaves_compile_per_shape_not_per_call():
