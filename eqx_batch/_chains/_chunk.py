@@ -41,7 +41,8 @@ class RunPlan:
     num_steps: int
     recorded: Any  # one chain's recorded arrays, as shape-dtype structs; None if none
     recorded_static: Any  # the recorded leaves that are the same in every draw
-    program: jax.extend.core.ClosedJaxpr  # `step`, traced: for the run's identity
+    # `step`, traced: for the run's identity (None without a checkpoint)
+    program: jax.extend.core.ClosedJaxpr | None
     counts: dict[str, Any]  # the arguments that change results, for the identity
     checkpoint_every: int | None
 
@@ -137,6 +138,7 @@ class RunPlan:
     def identity(self, chains: ChainState, num_chains: int) -> RunIdentity:
         """The identity of the run of these chains (raw data)."""
         init_like = _with_leading(self.one_chain.state, num_chains)
+        assert self.program is not None
         return RunIdentity.of(
             self.program,
             eqx.combine(chains.states, self.shared),

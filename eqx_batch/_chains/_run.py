@@ -47,7 +47,7 @@ from ._segment import (
     OneChain,
     SegmentPlan,
 )
-from ._step import per_chain, trace_step
+from ._step import checked_output, per_chain, trace_step
 
 
 def run_chains(
@@ -197,12 +197,19 @@ def run_chains(
         # As a pytree, a partial's arrays (the data) are arguments of the compiled loop
         # rather than constants baked into it, so a new partial does not recompile.
         step = jtu.Partial(step.func, *step.args, **step.keywords)
-    traced = trace_step(step, init, keys, legacy, with_output)
+    # The program is traced afresh for a checkpoint's identity (its constants' values
+    # are part of it); a run without one needs only the checks, which are cached.
+    traced = None
+    if checkpoint is not None:
+        traced = trace_step(step, init, keys, legacy, with_output)
+        output = traced.output
+    else:
+        output = checked_output(step, init, keys, legacy, with_output)
     num_draws = draws_before(num_steps, burn_in, thin)
     one_chain = OneChain(per_chain(init_arrays), jax.ShapeDtypeStruct((), keys.dtype))
     # One chain's recorded leaves: shape-dtype structs for the arrays, and the leaves
     # that are the same in every draw (an MLP's activation) as they are.
-    recorded = traced.output if with_output else per_chain(init)
+    recorded = output if with_output else per_chain(init)
     run = RunPlan(
         step=step,
         shared=shared,
@@ -219,7 +226,7 @@ def run_chains(
         num_steps=num_steps,
         recorded=None if not trace else eqx.filter(recorded, _is_struct),
         recorded_static=eqx.filter(recorded, _is_struct, inverse=True),
-        program=traced.program,
+        program=None if traced is None else traced.program,
         counts={
             "num_steps": num_steps,
             "thin": thin,
@@ -307,7 +314,9 @@ def run_chains(
         )
     nonfinite_steps = np.asarray(chains.first_bad)
     bad_chains = np.flatnonzero(nonfinite_steps)
-    keys = as_keys_like(chains.keys, one_chain.key)
+    # Wrapped like the keys passed in (a concrete array tells its implementation
+    # without creating one).
+    keys = jr.wrap_key_data(chains.keys, impl=jr.key_impl(keys))
     return Chains(
         final=eqx.combine(as_keys_like(chains.states, one_chain.state), shared),
         trace=recorded,
