@@ -130,15 +130,20 @@ def _segment(
         states, keys, finite, output = jax.vmap(one_chain)(states, keys)
         first_bad = jnp.where((first_bad == 0) & ~finite, t + 1, first_bad)
         if plan.record:
-            # A read-modify-write of one slot (clamped into range) rather than a
+            # One slot (clamped into range) written per step, rather than a
             # `lax.cond`, which XLA may turn into a copy of the whole buffer per step.
-            keep = (t >= plan.burn_in) & ((t - plan.burn_in) % plan.thin == 0)
             slot = jnp.clip((t - plan.burn_in) // plan.thin, 0, plan.num_draws - 1)
 
             def write(draws: jax.Array, x: jax.Array) -> jax.Array:
-                old = lax.dynamic_index_in_dim(draws, slot, 1, keepdims=False)
-                new = jnp.where(keep, x, old)
-                return lax.dynamic_update_index_in_dim(draws, new, slot, 1)
+                if plan.thin > 1:
+                    # A step between two draws rewrites the last draw's slot as it was.
+                    keep = (t >= plan.burn_in) & ((t - plan.burn_in) % plan.thin == 0)
+                    old = lax.dynamic_index_in_dim(draws, slot, 1, keepdims=False)
+                    x = jnp.where(keep, x, old)
+                # Without thinning, every step from `burn_in` on is a draw, and a step
+                # before it writes slot 0, which holds no draw until step `burn_in`
+                # overwrites it: nothing needs reading.
+                return lax.dynamic_update_index_in_dim(draws, x, slot, 1)
 
             recorded = output if plan.with_output else states
             buffer = jtu.tree_map(write, buffer, recorded)
