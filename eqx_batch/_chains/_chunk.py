@@ -197,8 +197,11 @@ def _start(
 ) -> _Start:
     """The chains and trace buffer on the devices, at the start or as checkpointed."""
     if restored is None:
-        trace_buffer = None if trace_like is None else placement.zeros(trace_like)
-        return _Start(0, placement.put(chains), trace_buffer)
+        # Every chain starts finite: its report is made on the devices, in the one
+        # program that makes the trace buffer (placing a host array costs as much).
+        trace_buffer, first_bad = placement.zeros((trace_like, chains.first_bad))
+        chains = placement.put(chains._replace(first_bad=None))
+        return _Start(0, chains._replace(first_bad=first_bad), trace_buffer)
     trace_buffer = None
     if trace_like is not None:
         made = jtu.tree_leaves(restored.draws)[0].shape[1]
