@@ -100,8 +100,8 @@ def loop_row(name: str, num_chains: int, num_steps: int, target: str, **timing) 
     def baseline() -> object:
         return jax.block_until_ready(recipe(init, keys))
 
-    result = ours()
-    states, end_keys, trace = baseline()
+    result = jax.block_until_ready(eb.run_chains(metropolis, init, keys, num_steps))
+    states, end_keys, trace = jax.block_until_ready(recipe(init, keys))
     by_chain = jtu.tree_map(lambda x: jnp.swapaxes(x, 0, 1), trace)
     for a, b in [(result.final, states), (result.trace, by_chain)]:
         assert all(

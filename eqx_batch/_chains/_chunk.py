@@ -25,6 +25,7 @@ from ._segment import (
     draws_before,
     OneChain,
     run_segment,
+    seen_before,
     SegmentPlan,
     SegmentProgress,
 )
@@ -109,8 +110,10 @@ class RunPlan:
                     self.plan, steps_done, min(interval, num_steps - steps_done), store
                 )
                 result = run_segment(
-                    dataclasses.replace(
-                        self.plan, length=window.length, emit=window.emit
+                    seen_before(
+                        dataclasses.replace(
+                            self.plan, length=window.length, emit=window.emit
+                        )
                     ),
                     self.step,
                     self.shared,

@@ -45,6 +45,7 @@ from ._segment import (
     ChainState,
     draws_before,
     OneChain,
+    seen_before,
     SegmentPlan,
 )
 from ._step import checked_output, per_chain, trace_step
@@ -206,7 +207,9 @@ def run_chains(
     else:
         output = checked_output(step, init, keys, legacy, with_output)
     num_draws = draws_before(num_steps, burn_in, thin)
-    one_chain = OneChain(per_chain(init_arrays), jax.ShapeDtypeStruct((), keys.dtype))
+    one_chain = seen_before(
+        OneChain(per_chain(init_arrays), jax.ShapeDtypeStruct((), keys.dtype))
+    )
     # One chain's recorded leaves: shape-dtype structs for the arrays, and the leaves
     # that are the same in every draw (an MLP's activation) as they are.
     recorded = output if with_output else per_chain(init)

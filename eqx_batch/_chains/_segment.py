@@ -170,3 +170,25 @@ def _segment(
 # checkpoint writer waits on the results it needs, not the loop. The trace buffer is
 # donated and updated in place.
 run_segment = AsyncJit(_segment, donate=("trace_buffer",))
+
+
+# `run_segment` finds its program at once for arguments whose non-array leaves are the
+# very objects of an earlier call (else it partitions and hashes them): the plan and
+# shape-dtype structs that every call makes anew are swapped for equal ones seen before.
+_SEEN = 256
+_seen: dict[Any, Any] = {}
+
+
+def seen_before(tree: Any) -> Any:
+    """`tree` with each leaf (hashable: a `SegmentPlan`, shape-dtype structs) replaced
+    by an equal one passed here before, if any."""
+
+    def swap(leaf: Any) -> Any:
+        found = _seen.get(leaf)
+        if found is None:
+            if len(_seen) >= _SEEN:
+                del _seen[next(iter(_seen))]
+            found = _seen[leaf] = leaf
+        return found
+
+    return jtu.tree_map(swap, tree)
