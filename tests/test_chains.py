@@ -286,6 +286,23 @@ def test_trace_is_written_in_place():
     assert stats.temp_size_in_bytes < trace_bytes / 4
 
 
+def test_a_second_call_does_not_trace_the_step_again():
+    # The step's checks are cached like its compiled loop: calling `run_chains` again
+    # with the same step and kind of state runs Python code of neither.
+    calls = []
+
+    def step(state: dict, key: jax.Array) -> dict:
+        calls.append(key)
+        return metropolis(state, key)
+
+    first = eb.run_chains(step, make_init(4), jr.key(0), 5)
+    traced = len(calls)
+    assert traced > 0
+    again = eb.run_chains(step, make_init(4), jr.key(0), 5)
+    assert len(calls) == traced
+    assert_trees_identical(outputs(again), outputs(first))
+
+
 def test_progress_bar_leaves_results_unchanged(capsys):
     init = make_init(4)
     plain = eb.run_chains(metropolis, init, jr.key(0), 50)
@@ -405,6 +422,18 @@ def test_step_changing_a_shape_is_refused():
     with pytest.raises(eb.BatchError, match=r"init\['layer2'\]\['weights'\]") as info:
         eb.run_chains(step, make_init(2), jr.key(0), 3)
     assert "float32[3,4]" in str(info.value)
+
+
+def test_step_is_checked_again_for_another_kind_of_state():
+    # Fine on 3x3 weights, wrong on any other shape: a call with other shapes is
+    # checked anew, not taken for the one checked before.
+    def step(state: dict, key: jax.Array) -> dict:
+        return jtu.tree_map(lambda x: x if x.shape == (3, 3) else x[:1], state)
+
+    eb.run_chains(step, make_init(2), jr.key(0), 3)
+    wide = {"layer1": {"weights": jnp.zeros((2, 3, 4))}}
+    with pytest.raises(eb.BatchError, match=r"init\['layer1'\]\['weights'\]"):
+        eb.run_chains(step, wide, jr.key(0), 3)
 
 
 def test_step_changing_a_dtype_is_refused():

@@ -25,6 +25,7 @@ from ._segment import (
     draws_before,
     OneChain,
     run_segment,
+    seen_before,
     SegmentPlan,
     SegmentProgress,
 )
@@ -41,7 +42,8 @@ class RunPlan:
     num_steps: int
     recorded: Any  # one chain's recorded arrays, as shape-dtype structs; None if none
     recorded_static: Any  # the recorded leaves that are the same in every draw
-    program: jax.extend.core.ClosedJaxpr  # `step`, traced: for the run's identity
+    # `step`, traced: for the run's identity (None without a checkpoint)
+    program: jax.extend.core.ClosedJaxpr | None
     counts: dict[str, Any]  # the arguments that change results, for the identity
     checkpoint_every: int | None
 
@@ -108,8 +110,10 @@ class RunPlan:
                     self.plan, steps_done, min(interval, num_steps - steps_done), store
                 )
                 result = run_segment(
-                    dataclasses.replace(
-                        self.plan, length=window.length, emit=window.emit
+                    seen_before(
+                        dataclasses.replace(
+                            self.plan, length=window.length, emit=window.emit
+                        )
                     ),
                     self.step,
                     self.shared,
@@ -137,6 +141,7 @@ class RunPlan:
     def identity(self, chains: ChainState, num_chains: int) -> RunIdentity:
         """The identity of the run of these chains (raw data)."""
         init_like = _with_leading(self.one_chain.state, num_chains)
+        assert self.program is not None
         return RunIdentity.of(
             self.program,
             eqx.combine(chains.states, self.shared),
@@ -195,8 +200,11 @@ def _start(
 ) -> _Start:
     """The chains and trace buffer on the devices, at the start or as checkpointed."""
     if restored is None:
-        trace_buffer = None if trace_like is None else placement.zeros(trace_like)
-        return _Start(0, placement.put(chains), trace_buffer)
+        # Every chain starts finite: its report is made on the devices, in the one
+        # program that makes the trace buffer (placing a host array costs as much).
+        trace_buffer, first_bad = placement.zeros((trace_like, chains.first_bad))
+        chains = placement.put(chains._replace(first_bad=None))
+        return _Start(0, chains._replace(first_bad=first_bad), trace_buffer)
     trace_buffer = None
     if trace_like is not None:
         made = jtu.tree_leaves(restored.draws)[0].shape[1]

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._select import take
-from .._shard import member_mesh, shard
+from .._shard import member_mesh
 from .._tree import is_array
 
 
@@ -34,8 +34,10 @@ class Placement:
 
     def __init__(self, num_chains: int, pad_to: int = 0):
         self.num_chains = num_chains
-        num_devices = member_mesh().size
-        self.num_rows = -(-max(num_chains, pad_to) // num_devices) * num_devices
+        mesh = member_mesh()
+        self.num_rows = -(-max(num_chains, pad_to) // mesh.size) * mesh.size
+        # Every leaf placed here is split along its axis 0, one row per chain.
+        self.split = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
 
     def put(self, tree: Any) -> Any:
         """`tree` (on the host or on devices, one row per chain) split over the
@@ -47,7 +49,19 @@ class Placement:
             # Only host data (the same in every process) can be placed on the devices
             # of other processes.
             tree = jtu.tree_map(lambda x: np.asarray(x) if is_array(x) else x, tree)
-        return shard(tree)
+        # In one call, without `eb.shard`'s checks (which are for a user's tree), and
+        # only the leaves not already split so (`device_put` costs even then).
+        leaves, treedef = jtu.tree_flatten(tree)
+        moving = [i for i, x in enumerate(leaves) if not self._is_split(x)]
+        moved = jax.device_put([leaves[i] for i in moving], self.split)
+        for i, x in zip(moving, moved, strict=True):
+            leaves[i] = x
+        return jtu.tree_unflatten(treedef, leaves)
+
+    def _is_split(self, x: Any) -> bool:
+        return isinstance(x, jax.Array) and x.sharding.is_equivalent_to(
+            self.split, x.ndim
+        )
 
     def real_chains(self, tree: Any) -> Any:
         """The rows of the real chains (padding dropped), whole on every process."""
@@ -65,11 +79,9 @@ class Placement:
 
     def zeros(self, like: Any) -> Any:
         """Zeros shaped like `like` (one row per chain), created already split."""
-        mesh = member_mesh()
-        sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
         leaves, treedef = jtu.tree_flatten(like)
         specs = tuple(((self.num_rows, *x.shape[1:]), x.dtype) for x in leaves)
-        return jtu.tree_unflatten(treedef, _sharded_zeros(specs, sharding))
+        return jtu.tree_unflatten(treedef, _sharded_zeros(specs, self.split))
 
 
 @ft.partial(jax.jit, static_argnums=(1,))

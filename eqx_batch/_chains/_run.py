@@ -48,9 +48,10 @@ from ._segment import (
     ChainState,
     draws_before,
     OneChain,
+    seen_before,
     SegmentPlan,
 )
-from ._step import per_chain, trace_step
+from ._step import checked_output, per_chain, trace_step
 from ._superchains import expand_superchains
 
 
@@ -248,15 +249,24 @@ def run_chains(
         # As a pytree, a partial's arrays (the data) are arguments of the compiled loop
         # rather than constants baked into it, so a new partial does not recompile.
         step = jtu.Partial(step.func, *step.args, **step.keywords)
-    traced = trace_step(step, init, keys, legacy, with_output)
+    # The program is traced afresh for a checkpoint's identity (its constants' values
+    # are part of it); a run without one needs only the checks, which are cached.
+    traced = None
+    if checkpoint is not None:
+        traced = trace_step(step, init, keys, legacy, with_output)
+        output = traced.output
+    else:
+        output = checked_output(step, init, keys, legacy, with_output)
     num_draws = draws_before(num_steps, burn_in, thin)
-    one_chain = OneChain(per_chain(init_arrays), jax.ShapeDtypeStruct((), keys.dtype))
+    one_chain = seen_before(
+        OneChain(per_chain(init_arrays), jax.ShapeDtypeStruct((), keys.dtype))
+    )
     if diagnostics:
         check_diagnostics(one_chain.state, num_draws)
     # One chain's recorded leaves: shape-dtype structs for the arrays, and the leaves
     # that are the same in every draw (an MLP's activation) as they are. With
     # `with_output`, the state and the output, as a pair.
-    recorded = (per_chain(init), traced.output) if with_output else per_chain(init)
+    recorded = (per_chain(init), output) if with_output else per_chain(init)
     counts = {
         "num_steps": num_steps,
         "thin": thin,
@@ -288,7 +298,7 @@ def run_chains(
         num_steps=num_steps,
         recorded=None if not trace else eqx.filter(recorded, _is_struct),
         recorded_static=eqx.filter(recorded, _is_struct, inverse=True),
-        program=traced.program,
+        program=None if traced is None else traced.program,
         counts=counts,
         checkpoint_every=checkpoint_every,
     )
@@ -373,7 +383,9 @@ def run_chains(
         )
     nonfinite_steps = np.asarray(chains.first_bad)
     bad_chains = np.flatnonzero(nonfinite_steps)
-    keys = as_keys_like(chains.keys, one_chain.key)
+    # Wrapped like the keys passed in (a concrete array tells its implementation
+    # without creating one).
+    keys = jr.wrap_key_data(chains.keys, impl=jr.key_impl(keys))
     states = outputs = None
     if recorded is not None and with_output:
         states, outputs = recorded

@@ -142,15 +142,20 @@ def _segment(
             num_draws=plan.num_draws,
         )
         if plan.record:
-            # A read-modify-write of one slot (clamped into range) rather than a
+            # One slot (clamped into range) written per step, rather than a
             # `lax.cond`, which XLA may turn into a copy of the whole buffer per step.
-            keep = (t >= plan.burn_in) & ((t - plan.burn_in) % plan.thin == 0)
             slot = jnp.clip((t - plan.burn_in) // plan.thin, 0, plan.num_draws - 1)
 
             def write(draws: jax.Array, x: jax.Array) -> jax.Array:
-                old = lax.dynamic_index_in_dim(draws, slot, 1, keepdims=False)
-                new = jnp.where(keep, x, old)
-                return lax.dynamic_update_index_in_dim(draws, new, slot, 1)
+                if plan.thin > 1:
+                    # A step between two draws rewrites the last draw's slot as it was.
+                    keep = (t >= plan.burn_in) & ((t - plan.burn_in) % plan.thin == 0)
+                    old = lax.dynamic_index_in_dim(draws, slot, 1, keepdims=False)
+                    x = jnp.where(keep, x, old)
+                # Without thinning, every step from `burn_in` on is a draw, and a step
+                # before it writes slot 0, which holds no draw until step `burn_in`
+                # overwrites it: nothing needs reading.
+                return lax.dynamic_update_index_in_dim(draws, x, slot, 1)
 
             recorded = (states, output) if plan.with_output else states
             buffer = jtu.tree_map(write, buffer, recorded)
@@ -177,3 +182,25 @@ def _segment(
 # checkpoint writer waits on the results it needs, not the loop. The trace buffer is
 # donated and updated in place.
 run_segment = AsyncJit(_segment, donate=("trace_buffer",))
+
+
+# `run_segment` finds its program at once for arguments whose non-array leaves are the
+# very objects of an earlier call (else it partitions and hashes them): the plan and
+# shape-dtype structs that every call makes anew are swapped for equal ones seen before.
+_SEEN = 256
+_seen: dict[Any, Any] = {}
+
+
+def seen_before(tree: Any) -> Any:
+    """`tree` with each leaf (hashable: a `SegmentPlan`, shape-dtype structs) replaced
+    by an equal one passed here before, if any."""
+
+    def swap(leaf: Any) -> Any:
+        found = _seen.get(leaf)
+        if found is None:
+            if len(_seen) >= _SEEN:
+                del _seen[next(iter(_seen))]
+            found = _seen[leaf] = leaf
+        return found
+
+    return jtu.tree_map(swap, tree)

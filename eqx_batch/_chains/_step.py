@@ -1,4 +1,10 @@
-"""The user's step, traced on one chain and checked before anything runs."""
+"""The user's step, traced on one chain and checked before anything runs.
+
+A run without a checkpoint needs of the trace only its checks and the shapes of the
+step's output, which depend on nothing but the step and the abstract state: they are
+cached, so that calling `run_chains` again with the same step and kind of state costs no
+trace (as the compiled loop costs no compile).
+"""
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -9,6 +15,7 @@ import jax.extend
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from .._compile import array_types, partition
 from .._errors import BatchError, bullet_list, describe, leaf_name
 from .._tree import is_array
 
@@ -93,6 +100,44 @@ def trace_step(
             "(cast with `.astype`)."
         )
     return TracedStep(program, output)
+
+
+# Checked steps are looked up by the static part of `step` and of the state, and the
+# shapes and dtypes of their arrays: what the compiled loop's cache keys on too. An
+# entry keeps its step alive (as `jax.jit`'s cache does), so at most this many are kept.
+_CHECKED_STEPS = 256
+_checked_outputs: dict[tuple, Any] = {}
+
+
+def checked_output(
+    step: Callable, states: Any, key: jax.Array, legacy: bool, with_output: bool
+) -> Any:
+    """`trace_step(...).output`, traced only the first time `step` meets states and
+    keys of these shapes and dtypes (and raising as `trace_step` does)."""
+    step_arrays, step_static = partition(step)
+    state_arrays, state_static = partition(states)
+    signature = (
+        step_static,
+        array_types(step_arrays),
+        state_static,
+        tuple((x.shape[1:], x.dtype) for x in state_arrays),
+        key.dtype,
+        legacy,
+        with_output,
+    )
+    try:
+        return _checked_outputs[signature]
+    except KeyError:
+        pass
+    except TypeError:
+        # A non-array leaf that cannot be hashed: traced every time (and refused, by
+        # name, when the loop is compiled).
+        return trace_step(step, states, key, legacy, with_output).output
+    output = trace_step(step, states, key, legacy, with_output).output
+    if len(_checked_outputs) >= _CHECKED_STEPS:
+        del _checked_outputs[next(iter(_checked_outputs))]
+    _checked_outputs[signature] = output
+    return output
 
 
 def _structure_change(before: tuple, after: tuple) -> str:
