@@ -24,8 +24,8 @@ def _summary(draws: np.ndarray) -> Summary:
     return Summary(count, mean, ((draws - mean) ** 2).sum(axis=0))
 
 
-# No subnormal draws: XLA on the CPU may flush them to zero in any arithmetic (jaxlib 0.8
-# does, in the merge's products), as it would in the loop itself.
+# No subnormal draws: XLA on the CPU may flush them to zero in any arithmetic
+# (jaxlib 0.8 does, in the merge's products), as it would in the loop itself.
 _draws = hnp.arrays(
     np.float64,
     st.tuples(st.integers(0, 40), st.integers(1, 3)),
