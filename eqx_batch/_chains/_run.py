@@ -404,7 +404,7 @@ def run_chains(
         if not diagnostics
         else diagnose(
             chains.moments,
-            None if superchain_ids is None else int(superchain_ids[-1]) + 1,
+            None if superchains is None else int(superchains),
         ),
     )
 
