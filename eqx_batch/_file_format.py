@@ -161,6 +161,46 @@ def _malformed(path: str) -> BadFileError:
     )
 
 
+def _rewritten(path: str) -> BadFileError:
+    return BadFileError(
+        f"`{path}` was rewritten by another tool: it holds the metadata `eb.save` "
+        "writes, but not where `eb.save` puts it, so its checksums cannot be "
+        "checked and `eb.load` does not read it. Its arrays are readable with "
+        f"`safetensors.numpy.load_file('{path}')`, named by their leaf paths; put "
+        "them into your tree (e.g. with `eqx.tree_at`) and `eb.save` that."
+    )
+
+
+# The order in which `eb.save` writes its own metadata, before the caller's.
+_OUR_KEYS = [
+    f"{NAMESPACE}header_crc32",
+    f"{NAMESPACE}data_crc32",
+    f"{NAMESPACE}version",
+    f"{NAMESPACE}leaves",
+]
+
+
+def _reordered(path: str, descriptor: int, raw: bytes) -> bool:
+    """Whether a header that fails its checksum was written again in another order.
+
+    Damage (a flipped byte, a torn copy) leaves keys where they were; another writer
+    (safetensors' own, whose metadata order is arbitrary in older releases) can keep
+    `eb.save`'s opening by chance while moving the rest.
+    """
+    header = _parse_header(raw)
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    # A rewrite keeps every key; damage to one of ours removes it.
+    if not isinstance(metadata, dict) or not set(_OUR_KEYS) <= metadata.keys():
+        return False
+    if list(metadata)[:4] == _OUR_KEYS:
+        return False
+    try:
+        with safetensors.safe_open(_descriptor_path(path, descriptor), "np"):
+            return True
+    except Exception:  # noqa: BLE001 - any failure of the parser means "damaged"
+        return False
+
+
 def _parse_header(raw: bytes) -> Any:
     try:
         return json.loads(raw[LENGTH.size :].decode())
@@ -194,14 +234,8 @@ def _check_foreign(
         isinstance(k, str) and k.startswith(NAMESPACE) for k in metadata
     ):
         # Sound for the parser, with our metadata moved from where `eb.save` puts
-        # it: another writer (`safetensors.numpy.save_file` sorts the header) did it.
-        return BadFileError(
-            f"`{path}` was rewritten by another tool: it holds the metadata `eb.save` "
-            "writes, but not where `eb.save` puts it, so its checksums cannot be "
-            "checked and `eb.load` does not read it. Its arrays are readable with "
-            f"`safetensors.numpy.load_file('{path}')`, named by their leaf paths; put "
-            "them into your tree (e.g. with `eqx.tree_at`) and `eb.save` that."
-        )
+        # it: another writer (`safetensors.numpy.save_file` reorders the header) did it.
+        return _rewritten(path)
     return ForeignFileError(
         f"`{path}` is a safetensors file ({count} tensor{'' if count == 1 else 's'}) "
         "but not an eqx_batch file: it lacks the metadata `eb.save` writes (the "
@@ -275,6 +309,8 @@ def _check_envelope(path: str, descriptor: int, size: int) -> _Envelope:
     raw[HEADER_CRC_AT : HEADER_CRC_AT + 8] = b"0" * 8
     raw[DATA_CRC_AT : DATA_CRC_AT + 8] = b"0" * 8
     if header_crc is None or data_crc is None or zlib.crc32(raw) != header_crc:
+        if _reordered(path, descriptor, bytes(raw)):
+            raise _rewritten(path)
         raise _corrupt(path, "the CRC-32 checksum of its header does not match it")
     header = _parse_header(bytes(raw))
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
