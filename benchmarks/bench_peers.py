@@ -101,6 +101,30 @@ def inference_loop(rng_key, kernel, initial_state, num_samples):
     return states
 
 
+def blackjax_sides(kernel, initial_states, keys, steps):
+    """BlackJAX's multi-chain recipe (`vmap` of `inference_loop`) and `run_chains` of
+    the same kernel: each a function that returns the trace, ready."""
+
+    @jax.jit
+    def recipe(keys, initial_states):
+        return jax.vmap(lambda key, state: inference_loop(key, kernel, state, steps))(
+            keys, initial_states
+        )
+
+    def step(state, key):
+        return kernel(key, state)[0]
+
+    def ours():
+        return jax.block_until_ready(
+            eb.run_chains(step, initial_states, keys, steps).trace
+        )
+
+    def theirs():
+        return jax.block_until_ready(recipe(keys, initial_states))
+
+    return ours, theirs
+
+
 RANDOM_WALK = f"BlackJAX vmap(inference_loop) random walk ({CHAINS} chains x {STEPS})"
 RANDOM_WALK_ROWS = [(f"{RANDOM_WALK}: run_chains / recipe", 1.05)]
 
@@ -114,23 +138,7 @@ def blackjax_random_walk(blackjax: ModuleType) -> None:
     positions = {"layer1": {"weights": start[0]}, "layer2": {"weights": start[1]}}
     initial_states = jax.vmap(random_walk.init)(positions)
     keys = jr.split(jr.key(0), CHAINS)
-
-    @jax.jit
-    def recipe(keys, initial_states):
-        return jax.vmap(
-            lambda key, state: inference_loop(key, random_walk.step, state, STEPS)
-        )(keys, initial_states)
-
-    def step(state, key):
-        return random_walk.step(key, state)[0]
-
-    def theirs():
-        return jax.block_until_ready(recipe(keys, initial_states))
-
-    def ours():
-        return jax.block_until_ready(
-            eb.run_chains(step, initial_states, keys, STEPS).trace
-        )
+    ours, theirs = blackjax_sides(random_walk.step, initial_states, keys, STEPS)
 
     # Different key schedules (BlackJAX splits a chain's key into one per step up
     # front; run_chains splits the carried key each step): the same target's moments,
@@ -195,23 +203,7 @@ def blackjax_hmc(blackjax: ModuleType) -> None:
     )
     initial_states = jax.vmap(hmc.init)(posterior_draws(jr.key(3), HMC_CHAINS))
     keys = jr.split(jr.key(4), HMC_CHAINS)
-
-    @jax.jit
-    def recipe(keys, initial_states):
-        return jax.vmap(
-            lambda key, state: inference_loop(key, hmc.step, state, HMC_STEPS)
-        )(keys, initial_states)
-
-    def step(state, key):
-        return hmc.step(key, state)[0]
-
-    def theirs():
-        return jax.block_until_ready(recipe(keys, initial_states))
-
-    def ours():
-        return jax.block_until_ready(
-            eb.run_chains(step, initial_states, keys, HMC_STEPS).trace
-        )
+    ours, theirs = blackjax_sides(hmc.step, initial_states, keys, HMC_STEPS)
 
     for side, trace in (("ours", ours()), ("BlackJAX", theirs())):
         check_moments(
