@@ -7,7 +7,6 @@ key data typed keys again, once.
 """
 
 import contextlib
-import functools as ft
 import os
 import pathlib
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from .._tree import (
     is_numpy,
     mapped_leaves,
 )
+from ._all_chains import AllChains, check_all_chains_run
 from ._checkpoint import (
     chunk_path,
     longest_file_name,
@@ -51,7 +51,7 @@ from ._segment import (
     seen_before,
     SegmentPlan,
 )
-from ._step import checked_output, per_chain, trace_step
+from ._step import checked_output, per_chain, pytree_step, trace_step
 from ._superchains import expand_superchains
 
 
@@ -245,10 +245,9 @@ def run_chains(
         )
         init, num_chains = eqx.combine(init_arrays, shared), len(superchain_ids)
     keys, legacy = _chain_keys(key, num_chains)
-    if isinstance(step, ft.partial) and not isinstance(step, jtu.Partial):
-        # As a pytree, a partial's arrays (the data) are arguments of the compiled loop
-        # rather than constants baked into it, so a new partial does not recompile.
-        step = jtu.Partial(step.func, *step.args, **step.keywords)
+    step = pytree_step(step)
+    if isinstance(step, AllChains):
+        check_all_chains_run(num_chains, chunk_size)
     # The program is traced afresh for a checkpoint's identity (its constants' values
     # are part of it); a run without one needs only the checks, which are cached.
     traced = None
@@ -282,6 +281,9 @@ def run_chains(
     if diagnostics:
         # Only when on, so that the runs of before keep their identity.
         counts["diagnostics"] = True
+    if isinstance(step, AllChains):
+        # Its program is another kind (traced on the whole stack), and so is its run.
+        counts["step takes"] = "all chains"
     run = RunPlan(
         step=step,
         shared=shared,
