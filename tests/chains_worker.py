@@ -9,11 +9,11 @@ and `keys` with `eb.save`:
 The workloads (`WORKLOADS`) are random-walk Metropolis on a dict of weights
 (`metropolis`, the default), a state that carries its own typed PRNG keys (`keys`), an
 Equinox MLP whose activation is a function (`mlp`), and the emcee stretch move, a step
-that sees every chain (`stretch`), whose state records the step count it was given. The test suite runs the script
-with a checkpoint and SIGKILLs it mid-run, runs it with another device count (set
-through `XLA_FLAGS` by the caller) to compare bits, and runs it as a job of several
-processes (`multiprocess_launch`, with `--job` first), where each process saves the
-results it got to `OUT.<process id>`.
+that sees every chain (`stretch`), whose state records the step count it was given.
+The test suite runs the script with a checkpoint and SIGKILLs it mid-run, runs it with
+another device count (set through `XLA_FLAGS` by the caller) to compare bits, and runs
+it as a job of several processes (`multiprocess_launch`, with `--job` first), where
+each process saves the results it got to `OUT.<process id>`.
 """
 
 import sys

@@ -15,8 +15,8 @@ import pytest
 from chains_worker import (
     counted_stretch,
     GAUSSIAN_COV,
-    GAUSSIAN_MEAN,
     gaussian_log_density,
+    GAUSSIAN_MEAN,
     make_init,
     make_stretch_init,
     metropolis,
@@ -40,7 +40,9 @@ def _disguised(states: dict, keys: jax.Array, count: jax.Array) -> dict:
 
 def _moved(state: dict, key: jax.Array) -> tuple:
     new = metropolis(state, key)
-    return new, {"moved": jnp.any(new["layer1"]["weights"] != state["layer1"]["weights"])}
+    return new, {
+        "moved": jnp.any(new["layer1"]["weights"] != state["layer1"]["weights"])
+    }
 
 
 @eb.all_chains
@@ -59,9 +61,12 @@ def test_a_per_chain_step_in_disguise_gives_the_same_bits(num_chains, legacy):
     # places on one device. Each chain's step keys are split as for a per-chain step.
     init = make_init(num_chains)
     key = jr.PRNGKey(3) if legacy else jr.key(3)
-    kwargs = dict(thin=3, burn_in=4, diagnostics=True)
-    per_chain = eb.run_chains(metropolis, init, key, 20, **kwargs)
-    together = eb.run_chains(_disguised, init, key, 20, **kwargs)
+    per_chain = eb.run_chains(
+        metropolis, init, key, 20, thin=3, burn_in=4, diagnostics=True
+    )
+    together = eb.run_chains(
+        _disguised, init, key, 20, thin=3, burn_in=4, diagnostics=True
+    )
     assert_trees_identical(outputs(together), outputs(per_chain))
     if num_chains == 8:
         assert_trees_identical(together.diagnostics, per_chain.diagnostics)
@@ -74,7 +79,9 @@ def test_a_per_chain_step_in_disguise_gives_the_same_bits(num_chains, legacy):
 def test_outputs_in_disguise_give_the_same_bits():
     init = make_init(8)
     per_chain = eb.run_chains(_moved, init, jr.key(4), 12, with_output=True)
-    together = eb.run_chains(_disguised_with_output, init, jr.key(4), 12, with_output=True)
+    together = eb.run_chains(
+        _disguised_with_output, init, jr.key(4), 12, with_output=True
+    )
     assert_trees_identical(outputs(together), outputs(per_chain))
     assert_trees_identical(together.states, per_chain.states)
     assert together.trace["moved"].shape == (8, 12)
@@ -98,11 +105,15 @@ def test_the_step_gets_every_chain_and_keys_of_the_kind_passed():
 def test_superchains_expand_before_the_step_sees_them():
     starts = make_init(2)
     keys = jr.split(jr.key(5), 8)
-    kwargs = dict(superchains=2, diagnostics=True)
-    per_chain = eb.run_chains(metropolis, starts, keys, 10, **kwargs)
-    together = eb.run_chains(_disguised, starts, keys, 10, **kwargs)
+    per_chain = eb.run_chains(
+        metropolis, starts, keys, 10, superchains=2, diagnostics=True
+    )
+    together = eb.run_chains(
+        _disguised, starts, keys, 10, superchains=2, diagnostics=True
+    )
     assert_trees_identical(outputs(together), outputs(per_chain))
     np.testing.assert_array_equal(together.superchain, [0, 0, 0, 0, 1, 1, 1, 1])
+    assert together.diagnostics is not None
     assert together.diagnostics.nested_rhat is not None
     assert_trees_identical(together.diagnostics, per_chain.diagnostics)
 
@@ -224,6 +235,7 @@ def test_stretch_move_finds_the_gaussian_s_mean_and_covariance():
         burn_in=1000,
         diagnostics=True,
     )
+    assert result.diagnostics is not None
     draws = np.asarray(result.trace, np.float64).reshape(-1, 2)
     mean, cov = draws.mean(axis=0), np.cov(draws, rowvar=False)
     ess = np.asarray(result.diagnostics.ess, np.float64)
@@ -295,7 +307,11 @@ def test_outputs_without_a_row_per_chain_are_refused():
 
 
 def test_a_step_that_is_not_a_function_is_refused():
-    raises("not a function", lambda: eb.all_chains(3), "`step`")
+    raises(
+        "not a function",
+        lambda: eb.all_chains(3),  # pyright: ignore[reportArgumentType]
+        "`step`",
+    )
 
 
 def test_marking_twice_is_marking_once():

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._errors import BatchError
 from .._select import take
-from .._shard import member_mesh
+from .._shard import Device, member_mesh
 from .._tree import is_array
 
 
@@ -90,7 +90,7 @@ class Placement:
         return jtu.tree_unflatten(treedef, _sharded_zeros(specs, self.split))
 
 
-def chain_devices(num_chains: int) -> list[jax.Device]:
+def chain_devices(num_chains: int) -> list[Device]:
     """The most devices that `num_chains` chains split over evenly, as many of each
     process: the first `k` devices of every process, `k` the largest count of devices
     per process for which the processes' devices divide the chains.

@@ -134,8 +134,9 @@ def run_chains(
         (a digest of its traced program, of its constants' values and of the code
         and data of its host callbacks, not its name), and the versions of JAX and
         jaxlib and their PRNG configuration; every file records it, and a
-        checkpoint of another run is refused, saying what differs. Before the first step, the folder is checked by creating a file
-        in it with the longest name the run will write, and the process that writes
+        checkpoint of another run is refused, saying what differs. Before the first
+        step, the folder is checked by creating a file in it with the longest name
+        the run will write, and the process that writes
         takes a lock (`path.lock`, never followed if it is a link, released by the
         operating system when the process ends, killed or not), so a second live run
         on the same path is refused. In a job of several processes, process 0 writes

@@ -33,8 +33,8 @@ def per_chain(states: Any) -> Any:
 
 
 def pytree_step(step: Callable) -> Callable:
-    """`step` with a `functools.partial` (the one an `eb.all_chains` step wraps too) made
-    a `jax.tree_util.Partial`.
+    """`step` with a `functools.partial` (or the one an `eb.all_chains` step wraps)
+    made a `jax.tree_util.Partial`.
 
     As a pytree, a partial's arrays (the data) are arguments of the compiled loop rather
     than constants baked into it, so a new partial does not recompile.
