@@ -25,6 +25,7 @@ from chains_worker import (
     stretch_move,
 )
 from helpers import assert_trees_identical, raises, tree_allclose
+from multiprocess_launch import launch
 
 import eqx_batch as eb
 
@@ -205,6 +206,19 @@ def test_one_device_and_four_devices_give_the_same_bits(tmp_path):
     assert len(four.final["x"].sharding.device_set) == 3
     assert len(four.trace["x"].sharding.device_set) == 3
     assert_trees_identical(eb.load(out, outputs(four)), outputs(four))
+
+
+def test_a_job_of_two_processes_uses_as_many_devices_of_each(tmp_path):
+    # 2 processes of 2 devices: 6 chains on one device of each (4 do not divide 6),
+    # the same bits as here on 3 devices; 5 chains cannot be split over 2 processes.
+    out = tmp_path / "job.eqx"
+    args = ["--job", "--workload", "stretch", str(out)]
+    launch(WORKER, [*args, "6", "20"], devices_per_process=2)
+    here = outputs(eb.run_chains(counted_stretch, make_stretch_init(6), jr.key(0), 20))
+    for process_id in range(2):
+        assert_trees_identical(eb.load(f"{out}.{process_id}", here), here)
+    with pytest.raises(AssertionError, match="5 chains cannot be split evenly over"):
+        launch(WORKER, [*args, "5", "20"], devices_per_process=2)
 
 
 @pytest.mark.parametrize("num_chains, devices", [(8, 4), (12, 4), (6, 3), (7, 1)])

@@ -136,10 +136,10 @@ def run_chains(
         jaxlib and their PRNG configuration; every file records it, and a
         checkpoint of another run is refused, saying what differs. Before the first
         step, the folder is checked by creating a file in it with the longest name
-        the run will write, and the process that writes
-        takes a lock (`path.lock`, never followed if it is a link, released by the
-        operating system when the process ends, killed or not), so a second live run
-        on the same path is refused. In a job of several processes, process 0 writes
+        the run will write, and the process that writes takes a lock (`path.lock`,
+        never followed if it is a link, released by the operating system when the
+        process ends, killed or not), so a second live run on the same path is
+        refused. In a job of several processes, process 0 writes
         it and every process reads it (a folder they all see).
     - `checkpoint_every`: write the checkpoint after every this many steps (while the
         next steps run). `None` writes it once, at the end.
