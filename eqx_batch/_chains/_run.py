@@ -139,8 +139,8 @@ def run_chains(
         the run will write, and the process that writes takes a lock (`path.lock`,
         never followed if it is a link, released by the operating system when the
         process ends, killed or not), so a second live run on the same path is
-        refused. In a job of several processes, process 0 writes
-        it and every process reads it (a folder they all see).
+        refused. In a job of several processes, process 0 writes it and every
+        process reads it (a folder they all see).
     - `checkpoint_every`: write the checkpoint after every this many steps (while the
         next steps run). `None` writes it once, at the end.
     - `chunk_size`: run this many chains at a time, for more chains than fit in memory
