@@ -4,6 +4,8 @@
 """
 
 from ._chains import (
+    all_chains as all_chains,
+    AllChains as AllChains,
     Chains as Chains,
     Diagnostics as Diagnostics,
     NonFinite as NonFinite,
@@ -32,11 +34,13 @@ from ._vmap import filter_vmap as filter_vmap
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllChains",
     "BatchError",
     "Chains",
     "Diagnostics",
     "NonFinite",
     "Stacked",
+    "all_chains",
     "batch_size",
     "concat",
     "ensemble",

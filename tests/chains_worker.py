@@ -7,12 +7,13 @@ and `keys` with `eb.save`:
         [CHECKPOINT CHECKPOINT_EVERY [THIN]]
 
 The workloads (`WORKLOADS`) are random-walk Metropolis on a dict of weights
-(`metropolis`, the default), a state that carries its own typed PRNG keys (`keys`), and
-an Equinox MLP whose activation is a function (`mlp`). The test suite runs the script
-with a checkpoint and SIGKILLs it mid-run, runs it with another device count (set
-through `XLA_FLAGS` by the caller) to compare bits, and runs it as a job of several
-processes (`multiprocess_launch`, with `--job` first), where each process saves the
-results it got to `OUT.<process id>`.
+(`metropolis`, the default), a state that carries its own typed PRNG keys (`keys`), an
+Equinox MLP whose activation is a function (`mlp`), and the emcee stretch move, a step
+that sees every chain (`stretch`), whose state records the step count it was given.
+The test suite runs the script with a checkpoint and SIGKILLs it mid-run, runs it with
+another device count (set through `XLA_FLAGS` by the caller) to compare bits, and runs
+it as a job of several processes (`multiprocess_launch`, with `--job` first), where
+each process saves the results it got to `OUT.<process id>`.
 """
 
 import sys
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
+import numpy as np
 
 import eqx_batch as eb
 
@@ -78,6 +80,68 @@ def mlp_step(model: eqx.nn.MLP, key: jax.Array) -> eqx.nn.MLP:
     return eqx.combine(jtu.tree_unflatten(treedef, moved), static)
 
 
+# A correlated 2-d Gaussian: standard deviations 1 and 2, correlation 0.95. NumPy
+# constants: a job's processes must not touch JAX before it is initialised.
+GAUSSIAN_MEAN = np.array([1.0, -2.0], np.float32)
+GAUSSIAN_COV = np.array([[1.0, 1.9], [1.9, 4.0]], np.float32)
+_PRECISION = np.linalg.inv(GAUSSIAN_COV).astype(np.float32)
+
+
+def gaussian_log_density(x: jax.Array) -> jax.Array:
+    # Elementwise products and sums rather than a matmul, whose summation order XLA
+    # may choose by batch size: each chain's bits do not depend on the device count.
+    centred = x - GAUSSIAN_MEAN
+    return -0.5 * jnp.sum(centred * jnp.sum(_PRECISION * centred[None, :], axis=-1))
+
+
+def stretch_move(log_density: Callable, scale: float = 2.0) -> eb.AllChains:
+    """The affine-invariant stretch move of emcee (Goodman & Weare 2010) on walkers
+    `[chains, dim]`: each half of the ensemble moves against the other, each walker
+    with its own key for its stretch `z`, its partner and its acceptance uniform."""
+
+    def move(walkers: jax.Array, keys: jax.Array, others: jax.Array) -> jax.Array:
+        def draws(key: jax.Array) -> tuple:
+            z_key, partner_key, accept_key = jr.split(key, 3)
+            # z has density proportional to 1/sqrt(z) on [1/scale, scale].
+            z = ((scale - 1.0) * jr.uniform(z_key) + 1.0) ** 2 / scale
+            partner = jr.randint(partner_key, (), 0, others.shape[0])
+            return z, partner, jr.uniform(accept_key)
+
+        z, partner, uniform = jax.vmap(draws)(keys)
+        chosen = others[partner]
+        proposal = chosen + z[:, None] * (walkers - chosen)
+        log_ratio = (
+            (walkers.shape[1] - 1) * jnp.log(z)
+            + jax.vmap(log_density)(proposal)
+            - jax.vmap(log_density)(walkers)
+        )
+        accept = jnp.log(uniform) < log_ratio
+        return jnp.where(accept[:, None], proposal, walkers)
+
+    def step(walkers: jax.Array, keys: jax.Array, count: jax.Array) -> jax.Array:
+        half = walkers.shape[0] // 2
+        first = move(walkers[:half], keys[:half], walkers[half:])
+        second = move(walkers[half:], keys[half:], first)
+        return jnp.concatenate([first, second])
+
+    return eb.all_chains(step)
+
+
+_gaussian_stretch = stretch_move(gaussian_log_density)
+
+
+@eb.all_chains
+def counted_stretch(state: dict, keys: jax.Array, count: jax.Array) -> dict:
+    """The stretch move on the Gaussian, each chain recording the step count."""
+    walkers = _gaussian_stretch(state["x"], keys, count)
+    return {"x": walkers, "count": jnp.full(walkers.shape[0], count)}
+
+
+def make_stretch_init(num_chains: int) -> dict:
+    start = jnp.linspace(-1.0, 1.0, num_chains * 2).reshape(num_chains, 2)
+    return {"x": start, "count": jnp.full(num_chains, -1, jnp.int32)}
+
+
 def make_mlp_init(num_chains: int) -> eqx.nn.MLP:
     def make(key: jax.Array) -> eqx.nn.MLP:
         return eqx.nn.MLP(2, 2, 4, 1, activation=jax.nn.relu, key=key)
@@ -89,6 +153,7 @@ WORKLOADS: dict[str, tuple[Callable, Callable]] = {
     "metropolis": (metropolis, make_init),
     "keys": (key_step, make_key_init),
     "mlp": (mlp_step, make_mlp_init),
+    "stretch": (counted_stretch, make_stretch_init),
 }
 
 

@@ -124,10 +124,24 @@ def test_the_checker_finds_private_uses(source, expected):
 def test_no_private_api_of_any_dependency():
     offenders = [
         f"{path.relative_to(PACKAGE.parent)}:{line}: {text}"
-        for path in sorted(PACKAGE.glob("*.py"))
+        # Subpackages (`_chains/`) included.
+        for path in sorted(PACKAGE.rglob("*.py"))
         for line, text in private_uses(path.read_text())
     ]
     assert not offenders, (
         "eqx_batch reaches into private APIs of its dependencies:\n"
         + "\n".join(offenders)
     )
+
+
+def test_every_public_name_has_its_entry_in_the_api_reference():
+    # `eqx_batch/__init__.py`'s `__all__` is the public surface, and each of its names
+    # has an anchor in docs/api, where docstrings link it as `[`eb.name`][]`.
+    import eqx_batch as eb
+
+    reference = "".join(
+        page.read_text() for page in (PACKAGE.parent / "docs" / "api").glob("*.md")
+    )
+    anchored = set(re.findall(r"\[\]\(\)\{#eb\.(\w+)\}", reference))
+    assert sorted(set(eb.__all__) - anchored) == []
+    assert {"all_chains", "AllChains", "run_chains"} <= set(eb.__all__)

@@ -4,6 +4,7 @@
 - `_chunk.py`: one chunk through every step: placed, resumed, run segment by segment,
     checkpointed;
 - `_step.py`: the user's step, traced on one chain and checked;
+- `_all_chains.py`: `all_chains`, which marks a step that takes every chain at once;
 - `_segment.py`: the compiled segment, which knows nothing about files;
 - `_placement.py`: chains padded and split over the devices;
 - `_result.py`: `Chains` and `NonFinite`; `_arviz.py`: the trace as ArviZ data;
@@ -15,6 +16,7 @@
 - `_lock.py`: the lock and the writability check, before any work.
 """
 
+from ._all_chains import all_chains as all_chains, AllChains as AllChains
 from ._convergence import Diagnostics as Diagnostics
 from ._result import Chains as Chains, NonFinite as NonFinite
 from ._run import run_chains as run_chains

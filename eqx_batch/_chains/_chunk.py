@@ -16,6 +16,7 @@ import numpy as np
 
 from .._progress import ProgressHandle
 from .._tree import as_key_data
+from ._all_chains import AllChains
 from ._checkpoint import Checkpoint, DrawFile, Restored, Snapshot
 from ._identity import RunIdentity
 from ._lock import WriteAccess
@@ -94,7 +95,10 @@ class RunPlan:
                 )
                 if restored is None or restored.steps_done < self.num_steps:
                     store.start_writing()
-            placement = Placement(num_chains, pad_to=pad_to)
+            # A step that sees every chain would see padding chains too.
+            placement = Placement(
+                num_chains, pad_to=pad_to, pad=not isinstance(self.step, AllChains)
+            )
             steps_done, chains, trace_buffer = _start(
                 placement, chains, trace_like, restored
             )

@@ -1,5 +1,6 @@
 """Chains placed on the devices: split over every device of every process, padded to a
-multiple of the device count.
+multiple of the device count (or, for a step that sees every chain, unpadded on the
+most devices they divide over).
 
 Everything here is raw data (typed PRNG keys travel as their key data, see
 `_segment.py`): only host data, the same in every process, can be placed on the devices
@@ -17,8 +18,9 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .._errors import BatchError
 from .._select import take
-from .._shard import member_mesh
+from .._shard import Device, member_mesh
 from .._tree import is_array
 
 
@@ -30,14 +32,18 @@ class Placement:
     never interact, so they cannot change a real chain's bits. A chunk of a chunked run
     is padded to the size of the others (`pad_to`), so that every chunk runs the same
     compiled program.
+
+    With `pad=False` (a step that sees every chain, which would see the padding), the
+    chains are not padded but placed on the devices of `chain_devices`.
     """
 
-    def __init__(self, num_chains: int, pad_to: int = 0):
+    def __init__(self, num_chains: int, pad_to: int = 0, *, pad: bool = True):
         self.num_chains = num_chains
-        mesh = member_mesh()
-        self.num_rows = -(-max(num_chains, pad_to) // mesh.size) * mesh.size
+        self.mesh = member_mesh(None if pad else chain_devices(num_chains))
+        size = self.mesh.size
+        self.num_rows = -(-max(num_chains, pad_to) // size) * size
         # Every leaf placed here is split along its axis 0, one row per chain.
-        self.split = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+        self.split = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names[0]))
 
     def put(self, tree: Any) -> Any:
         """`tree` (on the host or on devices, one row per chain) split over the
@@ -75,13 +81,43 @@ class Placement:
 
     def replicated(self, tree: Any) -> Any:
         """`tree` replicated: every process holds all of it (a collective)."""
-        return _replicate(tree, NamedSharding(member_mesh(), PartitionSpec()))
+        return _replicate(tree, NamedSharding(self.mesh, PartitionSpec()))
 
     def zeros(self, like: Any) -> Any:
         """Zeros shaped like `like` (one row per chain), created already split."""
         leaves, treedef = jtu.tree_flatten(like)
         specs = tuple(((self.num_rows, *x.shape[1:]), x.dtype) for x in leaves)
         return jtu.tree_unflatten(treedef, _sharded_zeros(specs, self.split))
+
+
+def chain_devices(num_chains: int) -> list[Device]:
+    """The most devices that `num_chains` chains split over evenly, as many of each
+    process: the first `k` devices of every process, `k` the largest count of devices
+    per process for which the processes' devices divide the chains.
+
+    **Raises:**
+
+    `BatchError` if the number of processes does not divide the chains.
+    """
+    processes = jax.process_count()
+    local = jax.local_device_count()
+    per_process = next(
+        (k for k in range(local, 0, -1) if num_chains % (processes * k) == 0), 0
+    )
+    if per_process == 0:
+        raise BatchError(
+            f"{num_chains} chains cannot be split evenly over the {processes} "
+            "processes of this job, and an `eb.all_chains` step sees every chain, so "
+            "none can be padding. Run a multiple of "
+            f"{processes} chains (one or more per process)."
+        )
+    taken: dict[int, int] = {}
+    devices = []
+    for device in jax.devices():
+        if taken.get(device.process_index, 0) < per_process:
+            taken[device.process_index] = taken.get(device.process_index, 0) + 1
+            devices.append(device)
+    return devices
 
 
 @ft.partial(jax.jit, static_argnums=(1,))

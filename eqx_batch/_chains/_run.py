@@ -7,7 +7,6 @@ key data typed keys again, once.
 """
 
 import contextlib
-import functools as ft
 import os
 import pathlib
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from .._tree import (
     is_numpy,
     mapped_leaves,
 )
+from ._all_chains import AllChains, check_all_chains_run
 from ._checkpoint import (
     chunk_path,
     longest_file_name,
@@ -51,7 +51,7 @@ from ._segment import (
     seen_before,
     SegmentPlan,
 )
-from ._step import checked_output, per_chain, trace_step
+from ._step import checked_output, per_chain, pytree_step, trace_step
 from ._superchains import expand_superchains
 
 
@@ -85,10 +85,17 @@ def run_chains(
     A chain whose state goes NaN or infinite keeps running without disturbing the
     others and is reported in `nonfinite`.
 
+    A step that needs every chain at once (an ensemble sampler such as the emcee
+    stretch move, or an adaptation that pools the chains) is marked with
+    [`eb.all_chains`][] and gets the whole stack, one key per chain (split as a
+    per-chain step's would be) and the step count.
+
     The trace is one buffer of its final size, written in place as the loop runs. When
     the number of chains does not divide evenly over the devices, the chains are
     padded with copies of chain 0 whose results are dropped (at the cost of one copy of
-    the results when they are sliced off).
+    the results when they are sliced off); the chains of an `eb.all_chains` step,
+    which would see the padding, are instead placed on the most devices that they
+    divide over evenly.
 
     **Arguments:**
 
@@ -96,7 +103,9 @@ def run_chains(
         `step(state, key) -> (new_state, output)` with `with_output=True`. The new
         state must have the structure, shapes and dtypes of `state`. Pass data with
         `functools.partial` (its arrays become arguments of the compiled loop, so a
-        new partial does not recompile) or by closure (compiled in as constants).
+        new partial does not recompile) or by closure (compiled in as constants). Or
+        `eb.all_chains(step)`, for `step(states, keys, count) -> new_states` on every
+        chain at once (see [`eb.all_chains`][]).
     - `init`: the chains' initial states, stacked along axis 0 of every array leaf (a
         dict of arrays, an Equinox module, ...). Non-array leaves are shared. NumPy
         leaves take the dtype JAX gives them (`jnp.asarray`): a float64 NumPy `init`
@@ -121,16 +130,17 @@ def run_chains(
         finished, its result is read back without recomputing or writing anything
         (read-only storage included). A run is identified by the structure, shapes,
         dtypes and values of `init`, the keys, `num_steps`, `thin`, `burn_in`,
-        `with_output`, `trace`, what `step` computes (a digest of its traced program,
-        of its constants' values and of the code and data of its host callbacks, not
-        its name), and the versions of JAX and jaxlib and their PRNG configuration;
-        every file records it, and a checkpoint of another run is refused, saying
-        what differs. Before the first step, the folder is checked by creating a file
-        in it with the longest name the run will write, and the process that writes
-        takes a lock (`path.lock`, never followed if it is a link, released by the
-        operating system when the process ends, killed or not), so a second live run
-        on the same path is refused. In a job of several processes, process 0 writes
-        it and every process reads it (a folder they all see).
+        `with_output`, `trace`, whether `step` takes every chain, what `step` computes
+        (a digest of its traced program, of its constants' values and of the code
+        and data of its host callbacks, not its name), and the versions of JAX and
+        jaxlib and their PRNG configuration; every file records it, and a
+        checkpoint of another run is refused, saying what differs. Before the first
+        step, the folder is checked by creating a file in it with the longest name
+        the run will write, and the process that writes takes a lock (`path.lock`,
+        never followed if it is a link, released by the operating system when the
+        process ends, killed or not), so a second live run on the same path is
+        refused. In a job of several processes, process 0 writes it and every
+        process reads it (a folder they all see).
     - `checkpoint_every`: write the checkpoint after every this many steps (while the
         next steps run). `None` writes it once, at the end.
     - `chunk_size`: run this many chains at a time, for more chains than fit in memory
@@ -146,7 +156,8 @@ def run_chains(
         read back when the run resumes. Checkpoints of the same path written with
         another `chunk_size` (or none) are not read, and a warning names it. The
         progress bar counts the steps of every chunk. `None` (the default), or at
-        least the number of chains, runs them all at once.
+        least the number of chains, runs them all at once. Refused with an
+        `eb.all_chains` step, which must see every chain.
     - `superchains`: `K`, to run the chains in K superchains of M chains each, the
         chains of a superchain started from the same point (for nested R-hat,
         Margossian et al. 2024). `init` then holds K members, one start per
@@ -183,7 +194,9 @@ def run_chains(
         is no count). With `superchains=K`: if `init` does not hold K members, if
         `key` is a single key, or if K does not divide the number of keys. With
         `diagnostics=True`: if the run records no draw (`burn_in == num_steps`) or
-        the state has no floating-point leaf.
+        the state has no floating-point leaf. With an `eb.all_chains` step: if
+        `chunk_size` is given, if an array of its output has not one row per chain,
+        or if the processes of a job do not divide the chains.
         For `checkpoint`: before any step, if its folder is missing or cannot be
         written (names too long included), another live run holds it, or its lock
         path holds a link or a file that is not a lock; if it holds a checkpoint of
@@ -245,10 +258,9 @@ def run_chains(
         )
         init, num_chains = eqx.combine(init_arrays, shared), len(superchain_ids)
     keys, legacy = _chain_keys(key, num_chains)
-    if isinstance(step, ft.partial) and not isinstance(step, jtu.Partial):
-        # As a pytree, a partial's arrays (the data) are arguments of the compiled loop
-        # rather than constants baked into it, so a new partial does not recompile.
-        step = jtu.Partial(step.func, *step.args, **step.keywords)
+    step = pytree_step(step)
+    if isinstance(step, AllChains):
+        check_all_chains_run(num_chains, chunk_size)
     # The program is traced afresh for a checkpoint's identity (its constants' values
     # are part of it); a run without one needs only the checks, which are cached.
     traced = None
@@ -282,6 +294,9 @@ def run_chains(
     if diagnostics:
         # Only when on, so that the runs of before keep their identity.
         counts["diagnostics"] = True
+    if isinstance(step, AllChains):
+        # Its program is another kind (traced on the whole stack), and so is its run.
+        counts["step takes"] = "all chains"
     run = RunPlan(
         step=step,
         shared=shared,

@@ -3,7 +3,8 @@
 The program is a `lax.scan` over steps whose body `vmap`s one step over all chains.
 Keeping the step counter outside the `vmap` leaves it unbatched, so the trace write,
 the progress bar and the segment offsets are plain scalar logic, and nothing about one
-chain depends on how many others run beside it.
+chain depends on how many others run beside it. An `eb.all_chains` step is called once
+on the whole stack instead, with the keys split per chain as for a per-chain step.
 
 Typed PRNG keys enter and leave the program as their raw data (`as_key_data`), so that
 everything outside it (placement, chunks, checkpoints) handles plain arrays; they are
@@ -26,6 +27,7 @@ import jax.tree_util as jtu
 from .._compile import AsyncJit
 from .._progress import ProgressHandle
 from .._tree import as_key_data, as_keys_like, is_array
+from ._all_chains import AllChains
 from ._moments import record
 from ._step import numbers_as_arrays
 
@@ -116,22 +118,37 @@ def _segment(
     draw of the run (`[chains, draws, ...]` per leaf, raw data) and is written in place.
     """
 
-    def one_chain(raw_state: Any, raw_key: jax.Array) -> tuple:
+    def next_key(raw_key: jax.Array) -> tuple:
+        # The chain's carried key (raw) and the key its step gets.
         key, subkey = jr.split(as_keys_like(raw_key, one_chain_like.key))
-        state = as_keys_like(raw_state, one_chain_like.state)
-        result = step(
-            eqx.combine(state, shared), jr.key_data(subkey) if plan.legacy else subkey
-        )
+        return jr.key_data(key), jr.key_data(subkey) if plan.legacy else subkey
+
+    def advance(raw_states: Any, step_keys: Any, *count: jax.Array) -> tuple:
+        # `step` on one chain's state, or every chain's with their `count`.
+        states = as_keys_like(raw_states, one_chain_like.state)
+        result = step(eqx.combine(states, shared), step_keys, *count)
         new, output = result if plan.with_output else (result, None)
-        new = eqx.filter(new, is_array)
         # Only arrays are recorded: the output's other leaves are the same every step.
         output = eqx.filter(numbers_as_arrays(output), is_array)
-        finite = _all_finite(new)
-        return as_key_data(new), jr.key_data(key), finite, as_key_data(output)
+        return eqx.filter(new, is_array), output
+
+    def one_chain(raw_state: Any, raw_key: jax.Array) -> tuple:
+        key, step_key = next_key(raw_key)
+        new, output = advance(raw_state, step_key)
+        return as_key_data(new), key, _all_finite(new), as_key_data(output)
+
+    def every_chain(raw_states: Any, raw_keys: jax.Array, t: jax.Array) -> tuple:
+        keys, step_keys = jax.vmap(next_key)(raw_keys)
+        new, output = advance(raw_states, step_keys, t)
+        finite = jax.vmap(_all_finite)(new)
+        return as_key_data(new), keys, finite, as_key_data(output)
 
     def body(carry: tuple, _: None) -> tuple:
         (states, keys, first_bad, moments), buffer, t, due = carry
-        states, keys, finite, output = jax.vmap(one_chain)(states, keys)
+        if isinstance(step, AllChains):
+            states, keys, finite, output = every_chain(states, keys, t)
+        else:
+            states, keys, finite, output = jax.vmap(one_chain)(states, keys)
         first_bad = jnp.where((first_bad == 0) & ~finite, t + 1, first_bad)
         moments = record(
             moments,

@@ -1,4 +1,5 @@
-"""The user's step, traced on one chain and checked before anything runs.
+"""The user's step, traced on one chain (or, for an `eb.all_chains` step, on the whole
+stack) and checked before anything runs.
 
 A run without a checkpoint needs of the trace only its checks and the shapes of the
 step's output, which depend on nothing but the step and the abstract state: they are
@@ -6,6 +7,7 @@ cached, so that calling `run_chains` again with the same step and kind of state 
 trace (as the compiled loop costs no compile).
 """
 
+import functools as ft
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,6 +20,7 @@ import jax.tree_util as jtu
 from .._compile import array_types, partition
 from .._errors import BatchError, bullet_list, describe, leaf_name
 from .._tree import is_array
+from ._all_chains import AllChains
 
 
 def per_chain(states: Any) -> Any:
@@ -26,6 +29,28 @@ def per_chain(states: Any) -> Any:
     return jtu.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if is_array(x) else x,
         states,
+    )
+
+
+def pytree_step(step: Callable) -> Callable:
+    """`step` with a `functools.partial` (or the one an `eb.all_chains` step wraps)
+    made a `jax.tree_util.Partial`.
+
+    As a pytree, a partial's arrays (the data) are arguments of the compiled loop rather
+    than constants baked into it, so a new partial does not recompile.
+    """
+    if isinstance(step, AllChains):
+        return AllChains(pytree_step(step.step))
+    if isinstance(step, ft.partial) and not isinstance(step, jtu.Partial):
+        return jtu.Partial(step.func, *step.args, **step.keywords)
+    return step
+
+
+def step_key_like(key: jax.Array, legacy: bool) -> jax.ShapeDtypeStruct:
+    """The shape-dtype struct of the key one chain's step gets (legacy keys as their
+    `uint32` data)."""
+    return jax.ShapeDtypeStruct(
+        (2,) if legacy else (), jnp.uint32 if legacy else key.dtype
     )
 
 
@@ -42,32 +67,44 @@ def numbers_as_arrays(tree: Any) -> Any:
 
 
 class TracedStep(NamedTuple):
-    """`step` traced on one chain: its program (for the run's identity) and output."""
+    """`step` traced: its program (for the run's identity) and output."""
 
     program: jax.extend.core.ClosedJaxpr
-    # With `with_output`, its second output: shape-dtype structs of its arrays and
-    # numbers (see `numbers_as_arrays`), its other leaves as they are. Else None.
+    # With `with_output`, one chain's second output: shape-dtype structs of its arrays
+    # and numbers (see `numbers_as_arrays`), its other leaves as they are. Else None.
     output: Any
 
 
 def trace_step(
     step: Callable, states: Any, key: jax.Array, legacy: bool, with_output: bool
 ) -> TracedStep:
-    """Traces `step` on one chain of `states` with one of `key`'s keys.
+    """Traces `step` on one chain of `states` with one of `key`'s keys; an
+    `eb.all_chains` step on all of them, with all the keys and an `int32` count.
 
     **Raises:**
 
     `BatchError` if the new state's structure, shapes or dtypes differ from the
-    state's (`lax.scan` would refuse too, but naming neither the step nor the leaf), or
-    if `step` does not return a pair with `with_output`.
+    state's (`lax.scan` would refuse too, but naming neither the step nor the leaf), if
+    `step` does not return a pair with `with_output`, or if an all-chains step's output
+    has not one row per chain.
     """
-    one_key = jax.ShapeDtypeStruct(
-        (2,) if legacy else (), jnp.uint32 if legacy else key.dtype
-    )
+    whole = isinstance(step, AllChains)
+    one_key = step_key_like(key, legacy)
     # Through a closure, so that the arrays of a partial are the program's constants.
-    program, dynamic, static = eqx.filter_make_jaxpr(lambda s, k: step(s, k))(
-        per_chain(states), one_key
-    )
+    if whole:
+        like = _stacked(states)
+        program, dynamic, static = eqx.filter_make_jaxpr(
+            lambda s, k, count: step(s, k, count)
+        )(
+            like,
+            jax.ShapeDtypeStruct((*key.shape, *one_key.shape), one_key.dtype),
+            jax.ShapeDtypeStruct((), jnp.int32),
+        )
+    else:
+        like = per_chain(states)
+        program, dynamic, static = eqx.filter_make_jaxpr(lambda s, k: step(s, k))(
+            like, one_key
+        )
     result = eqx.combine(dynamic, static)
     if with_output:
         if not isinstance(result, tuple) or len(result) != 2:
@@ -80,14 +117,17 @@ def trace_step(
             lambda x: jax.eval_shape(jnp.asarray, x) if isinstance(x, _NUMBERS) else x,
             output,
         )
+        if whole:
+            output = _output_per_chain(output, key.shape[0])
     else:
         new, output = result, None
-    before = jtu.tree_flatten_with_path(per_chain(states))
+    before = jtu.tree_flatten_with_path(like)
     after = jtu.tree_flatten_with_path(new)
     if before[1] != after[1]:
         raise BatchError(_structure_change(before, after))
+    given = "for every chain" if whole else "per chain"
     changed = [
-        f"`{leaf_name('init', path)}` is {describe(old)} per chain, but `step` "
+        f"`{leaf_name('init', path)}` is {describe(old)} {given}, but `step` "
         f"returned {describe(new_leaf)}"
         for (path, old), (_, new_leaf) in zip(before[0], after[0], strict=True)
         if describe(old) != describe(new_leaf)
@@ -97,9 +137,52 @@ def trace_step(
             "`step` changed the shape or dtype of the state:\n"
             + bullet_list(changed)
             + "\nIt must return every leaf with the shape and dtype it was given "
-            "(cast with `.astype`)."
+            "(cast with `.astype`)"
+            + (
+                ", every chain's state stacked on axis 0 as it was given."
+                if whole
+                else "."
+            )
         )
     return TracedStep(program, output)
+
+
+def _stacked(states: Any) -> Any:
+    """Shape-dtype structs of every chain's state (array leaves; others kept)."""
+    return jtu.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_array(x) else x, states
+    )
+
+
+def _output_per_chain(output: Any, num_chains: int) -> Any:
+    """The output of an all-chains step (shape-dtype structs) as one chain's.
+
+    **Raises:**
+
+    `BatchError` if an array leaf has not one row per chain on axis 0.
+    """
+
+    def is_struct(x: Any) -> bool:
+        return isinstance(x, jax.ShapeDtypeStruct)
+
+    leaves = jtu.tree_leaves_with_path(output)
+    wrong = [
+        f"`{leaf_name('output', path)}` is {describe(x)}"
+        for path, x in leaves
+        if is_struct(x) and (x.ndim == 0 or x.shape[0] != num_chains)
+    ]
+    if wrong:
+        raise BatchError(
+            "`step` is an `eb.all_chains` step, so each array of its output holds "
+            f"one row per chain on axis 0 ({num_chains} chains), but:\n"
+            + bullet_list(wrong)
+            + "\nReturn one value per chain (a statistic of the whole ensemble can be "
+            f"repeated with `jnp.broadcast_to(x, ({num_chains}, *x.shape))`)."
+        )
+    return jtu.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if is_struct(x) else x,
+        output,
+    )
 
 
 # Checked steps are looked up by the static part of `step` and of the state, and the
@@ -120,7 +203,11 @@ def checked_output(
         step_static,
         array_types(step_arrays),
         state_static,
-        tuple((x.shape[1:], x.dtype) for x in state_arrays),
+        # An all-chains step is traced on every chain: their number matters to it.
+        tuple(
+            (x.shape if isinstance(step, AllChains) else x.shape[1:], x.dtype)
+            for x in state_arrays
+        ),
         key.dtype,
         legacy,
         with_output,

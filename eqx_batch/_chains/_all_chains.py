@@ -1,0 +1,118 @@
+"""Steps that see every chain: `eb.all_chains` marks a step that takes the whole stack.
+
+Ensemble samplers (the emcee stretch move) and adaptation schemes (ChEES, MEADS) move
+each chain with the help of the others, so their step cannot be written for one chain
+and mapped. Marking such a step, rather than adding a flag to `run_chains`, keeps the
+kind of step with the step: whatever runs it asks the step what it takes.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+
+from .._errors import BatchError, describe
+from ._placement import chain_devices
+
+
+class AllChains(eqx.Module):
+    """A step that takes every chain at once, as [`eb.all_chains`][] makes it.
+
+    It is a pytree whose leaves are the step's (the arrays of a `jax.tree_util.Partial`
+    are arguments of `run_chains`' compiled loop, as a per-chain step's are), and it
+    calls the step it wraps.
+
+    !!! Example
+
+        ```python
+        def step(states, keys, count):
+            return states + jax.vmap(jr.normal)(keys)
+
+        marked = eb.all_chains(step)
+        assert isinstance(marked, eb.AllChains) and marked.step is step
+        ```
+    """
+
+    step: Callable
+
+    def __call__(self, states: Any, keys: Any, count: Any) -> Any:
+        return self.step(states, keys, count)
+
+
+def all_chains(step: Callable) -> AllChains:
+    """Marks `step` as a step that takes every chain at once, for [`eb.run_chains`][].
+
+    A per-chain step is mapped over the chains, so no chain can see another. Ensemble
+    samplers (the emcee stretch move, NumPyro's AIES and ESS), and adaptations that
+    pool every chain (ChEES, MEADS) need one step over the stacked state of all chains.
+    `run_chains(eb.all_chains(step), init, key, num_steps)` runs such a step with
+    everything a per-chain step gets: checkpoints and resume, progress, diagnostics,
+    `with_output`, superchains and several devices.
+
+    Each chain's key for a step is split from its carried key exactly as for a
+    per-chain step, so `step` gets, stacked, the keys that a per-chain step would get
+    one by one: a per-chain step wrapped as `lambda s, k, count: jax.vmap(f)(s, k)`
+    gives the draws of `f` bit for bit.
+
+    **Arguments:**
+
+    - `step`: `step(states, keys, count) -> new_states`, or `(new_states, outputs)`
+        with `with_output=True`. `states` is every chain's state stacked on axis 0
+        (the shape of `init`, after `superchains` expands it); `keys` one key per
+        chain (typed `[chains]`, or legacy `uint32[chains, 2]` if `run_chains` was
+        given legacy keys); `count` the step's number, counted from 0 over the whole
+        run (a resumed run goes on counting), an `int32` scalar. `new_states` has the
+        structure, shapes and dtypes of `states`; every array leaf of `outputs` has
+        one row per chain on axis 0.
+
+    **Returns:**
+
+    An [`eb.AllChains`][] that calls `step`.
+
+    **Raises:**
+
+    `eb.BatchError` if `step` is not callable.
+
+    The chains of an all-chains step are never padded: `run_chains` places them on
+    the most devices that they divide over evenly (in a job of several processes, as
+    many devices of each process), as padding chains would be seen by the step. A
+    `chunk_size` is refused, as a chunk holds only some of the chains.
+
+    !!! Example
+
+        ```python
+        @eb.all_chains
+        def step(states, keys, count):  # each chain pulled to the ensemble's mean
+            noise = jax.vmap(lambda k: jr.normal(k, (2,)))(keys)
+            return 0.5 * (states + states.mean(axis=0)) + 0.1 * noise
+
+        result = eb.run_chains(step, jnp.arange(16.0).reshape(8, 2), jr.key(0), 50)
+        result.trace.shape  # (8, 50, 2)
+        ```
+    """
+    if isinstance(step, AllChains):
+        return step
+    if not callable(step):
+        raise BatchError(
+            f"`step` is {describe(step)}, not a function: `eb.all_chains` marks a "
+            "function `step(states, keys, count)`."
+        )
+    return AllChains(step)
+
+
+def check_all_chains_run(num_chains: int, chunk_size: int | None) -> None:
+    """Refuses, before any work, a run that an all-chains step cannot take.
+
+    **Raises:**
+
+    `BatchError` if `chunk_size` is given, or if the chains cannot be split evenly
+    over the processes of a job.
+    """
+    if chunk_size is not None:
+        raise BatchError(
+            f"`chunk_size={chunk_size}` cannot be used with an `eb.all_chains` step: "
+            "the step must see every chain at once, and a chunk holds only some of "
+            "them (its moves would depend on the chunking). Pass `chunk_size=None`, or "
+            "fewer chains if they do not fit in memory."
+        )
+    chain_devices(num_chains)
