@@ -61,7 +61,7 @@ def test_stops_early_on_chains_that_mix():
     assert result.steps_done % 50 == 0
     assert stopped.checks[-1] == result.steps_done
     assert stopped.checks.dtype == np.int64 and stopped.worst.dtype == np.float64
-    threshold = np.sqrt(1 + 1 / 32 + 1e-4)
+    threshold = np.sqrt(1 + 4 / (16 * 32) + 1e-4)  # K = 4: a quarter of 1/M
     assert stopped.worst[-1] <= threshold < stopped.worst[0]
     assert "nested R-hat" in stopped.reason and "at state[" in stopped.reason
     assert stopped.window_start == stopped.checks[-2]
