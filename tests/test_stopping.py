@@ -24,7 +24,7 @@ WORKER = pathlib.Path(__file__).with_name("chains_worker.py")
 
 
 def fast(x, key):
-    """An AR(1) chain that forgets its start within tens of steps; stationary N(0, 1)."""
+    """An AR(1) chain that forgets its start in tens of steps; stationary: N(0, 1)."""
     return 0.9 * x + 0.44 * jr.normal(key, x.shape)
 
 
@@ -42,21 +42,26 @@ def _run(step=fast, num_steps=2000, **kwargs):
     return eb.run_chains(step, STARTS, KEYS, num_steps, superchains=4, **kwargs)
 
 
+def _stopped(result: eb.Chains) -> eb.Stopped:
+    assert result.stopped is not None
+    return result.stopped
+
+
 def _outputs(result: eb.Chains) -> dict:
     return {
         "final": result.final,
         "trace": result.trace,
         "keys": result.keys,
         "steps_done": result.steps_done,
-        "stopped": dataclasses.astuple(result.stopped),
+        "stopped": dataclasses.astuple(_stopped(result)),
         "diagnostics": result.diagnostics,
     }
 
 
 def test_stops_early_on_chains_that_mix():
     result = _run(burn_in=5, thin=3)
-    stopped = result.stopped
-    assert stopped is not None and stopped.converged
+    stopped = _stopped(result)
+    assert stopped.converged
     assert result.steps_done == stopped.step < 2000
     assert result.steps_done % 50 == 0
     assert stopped.checks[-1] == result.steps_done
@@ -84,7 +89,7 @@ def test_stops_early_on_chains_that_mix():
 
 def test_runs_to_the_cap_on_chains_that_cannot_mix():
     result = _run(stuck, num_steps=120)
-    stopped = result.stopped
+    stopped = _stopped(result)
     assert not stopped.converged
     assert result.steps_done == stopped.step == 120
     assert "cap" in stopped.reason and "num_steps=120" in stopped.reason
@@ -99,29 +104,33 @@ def test_without_superchains_the_default_checks_classic_rhat():
     result = eb.run_chains(
         fast, jnp.linspace(-3, 3, 64), jr.key(1), 20_000, until=eb.converged(every=2000)
     )
-    assert result.stopped.converged and result.steps_done < 20_000
-    reason = result.stopped.reason
+    assert _stopped(result).converged and result.steps_done < 20_000
+    reason = _stopped(result).reason
     assert reason.startswith("R-hat") and "at state <= 1.01" in reason
     with pytest.raises(eb.BatchError, match="no superchains"):
-        eb.run_chains(fast, jnp.zeros(8), jr.key(1), 100, until=eb.converged(nested_rhat=1.1))
+        eb.run_chains(
+            fast, jnp.zeros(8), jr.key(1), 100, until=eb.converged(nested_rhat=1.1)
+        )
 
 
 def test_every_criterion_must_hold():
     # An ESS no run of 128 chains reaches in 200 steps: never stops early.
     result = _run(num_steps=200, until=eb.converged(ess=1e6, every=50))
-    assert not result.stopped.converged and result.steps_done == 200
-    reason = result.stopped.reason
-    assert reason.startswith("reached the cap, num_steps=200: ESS") and "< 1e+06" in reason
+    assert not _stopped(result).converged and result.steps_done == 200
+    reason = _stopped(result).reason
+    assert (
+        reason.startswith("reached the cap, num_steps=200: ESS") and "< 1e+06" in reason
+    )
     # The default interval is a tenth of the cap.
-    assert list(_run(num_steps=200, until=eb.converged(ess=1e6)).stopped.checks) == [
+    assert list(_stopped(_run(num_steps=200, until=eb.converged(ess=1e6))).checks) == [
         20 * i for i in range(1, 11)
     ]
 
 
 def test_until_needs_a_cap():
     with pytest.raises(eb.BatchError, match="`until`.*`num_steps` is None"):
-        _run(num_steps=None)
-    with pytest.raises(eb.BatchError, match="`until` is 3"):
+        _run(num_steps=None)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(eb.BatchError, match="`until` is 3; pass a rule"):
         _run(until=3)
 
 

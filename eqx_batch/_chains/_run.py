@@ -250,7 +250,7 @@ def run_chains(
     if until is not None:
         if not isinstance(until, StoppingRule):
             raise BatchError(
-                f"`until` is {describe(until)}; pass a rule made by `eb.converged(...)`."
+                f"`until` is {describe(until)}; pass a rule that `eb.converged` makes."
             )
         if num_steps is None:
             raise BatchError(
@@ -416,7 +416,8 @@ def run_chains(
     chains = joined([chains for chains, _ in results])
     traces = [trace for _, trace in results]
     recorded = None if traces[0] is None else joined(traces)
-    steps_done = num_steps if record is None else record.stopped[0]
+    stopped = None if record is None else record.report(burn_in)
+    steps_done = num_steps if stopped is None else stopped.step
     if recorded is not None:
         if steps_done < num_steps:
             # Only the draws made: the buffer was sized for the cap.
@@ -448,13 +449,11 @@ def run_chains(
         if not diagnostics
         else _diagnostics(chains.moments, superchains, until is not None),
         steps_done=steps_done,
-        stopped=None if record is None else record.report(burn_in),
+        stopped=stopped,
     )
 
 
-def _diagnostics(
-    moments: Any, superchains: int | None, stopping: bool
-) -> Diagnostics:
+def _diagnostics(moments: Any, superchains: int | None, stopping: bool) -> Diagnostics:
     diagnostics = diagnose(moments, superchains)
     if stopping:
         # Its halves are those of the planned draws, which an early stop never makes.

@@ -262,9 +262,7 @@ def postfix(diagnostics: Diagnostics) -> str:
     statistic = "rhat" if diagnostics.nested_rhat is None else "nested_rhat"
     rhat_at, rhat = worst_of(diagnostics, statistic)
     ess_at, ess = worst_of(diagnostics, "ess")
-    return (
-        f"{_NAMES[statistic]} {rhat:.4g} at {rhat_at}, ESS {ess:.4g} at {ess_at}"
-    )
+    return f"{_NAMES[statistic]} {rhat:.4g} at {rhat_at}, ESS {ess:.4g} at {ess_at}"
 
 
 class Stopped(eqx.Module):
@@ -353,9 +351,7 @@ class Record(NamedTuple):
 
     def failed(self, step: int) -> bool:
         """Whether the check at `step` failed and its window was discarded."""
-        return step in self.checks and (
-            self.stopped is None or self.stopped[0] != step
-        )
+        return step in self.checks and (self.stopped is None or self.stopped[0] != step)
 
     def window_start(self, step: int) -> int:
         """Where the window of draws that ends at `step` began."""
