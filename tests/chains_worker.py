@@ -118,9 +118,9 @@ def run(
 
 
 def ar1(state: jax.Array, key: jax.Array) -> jax.Array:
-    """An AR(1) chain that forgets its start over a few hundred steps;
+    """An AR(1) chain that forgets its start over about a hundred steps;
     stationary: N(0, 1)."""
-    return 0.99 * state + 0.141 * jr.normal(key, state.shape)
+    return 0.95 * state + 0.312 * jr.normal(key, state.shape)
 
 
 def stopping_run(
@@ -133,7 +133,7 @@ def stopping_run(
         ar1,
         starts,
         jr.split(jr.key(3), 4 * 32),
-        40_000,
+        5000,
         thin=5,
         superchains=4,
         until=eb.converged(every=500),

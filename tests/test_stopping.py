@@ -195,7 +195,7 @@ def test_killed_and_resumed_stops_at_the_same_step(tmp_path):
     )
     try:
         deadline = time.monotonic() + 180
-        while not (last_chunk.exists() and _steps_done(last_chunk) >= 300):
+        while not (last_chunk.exists() and _steps_done(last_chunk) >= 100):
             assert worker.poll() is None, "the worker exited before the kill"
             assert time.monotonic() < deadline
             time.sleep(0.0005)
@@ -210,7 +210,7 @@ def test_killed_and_resumed_stops_at_the_same_step(tmp_path):
 
     resumed = stopping_run(str(path), chunk_size=48)
     plain = stopping_run()
-    assert killed_at < plain.steps_done < 40_000
+    assert killed_at < plain.steps_done < 5000
     assert_trees_identical(_outputs(resumed), _outputs(plain))
 
 
