@@ -107,6 +107,15 @@ def test_without_superchains_the_default_checks_classic_rhat():
     assert _stopped(result).converged and result.steps_done < 20_000
     reason = _stopped(result).reason
     assert reason.startswith("R-hat") and "at state <= 1.01" in reason
+    # A classic R-hat threshold given replaces the default's.
+    loose = eb.run_chains(
+        fast,
+        jnp.linspace(-3, 3, 64),
+        jr.key(1),
+        1000,
+        until=eb.converged(rhat=1.2, every=100),
+    )
+    assert _stopped(loose).converged and "<= 1.2" in _stopped(loose).reason
     with pytest.raises(eb.BatchError, match="no superchains"):
         eb.run_chains(
             fast, jnp.zeros(8), jr.key(1), 100, until=eb.converged(nested_rhat=1.1)

@@ -66,12 +66,12 @@ class StoppingRule(eqx.Module):
         nested = self.nested_rhat
         criteria = []
         if nested == "default":
-            if superchains is None:
+            if superchains is not None:
+                threshold = default_threshold(superchains, num_chains)
+                criteria.append(Criterion("nested_rhat", threshold))
+            elif self.rhat is None:
+                # A classic R-hat the user gives replaces this one.
                 criteria.append(Criterion("rhat", RHAT_WITHOUT_SUPERCHAINS))
-            else:
-                criteria.append(
-                    Criterion("nested_rhat", default_threshold(superchains, num_chains))
-                )
         elif nested is not None:
             if superchains is None:
                 raise BatchError(
@@ -80,7 +80,7 @@ class StoppingRule(eqx.Module):
                     "check classic R-hat with `converged(nested_rhat=None, rhat=...)`."
                 )
             criteria.append(Criterion("nested_rhat", float(nested)))
-        if self.rhat is not None and not any(c.statistic == "rhat" for c in criteria):
+        if self.rhat is not None:
             criteria.append(Criterion("rhat", self.rhat))
         if self.ess is not None:
             criteria.append(Criterion("ess", self.ess))
@@ -240,9 +240,10 @@ def check(schedule: Schedule, diagnostics: Diagnostics) -> Check:
         passed &= holds
         if index == 0:
             first = value
-        sign = ("<=" if holds else ">") if criterion.statistic != "ess" else None
-        if sign is None:
+        if criterion.statistic == "ess":
             sign = ">=" if holds else "<"
+        else:
+            sign = "<=" if holds else ">"
         text = (
             f"{_NAMES[criterion.statistic]} {value:.6g} at {path} {sign} "
             f"{criterion.threshold:.6g}"
