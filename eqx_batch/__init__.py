@@ -7,9 +7,12 @@ from ._chains import (
     all_chains as all_chains,
     AllChains as AllChains,
     Chains as Chains,
+    converged as converged,
     Diagnostics as Diagnostics,
     NonFinite as NonFinite,
     run_chains as run_chains,
+    Stopped as Stopped,
+    StoppingRule as StoppingRule,
 )
 from ._ensemble import ensemble as ensemble
 from ._errors import BatchError as BatchError
@@ -40,9 +43,12 @@ __all__ = [
     "Diagnostics",
     "NonFinite",
     "Stacked",
+    "Stopped",
+    "StoppingRule",
     "all_chains",
     "batch_size",
     "concat",
+    "converged",
     "ensemble",
     "filter_jit",
     "filter_pmap",

@@ -7,6 +7,7 @@ key data typed keys again, once.
 """
 
 import contextlib
+import dataclasses
 import os
 import pathlib
 from collections.abc import Callable
@@ -40,7 +41,7 @@ from ._checkpoint import (
     warn_of_other_chunkings,
 )
 from ._chunk import RunPlan
-from ._convergence import diagnose
+from ._convergence import diagnose, Diagnostics
 from ._lock import check_folder, refuse_if_in_use, WriteAccess
 from ._moments import check_diagnostics, zeros
 from ._result import Chains, NonFinite
@@ -52,7 +53,9 @@ from ._segment import (
     SegmentPlan,
 )
 from ._step import checked_output, per_chain, pytree_step, trace_step
+from ._stopping import StoppingRule
 from ._superchains import expand_superchains
+from ._turns import ChunkJob, joined, run_chunks, RunContext
 
 
 def run_chains(
@@ -71,6 +74,7 @@ def run_chains(
     chunk_size: int | None = None,
     superchains: int | None = None,
     diagnostics: bool = False,
+    until: StoppingRule | None = None,
 ) -> Chains:
     """Runs many independent Markov chains in parallel, from a step written for one.
 
@@ -113,7 +117,7 @@ def run_chains(
     - `key`: one PRNG key, split with `jax.random.split(key, chains)`, or an array of
         one key per chain. Typed (`jr.key`) and legacy (`jr.PRNGKey`) keys both work;
         `step` receives keys of the same kind.
-    - `num_steps`: how many steps each chain takes.
+    - `num_steps`: how many steps each chain takes; with `until`, the most (the cap).
     - `thin`, `burn_in`: the trace keeps the state after steps `burn_in + 1`,
         `burn_in + 1 + thin`, ... : the uninterrupted trace `[:, burn_in::thin]`.
     - `with_output`: record `step`'s second output (its acceptance, divergence,
@@ -174,15 +178,35 @@ def run_chains(
         are checkpointed with the chains, so a resumed, chunked or multi-device run
         reports the same statistics, and computed on the devices at the end, into
         `Chains.diagnostics` (an [`eb.Diagnostics`][]). It works with `trace=False`.
-        Off (the default), the loop carries nothing more.
+        Off (the default), the loop carries nothing more. With `progress`, the bar
+        shows the worst R-hat (nested R-hat with `superchains`) and the smallest ESS,
+        each with its leaf path, at every segment boundary (unchunked) or at the end.
+    - `until`: a stopping rule, [`eb.converged`][]`(...)`: stop before `num_steps`
+        once the chains have converged. It implies `diagnostics=True`. The rule is
+        checked on the host between segments (never inside the compiled loop) at
+        steps `every`, `2 * every`, ... and at `num_steps`, whatever
+        `checkpoint_every` (segments end at both), `chunk_size` or the devices; each
+        check reads the diagnostics of the draws recorded since the previous check,
+        and a check that fails discards them (the moments start afresh), so the
+        statistics that pass describe the last window only. With `chunk_size`, the
+        chunks take turns window by window (every chunk's state and trace are then
+        held at once) so that each check sees every chain and every chunk stops at
+        the same step: the result is bit for bit the unchunked run's. The checks so
+        far are checkpointed with the chains: a run killed and resumed stops at the
+        same step, and one that stopped is read back. The rule's criteria are part of
+        the run's identity. With `progress`, the bar shows each check's statistics.
 
     **Returns:**
 
     A [`eb.Chains`][] with `final`, `trace` (`[chains, draws, ...]` per leaf),
     `states` (with `with_output=True`), `keys` (to continue the run exactly) and
-    `nonfinite`, and `superchain` and `diagnostics` with those arguments. Its arrays
-    stay split over the devices; in a job of several
-    processes, every process gets whole results.
+    `nonfinite`, and `superchain` and `diagnostics` with those arguments;
+    `steps_done`, the steps run (`num_steps` without `until`), and with `until`,
+    `stopped` ([`eb.Stopped`][]: when and why), with `trace` and `states` holding
+    only the draws made and `final` and `keys` the chains after `steps_done` steps
+    (`diagnostics.split_rhat` is then `None`: its halves are those of the planned
+    draws). Its arrays stay split over the devices; in a job of several processes,
+    every process gets whole results.
 
     **Raises:**
 
@@ -196,7 +220,9 @@ def run_chains(
         `diagnostics=True`: if the run records no draw (`burn_in == num_steps`) or
         the state has no floating-point leaf. With an `eb.all_chains` step: if
         `chunk_size` is given, if an array of its output has not one row per chain,
-        or if the processes of a job do not divide the chains.
+        or if the processes of a job do not divide the chains. With `until`: if it
+        is not a rule of `eb.converged`, if `num_steps` is None (it is the cap), or
+        if the rule checks nested R-hat explicitly and there are no superchains.
         For `checkpoint`: before any step, if its folder is missing or cannot be
         written (names too long included), another live run holds it, or its lock
         path holds a link or a file that is not a lock; if it holds a checkpoint of
@@ -226,8 +252,26 @@ def run_chains(
         )
         result.superchain  # [0 0 ... 3 3], 16 of each
         result.diagnostics.nested_rhat  # f32[3], near 1 once mixed
+
+        # The same chains, stopped once nested R-hat says they have mixed.
+        result = eb.run_chains(
+            step, starts, keys, 5000, superchains=4, until=eb.converged(every=100)
+        )
+        result.steps_done, result.stopped.reason  # e.g. 200, 'nested R-hat 1.01...'
         ```
     """
+    if until is not None:
+        if not isinstance(until, StoppingRule):
+            raise BatchError(
+                f"`until` is {describe(until)}; pass a rule that `eb.converged` makes."
+            )
+        if num_steps is None:
+            raise BatchError(
+                "`until` is given but `num_steps` is None: `num_steps` is the cap, the "
+                "most steps the chains run if the rule never holds. Pass one."
+            )
+        # The rule reads the diagnostics.
+        diagnostics = True
     num_steps = check_int(num_steps, "num_steps")
     thin = check_int(thin, "thin", minimum=1)
     burn_in = check_int(burn_in, "burn_in", maximum=num_steps)
@@ -297,6 +341,10 @@ def run_chains(
     if isinstance(step, AllChains):
         # Its program is another kind (traced on the whole stack), and so is its run.
         counts["step takes"] = "all chains"
+    schedule = None
+    if until is not None:
+        schedule = until.plan(num_steps, superchains, num_chains)
+        counts["until"] = str(schedule)
     run = RunPlan(
         step=step,
         shared=shared,
@@ -316,6 +364,7 @@ def run_chains(
         program=None if traced is None else traced.program,
         counts=counts,
         checkpoint_every=checkpoint_every,
+        until=schedule,
     )
     # Typed PRNG keys become raw data here, once, and keys again on the way out: in
     # between, chunks, placement and checkpoints handle plain arrays.
@@ -337,9 +386,10 @@ def run_chains(
     with contextlib.ExitStack() as stack:
         bar = None
         if progress:
-            # One bar over every chunk's steps.
-            total = num_steps * len(chunks)
-            bar = stack.enter_context(ProgressBar(total, "run_chains")).handle
+            # One bar over every chunk's steps; with `until`, the chunks take turns
+            # and the bar counts the run's steps.
+            total = num_steps * (1 if until is not None else len(chunks))
+            bar = stack.enter_context(ProgressBar(total, "run_chains"))
         access = None
         if checkpoint is not None:
             path = pathlib.Path(checkpoint)
@@ -355,8 +405,8 @@ def run_chains(
                 chunked=chunked,
             )
             access = stack.enter_context(WriteAccess(path, longest, writes=writes))
-        results = []
-        for index, chunk in enumerate(chunks):
+        jobs = []
+        for chunk in chunks:
             chunk_chains, chunk_checkpoint = chains, None
             if access is not None:
                 chunk_checkpoint = access.path
@@ -365,34 +415,29 @@ def run_chains(
                 chunk_chains = take(chains, np.asarray(chunk))
                 if access is not None:
                     chunk_checkpoint = chunk_path(access.path, chunk.start, chunk.stop)
-            results.append(
-                run.run_chunk(
-                    chunk_chains,
-                    pad_to=size if chunked else 0,
-                    access=access,
-                    checkpoint=chunk_checkpoint,
-                    writes=writes,
-                    bar=bar,
-                    steps_before=index * num_steps,
-                )
-            )
-            if chunked:
-                # Segments are dispatched without waiting: left alone, every chunk would
-                # be queued at once and, on a CPU, run side by side, with the working
-                # memory of all of them. Each chunk finishes before the next starts.
-                jax.block_until_ready(results[-1])
+            jobs.append(ChunkJob(chunk_chains, chunk_checkpoint))
+        results, record = run_chunks(
+            run,
+            jobs,
+            RunContext(
+                pad_to=size if chunked else 0,
+                access=access,
+                writes=writes,
+                bar=bar,
+                superchains=None if superchains is None else int(superchains),
+            ),
+        )
 
-    if len(results) == 1:
-        chains, recorded = results[0]
-    else:
-        # Joined at the end: until now, each result was only as large as its chunk.
-        def join(trees: list) -> Any:
-            return jtu.tree_map(lambda *xs: jnp.concatenate(xs), *trees)
-
-        chains = join([chains for chains, _ in results])
-        traces = [trace for _, trace in results]
-        recorded = None if traces[0] is None else join(traces)
+    chains = joined([chains for chains, _ in results])
+    traces = [trace for _, trace in results]
+    recorded = None if traces[0] is None else joined(traces)
+    stopped = None if record is None else record.report(burn_in)
+    steps_done = num_steps if stopped is None else stopped.step
     if recorded is not None:
+        if steps_done < num_steps:
+            # Only the draws made: the buffer was sized for the cap.
+            made = draws_before(steps_done, burn_in, thin)
+            recorded = jtu.tree_map(lambda x: x[:, :made], recorded)
         recorded = eqx.combine(
             as_keys_like(recorded, run.recorded), run.recorded_static
         )
@@ -417,11 +462,18 @@ def run_chains(
         superchain=superchain_ids,
         diagnostics=None
         if not diagnostics
-        else diagnose(
-            chains.moments,
-            None if superchains is None else int(superchains),
-        ),
+        else _diagnostics(chains.moments, superchains, until is not None),
+        steps_done=steps_done,
+        stopped=stopped,
     )
+
+
+def _diagnostics(moments: Any, superchains: int | None, stopping: bool) -> Diagnostics:
+    diagnostics = diagnose(moments, superchains)
+    if stopping:
+        # Its halves are those of the planned draws, which an early stop never makes.
+        diagnostics = dataclasses.replace(diagnostics, split_rhat=None)
+    return diagnostics
 
 
 def _with_jax_dtype(x: Any) -> Any:
