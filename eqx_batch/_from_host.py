@@ -101,12 +101,14 @@ def _rows_program(committed_to: jax.sharding.Sharding | None, donate: bool) -> A
     # The rows arrive from NumPy as new buffers, which the program may keep as its
     # outputs (donated) rather than copy: a copy per piece saved. Key data becomes
     # typed keys, which cannot keep it, so those rows are not donated.
-    shardings = {} if committed_to is None else {"out_shardings": committed_to}
+    donated = 0 if donate else ()
+    if committed_to is None:
+        return jax.jit(_rows_identity, static_argnums=1, donate_argnums=donated)
     return jax.jit(
         _rows_identity,
         static_argnums=1,
-        donate_argnums=0 if donate else (),
-        **shardings,
+        donate_argnums=donated,
+        out_shardings=committed_to,
     )
 
 
