@@ -247,9 +247,9 @@ def test_compilations_do_not_grow_with_members(placement):
             _compiles(lambda: eb.concat([tree, tree])),
         )
 
-    # The first unstack compiles one rows program per row shape and dtype (three
-    # here), whatever the member count; stacking, indexing and concatenating CPU
-    # arrays compile nothing.
+    # The first unstack compiles a rows program per group of row shapes and dtypes
+    # (at most one per shape), whatever the member count; stacking, indexing and
+    # concatenating CPU arrays compile nothing.
     first = fresh(40)
     assert _compiles(lambda: eb.unstack(first)) <= 3
     assert count(first) == (0, 0, 0, 0, 0)
@@ -278,6 +278,32 @@ def test_unstack_compiles_per_row_shape_not_per_tree():
             piece.devices() == leaf.devices()
             for piece, leaf in zip(member, other, strict=True)
         )
+
+
+def test_unstack_compiles_one_program_for_several_row_shapes():
+    # An MLP-like tree of five row shapes (unused elsewhere), one of them twice as
+    # many rows as the others: one rows program for all of them, not one per shape.
+    shapes = [(7, 5), (7,), (7, 7), (5, 7), (7,), (5,)]
+    tree = jax.block_until_ready(
+        [jnp.full((11, *shape), i, jnp.float32) + 0.5 for i, shape in enumerate(shapes)]
+    )
+    assert _compiles(lambda: eb.unstack(tree)) == 1
+    # The same shapes in the same proportions, more members: nothing compiled.
+    more = jax.block_until_ready([jnp.ones((30, *shape)) for shape in shapes])
+    assert _compiles(lambda: eb.unstack(more)) == 0
+
+
+def test_unstacked_pieces_own_their_memory():
+    # The rows program keeps its donated inputs as its outputs; those inputs are
+    # copies of the host rows, never the stacked array's own memory.
+    stacked = jax.block_until_ready(jnp.arange(40.0).reshape(20, 2) + 0.5)
+    start = stacked.unsafe_buffer_pointer()
+    members = eb.unstack(stacked)
+    for i, piece in enumerate(members):
+        assert not start <= piece.unsafe_buffer_pointer() < start + stacked.nbytes
+        assert_trees_identical(piece, stacked[i])
+    del stacked
+    assert float(members[19][1]) == 39.5
 
 
 def test_weak_leaves_compile_per_shape_not_per_call():
