@@ -5,9 +5,12 @@
 
 from ._chains import (
     Chains as Chains,
+    converged as converged,
     Diagnostics as Diagnostics,
     NonFinite as NonFinite,
     run_chains as run_chains,
+    Stopped as Stopped,
+    StoppingRule as StoppingRule,
 )
 from ._ensemble import ensemble as ensemble
 from ._errors import BatchError as BatchError
@@ -37,8 +40,11 @@ __all__ = [
     "Diagnostics",
     "NonFinite",
     "Stacked",
+    "Stopped",
+    "StoppingRule",
     "batch_size",
     "concat",
+    "converged",
     "ensemble",
     "filter_jit",
     "filter_pmap",

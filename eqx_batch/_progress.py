@@ -205,6 +205,12 @@ class ProgressBar:
         """The number of steps the bar shows as done."""
         return 0 if self._bar is None else self._bar.n
 
+    def set_postfix(self, text: str) -> None:
+        """Shows `text` after the bar (from the host, between compiled loops)."""
+        if self._bar is not None:
+            with _LOCK:
+                self._bar.set_postfix_str(text)
+
     def __enter__(self) -> "ProgressBar":
         self._bar = tqdm(
             total=self.total, desc=self._desc, file=self._file, unit="step"

@@ -10,6 +10,8 @@
 - `_superchains.py`: chains grouped in superchains that share a start;
 - `_moments.py`: running moments of each chain's draws, updated in the loop;
 - `_convergence.py`: `Diagnostics` (R-hat, nested R-hat, ESS) from those moments;
+- `_stopping.py`: `converged`, the rule of `until=`, its checks and `Stopped`;
+- `_turns.py`: the chunks through their steps, in turns window by window with `until`;
 - `_identity.py`: what makes two calls one run;
 - `_checkpoint.py`: the checkpoint files, read back and written in the background;
 - `_lock.py`: the lock and the writability check, before any work.
@@ -18,3 +20,8 @@
 from ._convergence import Diagnostics as Diagnostics
 from ._result import Chains as Chains, NonFinite as NonFinite
 from ._run import run_chains as run_chains
+from ._stopping import (
+    converged as converged,
+    Stopped as Stopped,
+    StoppingRule as StoppingRule,
+)

@@ -55,6 +55,7 @@ class Restored(NamedTuple):
     steps_done: int
     chains: ChainState
     draws: Any  # the draws so far, `[chains, draws, ...]` per leaf; None without trace
+    stopping: Any = None  # the checks of `until`, as `read_stopping` read them
 
 
 class Snapshot(NamedTuple):
@@ -70,6 +71,7 @@ class Snapshot(NamedTuple):
     draws: Any = None
     draw_file: DrawFile | None = None
     offset: int = 0
+    stopping: Any = None  # with `until`: the checks so far, with a `to_json` method
 
 
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -187,13 +189,15 @@ class Checkpoint:
         *,
         num_steps: int,
         draws_after: Callable[[int], int],
+        read_stopping: Callable[[Any], Any] | None = None,
     ) -> Restored | None:
         """The run as last checkpointed, on the host; None if there is no checkpoint.
 
         `chains_like` and `trace_like` (the whole trace, or None) are shape-dtype
         structs; `draws_after(n)` is how many draws the first `n` steps record. Draw
         files are read on the host and joined there, so reading back compiles nothing
-        whatever their number. Nothing is written.
+        whatever their number. Nothing is written. A run with `until` reads the
+        record of its checks with `read_stopping` (from JSON).
 
         Raises if the file is not a checkpoint, is corrupt, or belongs to another run.
         """
@@ -207,6 +211,14 @@ class Checkpoint:
                 "path: this one would be overwritten."
             )
         self._check_run(self.path, metadata, "checkpoint")
+        stopping = None
+        if read_stopping is not None:
+            try:
+                stopping = read_stopping(json.loads(metadata[_PROGRESS])["stopping"])
+            except (ValueError, TypeError, KeyError) as e:
+                raise self._damaged(
+                    f"its record of `until`'s checks does not parse ({e!r})"
+                ) from None
         steps_done, draw_files = self._progress(
             metadata[_PROGRESS],
             num_steps=num_steps,
@@ -218,7 +230,7 @@ class Checkpoint:
         draws = None
         if trace_like is not None:
             draws = self._read_draws(trace_like)
-        return Restored(steps_done, ChainState(**saved), draws)
+        return Restored(steps_done, ChainState(**saved), draws, stopping)
 
     def _progress(
         self, text: str, *, num_steps: int, num_draws: Any
@@ -411,6 +423,8 @@ class Checkpoint:
                 "steps_done": snapshot.steps_done,
                 "draws": [list(d) for d in draw_files],
             }
+            if snapshot.stopping is not None:
+                progress["stopping"] = snapshot.stopping.to_json()
             write_tree(
                 self.path,
                 state,

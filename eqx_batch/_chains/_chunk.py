@@ -20,6 +20,7 @@ from ._checkpoint import Checkpoint, DrawFile, Restored, Snapshot
 from ._identity import RunIdentity
 from ._lock import WriteAccess
 from ._placement import Placement, put_draws
+from ._stopping import Record, Schedule
 from ._segment import (
     ChainState,
     draws_before,
@@ -46,97 +47,17 @@ class RunPlan:
     program: jax.extend.core.ClosedJaxpr | None
     counts: dict[str, Any]  # the arguments that change results, for the identity
     checkpoint_every: int | None
+    until: Schedule | None = None  # when to check whether to stop
 
-    def run_chunk(
-        self,
-        chains: ChainState,
-        *,
-        pad_to: int,
-        checkpoint: pathlib.Path | None,
-        access: WriteAccess | None,
-        writes: bool,
-        bar: ProgressHandle | None,
-        steps_before: int,
-    ) -> tuple[ChainState, Any]:
-        """Runs `chains` through every step; returns them and their trace (None
-        without one), whole on every process.
-
-        They are padded to `pad_to` chains (and to a multiple of the device count), so
-        that every chunk of a chunked run runs one program. `steps_before` is the
-        steps of the chunks before this one, for the progress bar.
-        """
-        num_chains = chains.keys.shape[0]
-        trace_like = None
-        if self.recorded is not None:
-            trace_like = as_key_data(
-                _with_leading(self.recorded, num_chains, self.plan.num_draws)
-            )
-        with contextlib.ExitStack() as stack:
-            store = restored = None
-            if checkpoint is not None:
-                assert access is not None
-                store = stack.enter_context(
-                    Checkpoint(
-                        checkpoint,
-                        self.identity(chains, num_chains),
-                        num_chains,
-                        access=access,
-                        writes=writes,
-                    )
-                )
-                restored = store.restore(
-                    _shapes(chains),
-                    trace_like,
-                    num_steps=self.num_steps,
-                    draws_after=ft.partial(
-                        draws_before, burn_in=self.plan.burn_in, thin=self.plan.thin
-                    ),
-                )
-                if restored is None or restored.steps_done < self.num_steps:
-                    store.start_writing()
-            placement = Placement(num_chains, pad_to=pad_to)
-            steps_done, chains, trace_buffer = _start(
-                placement, chains, trace_like, restored
-            )
-            progress = None
-            if bar is not None:
-                progress = SegmentProgress(
-                    bar, bar.start(steps_before + steps_done), np.int32(steps_before)
-                )
-            num_steps = self.num_steps
-            interval = self.checkpoint_every or max(num_steps - steps_done, 1)
-            while steps_done < num_steps:
-                window = _Window.of(
-                    self.plan, steps_done, min(interval, num_steps - steps_done), store
-                )
-                result = run_segment(
-                    seen_before(
-                        dataclasses.replace(
-                            self.plan, length=window.length, emit=window.emit
-                        )
-                    ),
-                    self.step,
-                    self.shared,
-                    self.one_chain,
-                    chains,
-                    np.int32(steps_done),
-                    progress,
-                    trace_buffer,
-                )
-                chains, trace_buffer = result.chains, result.trace_buffer
-                if progress is not None:
-                    progress = progress._replace(due=result.due)
-                steps_done += window.length
-                if store is not None:
-                    store.write(
-                        _snapshot(
-                            placement, steps_done, chains, result.new_draws, window
-                        )
-                    )
-        return (
-            placement.real_chains(chains),
-            None if trace_buffer is None else placement.real_chains(trace_buffer),
-        )
+    def next_boundary(self, step: int) -> int:
+        """The step the segment from `step` ends at: the next checkpoint, the next
+        check of `until`, or the last step."""
+        stops = [self.num_steps]
+        if self.checkpoint_every is not None:
+            stops.append((step // self.checkpoint_every + 1) * self.checkpoint_every)
+        if self.until is not None:
+            stops.append(self.until.next_check(step))
+        return min(stops)
 
     def identity(self, chains: ChainState, num_chains: int) -> RunIdentity:
         """The identity of the run of these chains (raw data)."""
@@ -149,6 +70,136 @@ class RunPlan:
             chains.keys,
             _with_leading(self.one_chain.key, num_chains),
             self.counts,
+        )
+
+
+class ChunkRun:
+    """One chunk of chains, placed on the devices (resumed from its checkpoint if
+    there is one) and advanced one segment at a time, so that with `until` the
+    chunks of a run can take turns window by window.
+
+    Used as a context manager (it holds the chunk's checkpoint). The chains are
+    padded to `pad_to` chains (and to a multiple of the device count), so that every
+    chunk of a chunked run runs one program. `steps_before` is the steps of the
+    chunks before this one, for the progress bar.
+    """
+
+    def __init__(
+        self,
+        run: RunPlan,
+        chains: ChainState,
+        *,
+        pad_to: int,
+        checkpoint: pathlib.Path | None,
+        access: WriteAccess | None,
+        writes: bool,
+        bar: ProgressHandle | None,
+        steps_before: int,
+    ):
+        self.run = run
+        self._stack = contextlib.ExitStack()
+        num_chains = chains.keys.shape[0]
+        trace_like = None
+        if run.recorded is not None:
+            trace_like = as_key_data(
+                _with_leading(run.recorded, num_chains, run.plan.num_draws)
+            )
+        self.store = restored = None
+        # The checks of `until` as this chunk's checkpoint has them.
+        self.record: Record | None = None
+        if checkpoint is not None:
+            assert access is not None
+            self.store = self._stack.enter_context(
+                Checkpoint(
+                    checkpoint,
+                    run.identity(chains, num_chains),
+                    num_chains,
+                    access=access,
+                    writes=writes,
+                )
+            )
+            restored = self.store.restore(
+                _shapes(chains),
+                trace_like,
+                num_steps=run.num_steps,
+                draws_after=ft.partial(
+                    draws_before, burn_in=run.plan.burn_in, thin=run.plan.thin
+                ),
+                read_stopping=Record.from_json if run.until is not None else None,
+            )
+            if restored is not None:
+                self.record = restored.stopping
+            stopped = self.record is not None and self.record.stopped is not None
+            if restored is None or (restored.steps_done < run.num_steps and not stopped):
+                self.store.start_writing()
+        self.placement = Placement(num_chains, pad_to=pad_to)
+        self.steps_done, self.chains, self.trace_buffer = _start(
+            self.placement, chains, trace_like, restored
+        )
+        self.progress = None
+        if bar is not None:
+            self.progress = SegmentProgress(
+                bar, bar.start(steps_before + self.steps_done), np.int32(steps_before)
+            )
+        # The last segment's new draws and where they go, until written.
+        self._unwritten: tuple[Any, _Window] | None = None
+
+    def __enter__(self) -> "ChunkRun":
+        return self
+
+    def __exit__(self, *error: Any) -> None:
+        self._stack.__exit__(*error)
+
+    def advance(self, stop: int) -> None:
+        """Runs the chains from `steps_done` to step `stop`, in one segment."""
+        run = self.run
+        window = _Window.of(run.plan, self.steps_done, stop - self.steps_done, self.store)
+        result = run_segment(
+            seen_before(dataclasses.replace(run.plan, length=window.length, emit=window.emit)),
+            run.step,
+            run.shared,
+            run.one_chain,
+            self.chains,
+            np.int32(self.steps_done),
+            self.progress,
+            self.trace_buffer,
+        )
+        self.chains, self.trace_buffer = result.chains, result.trace_buffer
+        if self.progress is not None:
+            self.progress = self.progress._replace(due=result.due)
+        self.steps_done = stop
+        self._unwritten = (result.new_draws, window)
+
+    def write(self, record: Record | None = None) -> None:
+        """Checkpoints the chains after the last segment (in the background), with
+        `until`'s `record`."""
+        assert self._unwritten is not None
+        new_draws, window = self._unwritten
+        self._unwritten = None
+        if self.store is not None:
+            self.store.write(
+                _snapshot(
+                    self.placement, self.steps_done, self.chains, new_draws, window
+                )._replace(stopping=record)
+            )
+
+    def moments(self) -> Any:
+        """The running moments of the real chains, whole on every process."""
+        return self.placement.real_chains(self.chains.moments)
+
+    def discard_moments(self) -> None:
+        """Starts the moments afresh: a failed check's window is discarded."""
+        self.chains = self.chains._replace(
+            moments=self.placement.zeros(_shapes(self.chains.moments))
+        )
+
+    def result(self) -> tuple[ChainState, Any]:
+        """The chains and their trace (None without one), whole on every process."""
+        return (
+            self.placement.real_chains(self.chains),
+            None
+            if self.trace_buffer is None
+            else self.placement.real_chains(self.trace_buffer),
         )
 
 

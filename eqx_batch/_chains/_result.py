@@ -9,6 +9,7 @@ import numpy as np
 
 from ._arviz import trace_to_arviz
 from ._convergence import Diagnostics
+from ._stopping import Stopped
 
 
 if TYPE_CHECKING:
@@ -47,8 +48,9 @@ class Chains(eqx.Module):
 
     **Fields:**
 
-    - `final`: the chains' states after the last step, stacked like `init`.
-    - `trace`: the recorded states (or the step's outputs with `with_output=True`),
+    - `final`: the chains' states after the last step (`steps_done`), stacked like
+        `init`.
+    - `trace`: the recorded states (only the draws made, with `until`) (or the step's outputs with `with_output=True`),
         each array leaf shaped `[chains, draws, ...]`; non-array leaves of the state
         (an MLP's activation) are kept as in `init`. `None` with `trace=False`.
     - `states`: with `with_output=True`, the recorded states (shaped as `trace`
@@ -65,7 +67,13 @@ class Chains(eqx.Module):
         `c` (NumPy `int64[chains]`); `None` without superchains.
     - `diagnostics`: with `diagnostics=True`, an [`eb.Diagnostics`][] of the chains
         (R-hat, split R-hat, nested R-hat with superchains, ESS), computed on the
-        devices from running moments of the recorded draws; `None` without.
+        devices from running moments of the recorded draws; `None` without. With
+        `until`, of the last window's draws (a failed check discards its window), and
+        `split_rhat` is `None`.
+    - `steps_done`: the steps each chain ran: `num_steps`, or fewer when `until`
+        stopped the run early.
+    - `stopped`: with `until`, an [`eb.Stopped`][]: when the run stopped and why, and
+        the checks made; `None` without `until`.
 
     !!! Example
 
@@ -84,6 +92,8 @@ class Chains(eqx.Module):
     with_output: bool = eqx.field(static=True, default=False)
     superchain: np.ndarray | None = None
     diagnostics: Diagnostics | None = None
+    steps_done: int = 0
+    stopped: Stopped | None = None
 
     def to_arviz(self) -> "xarray.DataTree":
         """The trace as ArviZ data, for its convergence diagnostics and plots.

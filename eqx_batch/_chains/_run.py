@@ -7,6 +7,7 @@ key data typed keys again, once.
 """
 
 import contextlib
+import dataclasses
 import functools as ft
 import os
 import pathlib
@@ -40,7 +41,7 @@ from ._checkpoint import (
     warn_of_other_chunkings,
 )
 from ._chunk import RunPlan
-from ._convergence import diagnose
+from ._convergence import diagnose, Diagnostics
 from ._lock import check_folder, refuse_if_in_use, WriteAccess
 from ._moments import check_diagnostics, zeros
 from ._result import Chains, NonFinite
@@ -52,7 +53,9 @@ from ._segment import (
     SegmentPlan,
 )
 from ._step import checked_output, per_chain, trace_step
+from ._stopping import StoppingRule
 from ._superchains import expand_superchains
+from ._turns import ChunkJob, joined, run_chunks, RunContext
 
 
 def run_chains(
@@ -71,6 +74,7 @@ def run_chains(
     chunk_size: int | None = None,
     superchains: int | None = None,
     diagnostics: bool = False,
+    until: StoppingRule | None = None,
 ) -> Chains:
     """Runs many independent Markov chains in parallel, from a step written for one.
 
@@ -215,6 +219,18 @@ def run_chains(
         result.diagnostics.nested_rhat  # f32[3], near 1 once mixed
         ```
     """
+    if until is not None:
+        if not isinstance(until, StoppingRule):
+            raise BatchError(
+                f"`until` is {describe(until)}; pass a rule made by `eb.converged(...)`."
+            )
+        if num_steps is None:
+            raise BatchError(
+                "`until` is given but `num_steps` is None: `num_steps` is the cap, the "
+                "most steps the chains run if the rule never holds. Pass one."
+            )
+        # The rule reads the diagnostics.
+        diagnostics = True
     num_steps = check_int(num_steps, "num_steps")
     thin = check_int(thin, "thin", minimum=1)
     burn_in = check_int(burn_in, "burn_in", maximum=num_steps)
@@ -282,6 +298,10 @@ def run_chains(
     if diagnostics:
         # Only when on, so that the runs of before keep their identity.
         counts["diagnostics"] = True
+    schedule = None
+    if until is not None:
+        schedule = until.plan(num_steps, superchains, num_chains)
+        counts["until"] = str(schedule)
     run = RunPlan(
         step=step,
         shared=shared,
@@ -301,6 +321,7 @@ def run_chains(
         program=None if traced is None else traced.program,
         counts=counts,
         checkpoint_every=checkpoint_every,
+        until=schedule,
     )
     # Typed PRNG keys become raw data here, once, and keys again on the way out: in
     # between, chunks, placement and checkpoints handle plain arrays.
@@ -322,9 +343,10 @@ def run_chains(
     with contextlib.ExitStack() as stack:
         bar = None
         if progress:
-            # One bar over every chunk's steps.
-            total = num_steps * len(chunks)
-            bar = stack.enter_context(ProgressBar(total, "run_chains")).handle
+            # One bar over every chunk's steps; with `until`, the chunks take turns
+            # and the bar counts the run's steps.
+            total = num_steps * (1 if until is not None else len(chunks))
+            bar = stack.enter_context(ProgressBar(total, "run_chains"))
         access = None
         if checkpoint is not None:
             path = pathlib.Path(checkpoint)
@@ -340,8 +362,8 @@ def run_chains(
                 chunked=chunked,
             )
             access = stack.enter_context(WriteAccess(path, longest, writes=writes))
-        results = []
-        for index, chunk in enumerate(chunks):
+        jobs = []
+        for chunk in chunks:
             chunk_chains, chunk_checkpoint = chains, None
             if access is not None:
                 chunk_checkpoint = access.path
@@ -350,34 +372,28 @@ def run_chains(
                 chunk_chains = take(chains, np.asarray(chunk))
                 if access is not None:
                     chunk_checkpoint = chunk_path(access.path, chunk.start, chunk.stop)
-            results.append(
-                run.run_chunk(
-                    chunk_chains,
-                    pad_to=size if chunked else 0,
-                    access=access,
-                    checkpoint=chunk_checkpoint,
-                    writes=writes,
-                    bar=bar,
-                    steps_before=index * num_steps,
-                )
-            )
-            if chunked:
-                # Segments are dispatched without waiting: left alone, every chunk would
-                # be queued at once and, on a CPU, run side by side, with the working
-                # memory of all of them. Each chunk finishes before the next starts.
-                jax.block_until_ready(results[-1])
+            jobs.append(ChunkJob(chunk_chains, chunk_checkpoint))
+        results, record = run_chunks(
+            run,
+            jobs,
+            RunContext(
+                pad_to=size if chunked else 0,
+                access=access,
+                writes=writes,
+                bar=bar,
+                superchains=None if superchains is None else int(superchains),
+            ),
+        )
 
-    if len(results) == 1:
-        chains, recorded = results[0]
-    else:
-        # Joined at the end: until now, each result was only as large as its chunk.
-        def join(trees: list) -> Any:
-            return jtu.tree_map(lambda *xs: jnp.concatenate(xs), *trees)
-
-        chains = join([chains for chains, _ in results])
-        traces = [trace for _, trace in results]
-        recorded = None if traces[0] is None else join(traces)
+    chains = joined([chains for chains, _ in results])
+    traces = [trace for _, trace in results]
+    recorded = None if traces[0] is None else joined(traces)
+    steps_done = num_steps if record is None else record.stopped[0]
     if recorded is not None:
+        if steps_done < num_steps:
+            # Only the draws made: the buffer was sized for the cap.
+            made = draws_before(steps_done, burn_in, thin)
+            recorded = jtu.tree_map(lambda x: x[:, :made], recorded)
         recorded = eqx.combine(
             as_keys_like(recorded, run.recorded), run.recorded_static
         )
@@ -402,11 +418,20 @@ def run_chains(
         superchain=superchain_ids,
         diagnostics=None
         if not diagnostics
-        else diagnose(
-            chains.moments,
-            None if superchains is None else int(superchains),
-        ),
+        else _diagnostics(chains.moments, superchains, until is not None),
+        steps_done=steps_done,
+        stopped=None if record is None else record.report(burn_in),
     )
+
+
+def _diagnostics(
+    moments: Any, superchains: int | None, stopping: bool
+) -> Diagnostics:
+    diagnostics = diagnose(moments, superchains)
+    if stopping:
+        # Its halves are those of the planned draws, which an early stop never makes.
+        diagnostics = dataclasses.replace(diagnostics, split_rhat=None)
+    return diagnostics
 
 
 def _with_jax_dtype(x: Any) -> Any:

@@ -1,0 +1,353 @@
+"""Stopping when converged: the rule (`eb.converged`), the report (`eb.Stopped`), the
+check made on the host between segments, and the record of checks a checkpoint keeps.
+
+A check reads the `Diagnostics` of the draws since the last check (a failed check
+discards its window's moments, as Margossian et al.'s adaptive warmup discards a failed
+window's draws) and compares each criterion's worst element with its threshold. It runs
+between segments, never inside the compiled loop.
+"""
+
+import math
+import operator
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import numpy as np
+
+from .._errors import BatchError, check_int, describe, is_bool
+from ._convergence import Diagnostics
+
+
+# Nested R-hat's default threshold is sqrt(1 + 1/M + TAU) (Margossian et al. 2024,
+# section 4.3), with M chains per superchain; `benchmarks/bench_stopping.py` measures
+# how often it stops chains that have not mixed.
+TAU = 1e-4
+# Without superchains the default rule is classic R-hat below the usual 1.01 (Vehtari
+# et al. 2021): nested R-hat's 1/M term, with M = 1, would allow R-hat up to 1.41.
+RHAT_WITHOUT_SUPERCHAINS = 1.01
+# Checks per run when `every` is None: each window is a tenth of the cap.
+CHECKS_PER_RUN = 10
+
+_NAMES = {"nested_rhat": "nested R-hat", "rhat": "R-hat", "ess": "ESS"}
+
+
+class StoppingRule(eqx.Module):
+    """When [`eb.run_chains`][] may stop before `num_steps`: made by
+    [`eb.converged`][], passed as `until`. Every criterion that is not `None` must hold.
+
+    **Fields:**
+
+    - `nested_rhat`: the largest nested R-hat allowed, `"default"` (the calibrated
+        threshold, see `eb.converged`) or `None` (not checked).
+    - `rhat`: the largest classic R-hat allowed, or `None`.
+    - `ess`: the smallest cross-chain ESS allowed, or `None`.
+    - `every`: the steps between two checks; `None`: a tenth of `num_steps`.
+    """
+
+    nested_rhat: float | str | None
+    rhat: float | None
+    ess: float | None
+    every: int | None
+
+    def plan(
+        self, num_steps: int, superchains: int | None, num_chains: int
+    ) -> "Schedule":
+        """The criteria with their thresholds for this run, and the check interval."""
+        nested = self.nested_rhat
+        criteria = []
+        if nested == "default":
+            if superchains is None:
+                criteria.append(Criterion("rhat", RHAT_WITHOUT_SUPERCHAINS))
+            else:
+                per_superchain = num_chains // superchains
+                criteria.append(
+                    Criterion("nested_rhat", math.sqrt(1 + 1 / per_superchain + TAU))
+                )
+        elif nested is not None:
+            if superchains is None:
+                raise BatchError(
+                    f"`until` checks nested R-hat (`converged(nested_rhat={nested})`), "
+                    "but the chains have no superchains: pass `superchains=K`, or "
+                    "check classic R-hat with `converged(nested_rhat=None, rhat=...)`."
+                )
+            criteria.append(Criterion("nested_rhat", float(nested)))
+        if self.rhat is not None and not any(c.statistic == "rhat" for c in criteria):
+            criteria.append(Criterion("rhat", self.rhat))
+        if self.ess is not None:
+            criteria.append(Criterion("ess", self.ess))
+        every = self.every or max(1, -(-num_steps // CHECKS_PER_RUN))
+        return Schedule(tuple(criteria), every)
+
+
+def converged(
+    *,
+    nested_rhat: float | str | None = "default",
+    rhat: float | None = None,
+    ess: float | None = None,
+    every: int | None = None,
+) -> StoppingRule:
+    """A stopping rule for [`eb.run_chains`][]`(..., until=...)`: stop once the chains
+    have converged, with `num_steps` as the cap.
+
+    Many short chains on an accelerator converge at a step no one knows in advance.
+    Every `every` steps (between segments, on the host) the run computes the
+    diagnostics of the draws recorded since the previous check and stops when every
+    given criterion holds at every element of the state. A check that fails starts a
+    new window: its draws' moments are discarded, as in the adaptive warmup of
+    Margossian et al., "Nested R-hat" (arXiv 2110.13017), so the statistics that
+    pass describe the last window's draws only.
+
+    **Arguments:**
+
+    - `nested_rhat`: the largest nested R-hat allowed (needs `superchains`).
+        `"default"` is the paper's sqrt(1 + 1/M + 1e-4), M chains per superchain,
+        whose false stops `benchmarks/bench_stopping.py` measures (docs: "Stopping
+        when converged"); without superchains, `"default"` checks classic R-hat
+        <= 1.01 instead. `None` does not check it.
+    - `rhat`: the largest classic R-hat allowed; `None` does not check it.
+    - `ess`: the smallest cross-chain ESS (`Diagnostics.ess`) allowed at every
+        element; `None` does not check it.
+    - `every`: steps between checks, at steps `every`, `2 * every`, ... and at the
+        cap; `None` checks ten times per run (every `ceil(num_steps / 10)` steps).
+
+    **Returns:**
+
+    A [`eb.StoppingRule`][], hashable; its criteria are part of a checkpointed run's
+    identity.
+
+    **Raises:**
+
+    `eb.BatchError` if a threshold is not a finite number (a bool included), an
+    R-hat threshold is below 1, `ess` is not positive, `every` is not an int >= 1, or
+    no criterion is given. With `run_chains`: see its `until`.
+
+    !!! Example
+
+        ```python
+        def step(x, key):  # an AR(1) chain; stationary: N(0, 1)
+            return 0.9 * x + 0.44 * jr.normal(key, x.shape)
+
+        starts = jnp.array([[-3.0], [-1.0], [1.0], [3.0]])  # 4 superchains
+        keys = jr.split(jr.key(0), 4 * 32)
+        result = eb.run_chains(
+            step, starts, keys, 2000, superchains=4, until=eb.converged(every=50)
+        )
+        result.steps_done  # well before 2000
+        result.stopped.reason  # which statistic passed, its worst value and leaf
+        ```
+    """
+    if isinstance(nested_rhat, str):
+        if nested_rhat != "default":
+            raise BatchError(
+                f"`nested_rhat` is {nested_rhat!r}; pass a number >= 1, 'default' or "
+                "None."
+            )
+    else:
+        nested_rhat = _threshold(nested_rhat, "nested_rhat", "R-hat")
+    rule = StoppingRule(
+        nested_rhat=nested_rhat,
+        rhat=_threshold(rhat, "rhat", "R-hat"),
+        ess=_threshold(ess, "ess", "ESS"),
+        every=None
+        if every is None
+        else check_int(every, "every", minimum=1, hint="It is steps between checks."),
+    )
+    if rule.nested_rhat is None and rule.rhat is None and rule.ess is None:
+        raise BatchError(
+            "`converged` was given no criterion (`nested_rhat`, `rhat` and `ess` are "
+            "all None): pass at least one."
+        )
+    return rule
+
+
+def _threshold(value: Any, name: str, kind: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = None if is_bool(value) else float(operator.index(value))
+    except TypeError:
+        number = float(value) if isinstance(value, float | np.floating) else None
+    low = 1.0 if kind == "R-hat" else 0.0
+    if number is None or not math.isfinite(number) or number < low or number == 0:
+        shown = describe(value) if getattr(value, "ndim", 0) else repr(value)
+        rule = "a number >= 1 (R-hat is 1 at best)" if low else "a number > 0"
+        raise BatchError(f"`{name}` is {shown}; the {kind} threshold must be {rule}.")
+    return number
+
+
+class Criterion(NamedTuple):
+    """One statistic of `Diagnostics` and its threshold."""
+
+    statistic: str  # "nested_rhat", "rhat" or "ess"
+    threshold: float
+
+    def holds(self, value: float) -> bool:
+        # NaN (no element with varying draws) holds nothing.
+        if self.statistic == "ess":
+            return value >= self.threshold
+        return value <= self.threshold
+
+    def __str__(self) -> str:
+        sign = ">=" if self.statistic == "ess" else "<="
+        return f"{_NAMES[self.statistic]} {sign} {self.threshold:.6g}"
+
+
+class Schedule(NamedTuple):
+    """A rule planned for one run: its criteria, thresholds resolved, and interval."""
+
+    criteria: tuple[Criterion, ...]
+    every: int
+
+    def __str__(self) -> str:
+        return f"{' and '.join(map(str, self.criteria))}, checked every {self.every}"
+
+    def is_check(self, step: int, num_steps: int) -> bool:
+        return step % self.every == 0 or step == num_steps
+
+    def next_check(self, step: int) -> int:
+        return (step // self.every + 1) * self.every
+
+
+class Check(NamedTuple):
+    passed: bool
+    worst: float  # of the first criterion's statistic
+    reason: str
+
+
+def check(schedule: Schedule, diagnostics: Diagnostics) -> Check:
+    """Whether `diagnostics` meet every criterion, and why (the failing one first)."""
+    lines, passed, first = [], True, math.nan
+    for index, criterion in enumerate(schedule.criteria):
+        path, value = worst_of(diagnostics, criterion.statistic)
+        holds = criterion.holds(value)
+        passed &= holds
+        if index == 0:
+            first = value
+        sign = ("<=" if holds else ">") if criterion.statistic != "ess" else None
+        if sign is None:
+            sign = ">=" if holds else "<"
+        text = (
+            f"{_NAMES[criterion.statistic]} {value:.6g} at {path} {sign} "
+            f"{criterion.threshold:.6g}"
+        )
+        lines.insert(len(lines) if holds else 0, text)
+    return Check(passed, first, "; ".join(lines))
+
+
+def worst_of(diagnostics: Diagnostics, statistic: str) -> tuple[str, float]:
+    """The path of the worst element of a statistic (`['w'][3]`) and its value."""
+    path, (value, element) = next(iter(diagnostics.worst(statistic).items()))
+    return path + "".join(f"[{i}]" for i in element), value
+
+
+def postfix(diagnostics: Diagnostics) -> str:
+    """What the progress bar shows: the worst (nested) R-hat and smallest ESS."""
+    statistic = "rhat" if diagnostics.nested_rhat is None else "nested_rhat"
+    rhat_at, rhat = worst_of(diagnostics, statistic)
+    ess_at, ess = worst_of(diagnostics, "ess")
+    return (
+        f"{_NAMES[statistic]} {rhat:.4g} at {rhat_at}, ESS {ess:.4g} at {ess_at}"
+    )
+
+
+class Stopped(eqx.Module):
+    """When and why [`eb.run_chains`][]`(..., until=...)` stopped.
+
+    **Fields:**
+
+    - `step`: the steps run (`Chains.steps_done`).
+    - `converged`: whether the rule held; `False` when the run reached the cap,
+        `num_steps`, without it holding.
+    - `reason`: the statistics of the last check, each with its worst value, the leaf
+        path and element where it is, and its threshold (a failing one first), or
+        why no check was made.
+    - `window_start`: the step the last window began at: its draws (those the
+        statistics of the last check describe) are the states recorded after steps
+        `window_start + 1` to `step`.
+    - `checks`: the steps at which the rule was checked (NumPy `int64`).
+    - `worst`: the worst value of the rule's first statistic at each check (NumPy
+        `float64`), to plot against `checks`.
+
+    !!! Example
+
+        ```python
+        import matplotlib.pyplot as plt
+
+        plt.plot(result.stopped.checks, result.stopped.worst)  # nested R-hat by step
+        ```
+    """
+
+    step: int
+    converged: bool
+    reason: str
+    window_start: int
+    checks: np.ndarray
+    worst: np.ndarray
+
+
+class Record(NamedTuple):
+    """The checks of a run so far, as a checkpoint keeps them (JSON)."""
+
+    checks: tuple[int, ...] = ()
+    worst: tuple[float, ...] = ()
+    # Set once the run stops: (step, converged, reason).
+    stopped: tuple[int, bool, str] | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "checks": list(self.checks),
+            "worst": list(self.worst),
+            "stopped": None if self.stopped is None else list(self.stopped),
+        }
+
+    @classmethod
+    def from_json(cls, saved: Any) -> "Record":
+        """Raises `ValueError`, `TypeError` or `KeyError` if `saved` is malformed."""
+        stopped = saved["stopped"]
+        if stopped is not None:
+            step, is_converged, reason = stopped
+            stopped = (int(step), bool(is_converged), str(reason))
+        checks = tuple(int(step) for step in saved["checks"])
+        worst = tuple(float(value) for value in saved["worst"])
+        if len(checks) != len(worst):
+            raise ValueError("as many checks as worst values")
+        return cls(checks, worst, stopped)
+
+    def as_of(self, step: int) -> "Record":
+        """The record as a chunk that has run `step` steps keeps it."""
+        kept = sum(1 for check_step in self.checks if check_step <= step)
+        stopped = self.stopped
+        if stopped is not None and stopped[0] > step:
+            stopped = None
+        return Record(self.checks[:kept], self.worst[:kept], stopped)
+
+    def decided(self, step: int) -> bool:
+        return step in self.checks or (
+            self.stopped is not None and self.stopped[0] == step
+        )
+
+    def failed(self, step: int) -> bool:
+        """Whether the check at `step` failed and its window was discarded."""
+        return step in self.checks and (
+            self.stopped is None or self.stopped[0] != step
+        )
+
+    def window_start(self, step: int) -> int:
+        """Where the window of draws that ends at `step` began."""
+        return max((c for c in self.checks if c < step), default=0)
+
+    def with_check(self, step: int, result: Check, stop: bool) -> "Record":
+        stopped = (step, result.passed, result.reason) if stop else None
+        return Record((*self.checks, step), (*self.worst, result.worst), stopped)
+
+    def report(self, burn_in: int) -> Stopped:
+        assert self.stopped is not None
+        step, is_converged, reason = self.stopped
+        return Stopped(
+            step=step,
+            converged=is_converged,
+            reason=reason,
+            window_start=max(self.window_start(step), burn_in),
+            checks=np.asarray(self.checks, np.int64),
+            worst=np.asarray(self.worst, np.float64),
+        )
