@@ -23,11 +23,12 @@ here with JAX:
 - a 100-dimensional Gaussian with standard deviations log-spaced from 0.1 to 10, a
   condition number of 10^4, whose mean and variance are known.
 
-For each, the run that stops is compared with a run of the fixed budget (2000 steps,
-the second half kept, as Stan's 1000 warmup and 1000 sampling iterations): the
-steps each used, and the error of the posterior mean and variance given by the draws
-of the window that passed, by 100 and by 1000 steps sampled afresh after the stop,
-and by the fixed budget's second half.
+For each, the run that stops is compared with the fixed budget (2000 steps, the
+second half kept, as Stan's 1000 warmup and 1000 sampling iterations): the steps each
+used, and the error of the posterior mean and variance given by the draws of the
+window that passed, by the first 100 and 1000 steps sampled after the stop, and by
+the fixed budget's second half. One run gives all four: the chains that stopped are
+continued (exactly, from `result.final` and `result.keys`) to the budget.
 
     python examples/many_short_chains.py [--out DIR]
 
@@ -43,7 +44,7 @@ import json
 import pathlib
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import arviz_stats
 import jax
@@ -63,11 +64,11 @@ import eqx_batch as eb  # noqa: E402
 DEFAULT_OUT = pathlib.Path(__file__).parent / "out"
 SUPERCHAINS = 16  # K
 CHAINS_PER_SUPERCHAIN = 64  # M
-BUDGET = 2000  # the fixed run's steps; its first half is warmup
+BUDGET = 2000  # the fixed budget's steps; its first half is warmup
 THIN = 5  # keep every 5th state: enough draws, a fifth of the memory
 EVERY = 50  # steps between convergence checks: 10 kept draws per chain each
-# The fresh sampling phase after the stop, as long as the fixed budget's; its first
-# 100 steps are compared too.
+# The sampling phase after the stop, as long as the fixed budget's; its first 100
+# steps are compared too.
 SAMPLING = BUDGET // 2
 SHORT_SAMPLING = 100
 # The paper's threshold on nested R-hat, eb.converged()'s default: sqrt(1 + 1/M + tau).
@@ -133,7 +134,7 @@ class Target(NamedTuple):
     log_density: Callable  # of one chain's state
     step_size: float
     leapfrog_steps: int
-    starts: dict  # K over-dispersed starts, one per superchain
+    starts: Any  # K over-dispersed starts, one per superchain
     names: list[str]  # the quantities whose mean and variance are compared
     quantities: Callable  # state draws [chains, draws, ...] -> [chains, draws, q]
     mean: np.ndarray  # the known posterior mean of each quantity
@@ -191,7 +192,7 @@ def eight_schools_moments() -> tuple[np.ndarray, np.ndarray]:
     conditional_var = np.concatenate([v, 0 * tau, theta_var], axis=1)
     mean = np.trapezoid(weight * conditional_mean, tau, axis=0)
     second = np.trapezoid(weight * (conditional_var + conditional_mean**2), tau, axis=0)
-    return mean, second - mean**2
+    return np.asarray(mean), np.asarray(second - mean**2)
 
 
 def eight_schools_quantities(draws: dict) -> np.ndarray:
@@ -299,12 +300,9 @@ def errors(target: Target, draws) -> dict[str, float]:
     }
 
 
-def draws_since(states, first_draw: int):
-    return jax.tree.map(lambda leaf: leaf[:, first_draw:], states)
-
-
-def draws_until(states, end_draw: int):
-    return jax.tree.map(lambda leaf: leaf[:, :end_draw], states)
+def draws_between(states, first: int, end: int | None):
+    """Draws `first` to `end` (excluded) of every chain."""
+    return jax.tree.map(lambda leaf: leaf[:, first:end], states)
 
 
 def worst_nested_rhat(draws, superchain_ids: np.ndarray) -> float:
@@ -324,8 +322,39 @@ def worst_nested_rhat(draws, superchain_ids: np.ndarray) -> float:
     )
 
 
+def stop_then_continue(
+    step: Callable, target: Target, keys: jax.Array
+) -> tuple[eb.Chains, eb.Stopped, eb.Chains]:
+    """The run until converged, why it stopped, and the same chains continued to the
+    fixed budget.
+
+    `final` and `keys` continue the chains exactly where they stopped, so the
+    continued chains are, step for step, those a run of BUDGET steps would give:
+    one run serves both the early stop (the draws after it) and the fixed budget (the
+    draws after step BUDGET // 2).
+    """
+    began = time.perf_counter()
+    warmup = run_until_converged(step, target, keys)
+    stopped = warmup.stopped
+    assert stopped is not None  # until= was given
+    rest = BUDGET - warmup.steps_done
+    continued = eb.run_chains(
+        step, warmup.final, warmup.keys, rest, thin=THIN, with_output=True
+    )
+    seconds = time.perf_counter() - began
+    print(
+        f"until converged: stopped after {warmup.steps_done} of {BUDGET} steps "
+        f"(converged: {stopped.converged}); continued for the other {rest}; "
+        f"{seconds:.1f} s in all\n   {stopped.reason}"
+    )
+    for check, worst in zip(stopped.checks, stopped.worst, strict=True):
+        print(f"   check at step {check:4d}: worst nested R-hat {worst:.4f}")
+    return warmup, stopped, continued
+
+
 def study(target: Target, key: jax.Array) -> dict:
-    """Runs `target` to convergence and for the fixed budget, and compares them."""
+    """Runs `target` until converged and on to the fixed budget, and compares the
+    draws after the stop with those of the budget's second half."""
     step = ft.partial(
         hmc,
         log_density=target.log_density,
@@ -334,94 +363,73 @@ def study(target: Target, key: jax.Array) -> dict:
     )
     keys = jr.split(key, SUPERCHAINS * CHAINS_PER_SUPERCHAIN)
     print(f"\n=== {target.name}: {keys.shape[0]} chains in {SUPERCHAINS} superchains")
+    warmup, stopped, continued = stop_then_continue(step, target, keys)
+    superchain_ids = np.asarray(warmup.superchain)  # chain c's is c // M
+    assert stopped.step + SAMPLING <= BUDGET, "the comparison needs an earlier stop"
 
-    began = time.perf_counter()
-    fixed = eb.run_chains(
-        step,
-        target.starts,
-        keys,
-        BUDGET,
-        burn_in=BUDGET // 2,
-        thin=THIN,
-        superchains=SUPERCHAINS,
-        with_output=True,
-        diagnostics=True,
-    )
-    fixed_seconds = time.perf_counter() - began
-    path, (fixed_worst, element) = next(iter(fixed.diagnostics.worst().items()))
-    print(
-        f"fixed budget: {BUDGET} steps in {fixed_seconds:.1f} s; nested R-hat of its "
-        f"last {BUDGET // 2} steps up to {fixed_worst:.4f} ({path}{list(element)})"
-    )
-
-    began = time.perf_counter()
-    stopped = run_until_converged(step, target, keys)
-    stop = stopped.stopped
-    assert stop is not None
-    # Sampling afresh from where the chains stopped: the stop ends the warmup.
-    sample = eb.run_chains(
-        step, stopped.final, stopped.keys, SAMPLING, thin=THIN, with_output=True
-    )
-    stop_seconds = time.perf_counter() - began
-    print(
-        f"until converged: stopped after {stop.step} of {BUDGET} steps "
-        f"(converged: {stop.converged}), then {SAMPLING} sampling steps, "
-        f"{stop_seconds:.1f} s in all\n   {stop.reason}"
-    )
-    for check, worst in zip(stop.checks, stop.worst, strict=True):
-        print(f"   check at step {check:4d}: worst nested R-hat {worst:.4f}")
+    # Draw i of a run is the state after its step 1 + THIN * i.
+    window = draws_between(warmup.states, -(-stopped.window_start // THIN), None)
+    draws_after_stop = ft.partial(draws_between, continued.states, 0)
+    # The fixed budget keeps the states after steps BUDGET // 2 + 1 to BUDGET.
+    budget_start = -(-(BUDGET // 2 - stopped.step) // THIN)
+    budget = draws_between(continued.states, budget_start, None)
 
     # The draws the passing check saw, and ArviZ's nested R-hat of them.
-    window = draws_since(stopped.states, -(-stop.window_start // THIN))
-    arviz_nested = worst_nested_rhat(window, stopped.superchain)
-    print(f"   ArviZ's nested R-hat of the passing window: {arviz_nested:.4f}")
+    arviz_nested = worst_nested_rhat(window, superchain_ids)
+    budget_nested = worst_nested_rhat(budget, superchain_ids)
+    print(
+        f"   ArviZ's nested R-hat of the passing window: {arviz_nested:.4f}; of the "
+        f"fixed budget's second half: {budget_nested:.4f}"
+    )
 
     measured = {
         "window": errors(target, window),
-        "short": errors(target, draws_until(sample.states, SHORT_SAMPLING // THIN)),
-        "fresh": errors(target, sample.states),
-        "budget": errors(target, fixed.states),
+        "short": errors(target, draws_after_stop(SHORT_SAMPLING // THIN)),
+        "fresh": errors(target, draws_after_stop(SAMPLING // THIN)),
+        "budget": errors(target, budget),
     }
+    window_steps = f"{stopped.window_start + 1}-{stopped.step}"
     rows = [
-        (f"stop: the window (steps {stop.window_start + 1}-{stop.step})", stop.step),
-        (f"stop + {SHORT_SAMPLING} fresh steps", stop.step + SHORT_SAMPLING),
-        (f"stop + {SAMPLING} fresh steps", stop.step + SAMPLING),
+        (f"stop: the window (steps {window_steps})", stopped.step),
+        (f"stop + {SHORT_SAMPLING} fresh steps", stopped.step + SHORT_SAMPLING),
+        (f"stop + {SAMPLING} fresh steps", stopped.step + SAMPLING),
         (f"fixed budget (steps {BUDGET // 2 + 1}-{BUDGET})", BUDGET),
     ]
     print(f"\n{'draws from':<36} {'steps':>5}  mean error (sd)  variance error")
     for (label, steps), error in zip(rows, measured.values(), strict=True):
         print(f"{label:<36} {steps:5d}  {error['mean']:15.3f}  {error['var']:14.1%}")
 
-    # The report comes from ArviZ, on the fresh draws, for a few variables (ArviZ
-    # takes a minute for all 100 of the Gaussian's). The chains keep their
-    # superchains' ids, for ArviZ's (rank-normalised) nested R-hat.
-    fresh = sample.to_arviz()
+    # The report comes from ArviZ, on the SAMPLING steps after the stop, for a few
+    # variables (ArviZ takes a minute for all 100 of the Gaussian's). The continued
+    # run has no superchains (its chains do not start equal): ArviZ is given their
+    # ids.
+    fresh = continued.to_arviz().isel(draw=slice(None, SAMPLING // THIN))
     nested = arviz_stats.rhat_nested(
-        fresh, superchain_ids=stopped.superchain, **target.shown
+        fresh, superchain_ids=superchain_ids, **target.shown
     )
     fresh_nested = max(float(value.max()) for value in nested.data_vars.values())
     summary = arviz_stats.summary(fresh, **target.shown)
     print(
-        f"\nArviZ on the {SAMPLING} fresh steps: nested R-hat up to "
+        f"\nArviZ on the {SAMPLING} steps after the stop: nested R-hat up to "
         f"{fresh_nested:.4f}, and its summary:"
     )
     print(summary.to_string())
-    acceptance = float(np.mean(np.asarray(sample.trace["acceptance"])))
+    acceptance = float(np.mean(np.asarray(continued.trace["acceptance"])))
     print(f"mean acceptance probability: {acceptance:.2f}")
 
     return {
         "chains": int(keys.shape[0]),
         "budget": BUDGET,
-        "steps_done": int(stopped.steps_done),
-        "converged": bool(stop.converged),
-        "window_start": int(stop.window_start),
-        "checks": stop.checks.tolist(),
-        "worst": stop.worst.tolist(),
+        "steps_done": int(warmup.steps_done),
+        "converged": bool(stopped.converged),
+        "window_start": int(stopped.window_start),
+        "checks": stopped.checks.tolist(),
+        "worst": stopped.worst.tolist(),
         "arviz_nested_rhat": arviz_nested,
-        "fixed_nested_rhat": float(fixed_worst),
+        "fixed_nested_rhat": budget_nested,
         "errors": measured,
         "fresh_nested_rhat": fresh_nested,
-        "summary_rhat_max": float(summary["r_hat"].max()),
+        "summary_rhat_max": float(summary["r_hat"].to_numpy().max()),
         "summary_rows": len(summary),
         "acceptance": acceptance,
     }
