@@ -205,11 +205,14 @@ class ProgressBar:
         """The number of steps the bar shows as done."""
         return 0 if self._bar is None else self._bar.n
 
-    def set_postfix(self, text: str) -> None:
-        """Shows `text` after the bar (from the host, between compiled loops)."""
+    def show(self, done: int, postfix: str) -> None:
+        """From the host, between compiled loops: moves the bar forward to `done` (a
+        report from the loop may not have come since) and shows `postfix` after it."""
         if self._bar is not None:
             with _LOCK:
-                self._bar.set_postfix_str(text)
+                if done > self._bar.n:
+                    self._bar.update(done - self._bar.n)
+                self._bar.set_postfix_str(postfix)
 
     def __enter__(self) -> "ProgressBar":
         self._bar = tqdm(

@@ -117,6 +117,32 @@ def run(
     )
 
 
+def ar1(state: jax.Array, key: jax.Array) -> jax.Array:
+    """An AR(1) chain that forgets its start over about a hundred steps;
+    stationary: N(0, 1)."""
+    return 0.95 * state + 0.312 * jr.normal(key, state.shape)
+
+
+def stopping_run(
+    checkpoint: str | None = None, chunk_size: int | None = None
+) -> eb.Chains:
+    """4 superchains of 32 chains from starts far apart, until nested R-hat says
+    they have mixed (a thousand steps or so), checkpointed every 50 steps."""
+    starts = jnp.linspace(-2.0, 2.0, 4 * 64).reshape(4, 64)
+    return eb.run_chains(
+        ar1,
+        starts,
+        jr.split(jr.key(3), 4 * 32),
+        5000,
+        thin=5,
+        superchains=4,
+        until=eb.converged(every=500),
+        checkpoint=checkpoint,
+        checkpoint_every=None if checkpoint is None else 50,
+        chunk_size=chunk_size,
+    )
+
+
 def main(argv: list[str]) -> None:
     job = argv[0] == "--job"
     process_id = 0

@@ -20,7 +20,6 @@ from ._checkpoint import Checkpoint, DrawFile, Restored, Snapshot
 from ._identity import RunIdentity
 from ._lock import WriteAccess
 from ._placement import Placement, put_draws
-from ._stopping import Record, Schedule
 from ._segment import (
     ChainState,
     draws_before,
@@ -30,6 +29,7 @@ from ._segment import (
     SegmentPlan,
     SegmentProgress,
 )
+from ._stopping import Record, Schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +130,9 @@ class ChunkRun:
             if restored is not None:
                 self.record = restored.stopping
             stopped = self.record is not None and self.record.stopped is not None
-            if restored is None or (restored.steps_done < run.num_steps and not stopped):
+            if restored is None or (
+                restored.steps_done < run.num_steps and not stopped
+            ):
                 self.store.start_writing()
         self.placement = Placement(num_chains, pad_to=pad_to)
         self.steps_done, self.chains, self.trace_buffer = _start(
@@ -153,9 +155,13 @@ class ChunkRun:
     def advance(self, stop: int) -> None:
         """Runs the chains from `steps_done` to step `stop`, in one segment."""
         run = self.run
-        window = _Window.of(run.plan, self.steps_done, stop - self.steps_done, self.store)
+        window = _Window.of(
+            run.plan, self.steps_done, stop - self.steps_done, self.store
+        )
         result = run_segment(
-            seen_before(dataclasses.replace(run.plan, length=window.length, emit=window.emit)),
+            seen_before(
+                dataclasses.replace(run.plan, length=window.length, emit=window.emit)
+            ),
             run.step,
             run.shared,
             run.one_chain,

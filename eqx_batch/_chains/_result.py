@@ -50,9 +50,10 @@ class Chains(eqx.Module):
 
     - `final`: the chains' states after the last step (`steps_done`), stacked like
         `init`.
-    - `trace`: the recorded states (only the draws made, with `until`) (or the step's outputs with `with_output=True`),
-        each array leaf shaped `[chains, draws, ...]`; non-array leaves of the state
-        (an MLP's activation) are kept as in `init`. `None` with `trace=False`.
+    - `trace`: the recorded states (or the step's outputs with `with_output=True`),
+        each array leaf shaped `[chains, draws, ...]` (only the draws made, with
+        `until`); non-array leaves of the state (an MLP's activation) are kept as in
+        `init`. `None` with `trace=False`.
     - `states`: with `with_output=True`, the recorded states (shaped as `trace`
         would be without it), recorded beside the outputs; `None` otherwise, where
         `trace` holds them.

@@ -108,7 +108,7 @@ def run_chains(
     - `key`: one PRNG key, split with `jax.random.split(key, chains)`, or an array of
         one key per chain. Typed (`jr.key`) and legacy (`jr.PRNGKey`) keys both work;
         `step` receives keys of the same kind.
-    - `num_steps`: how many steps each chain takes.
+    - `num_steps`: how many steps each chain takes; with `until`, the most (the cap).
     - `thin`, `burn_in`: the trace keeps the state after steps `burn_in + 1`,
         `burn_in + 1 + thin`, ... : the uninterrupted trace `[:, burn_in::thin]`.
     - `with_output`: record `step`'s second output (its acceptance, divergence,
@@ -167,15 +167,35 @@ def run_chains(
         are checkpointed with the chains, so a resumed, chunked or multi-device run
         reports the same statistics, and computed on the devices at the end, into
         `Chains.diagnostics` (an [`eb.Diagnostics`][]). It works with `trace=False`.
-        Off (the default), the loop carries nothing more.
+        Off (the default), the loop carries nothing more. With `progress`, the bar
+        shows the worst R-hat (nested R-hat with `superchains`) and the smallest ESS,
+        each with its leaf path, at every segment boundary (unchunked) or at the end.
+    - `until`: a stopping rule, [`eb.converged`][]`(...)`: stop before `num_steps`
+        once the chains have converged. It implies `diagnostics=True`. The rule is
+        checked on the host between segments (never inside the compiled loop) at
+        steps `every`, `2 * every`, ... and at `num_steps`, whatever
+        `checkpoint_every` (segments end at both), `chunk_size` or the devices; each
+        check reads the diagnostics of the draws recorded since the previous check,
+        and a check that fails discards them (the moments start afresh), so the
+        statistics that pass describe the last window only. With `chunk_size`, the
+        chunks take turns window by window (every chunk's state and trace are then
+        held at once) so that each check sees every chain and every chunk stops at
+        the same step: the result is bit for bit the unchunked run's. The checks so
+        far are checkpointed with the chains: a run killed and resumed stops at the
+        same step, and one that stopped is read back. The rule's criteria are part of
+        the run's identity. With `progress`, the bar shows each check's statistics.
 
     **Returns:**
 
     A [`eb.Chains`][] with `final`, `trace` (`[chains, draws, ...]` per leaf),
     `states` (with `with_output=True`), `keys` (to continue the run exactly) and
-    `nonfinite`, and `superchain` and `diagnostics` with those arguments. Its arrays
-    stay split over the devices; in a job of several
-    processes, every process gets whole results.
+    `nonfinite`, and `superchain` and `diagnostics` with those arguments;
+    `steps_done`, the steps run (`num_steps` without `until`), and with `until`,
+    `stopped` ([`eb.Stopped`][]: when and why), with `trace` and `states` holding
+    only the draws made and `final` and `keys` the chains after `steps_done` steps
+    (`diagnostics.split_rhat` is then `None`: its halves are those of the planned
+    draws). Its arrays stay split over the devices; in a job of several processes,
+    every process gets whole results.
 
     **Raises:**
 
@@ -187,7 +207,9 @@ def run_chains(
         is no count). With `superchains=K`: if `init` does not hold K members, if
         `key` is a single key, or if K does not divide the number of keys. With
         `diagnostics=True`: if the run records no draw (`burn_in == num_steps`) or
-        the state has no floating-point leaf.
+        the state has no floating-point leaf. With `until`: if it is not a rule of
+        `eb.converged`, if `num_steps` is None (it is the cap), or if the rule
+        checks nested R-hat explicitly and there are no superchains.
         For `checkpoint`: before any step, if its folder is missing or cannot be
         written (names too long included), another live run holds it, or its lock
         path holds a link or a file that is not a lock; if it holds a checkpoint of
@@ -217,12 +239,18 @@ def run_chains(
         )
         result.superchain  # [0 0 ... 3 3], 16 of each
         result.diagnostics.nested_rhat  # f32[3], near 1 once mixed
+
+        # The same chains, stopped once nested R-hat says they have mixed.
+        result = eb.run_chains(
+            step, starts, keys, 5000, superchains=4, until=eb.converged(every=100)
+        )
+        result.steps_done, result.stopped.reason  # e.g. 200, 'nested R-hat 1.01...'
         ```
     """
     if until is not None:
         if not isinstance(until, StoppingRule):
             raise BatchError(
-                f"`until` is {describe(until)}; pass a rule made by `eb.converged(...)`."
+                f"`until` is {describe(until)}; pass a rule that `eb.converged` makes."
             )
         if num_steps is None:
             raise BatchError(
@@ -388,7 +416,8 @@ def run_chains(
     chains = joined([chains for chains, _ in results])
     traces = [trace for _, trace in results]
     recorded = None if traces[0] is None else joined(traces)
-    steps_done = num_steps if record is None else record.stopped[0]
+    stopped = None if record is None else record.report(burn_in)
+    steps_done = num_steps if stopped is None else stopped.step
     if recorded is not None:
         if steps_done < num_steps:
             # Only the draws made: the buffer was sized for the cap.
@@ -420,13 +449,11 @@ def run_chains(
         if not diagnostics
         else _diagnostics(chains.moments, superchains, until is not None),
         steps_done=steps_done,
-        stopped=None if record is None else record.report(burn_in),
+        stopped=stopped,
     )
 
 
-def _diagnostics(
-    moments: Any, superchains: int | None, stopping: bool
-) -> Diagnostics:
+def _diagnostics(moments: Any, superchains: int | None, stopping: bool) -> Diagnostics:
     diagnostics = diagnose(moments, superchains)
     if stopping:
         # Its halves are those of the planned draws, which an early stop never makes.

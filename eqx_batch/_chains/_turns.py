@@ -46,22 +46,25 @@ def run_chunks(
     its checks (stopped)."""
     if run.until is not None:
         return _in_turns(run, jobs, context)
+    # With `progress` and `diagnostics`, the bar shows the statistics so far.
+    show = context.bar is not None and jobs[0].chains.moments is not None
     results = []
     for index, job in enumerate(jobs):
         with _open(run, job, context, steps_before=index * run.num_steps) as chunk:
             while chunk.steps_done < run.num_steps:
                 chunk.advance(run.next_boundary(chunk.steps_done))
                 chunk.write()
-                if len(jobs) == 1:
-                    _show(context, chunk.moments())
+                if show and len(jobs) == 1:
+                    _show(context, chunk.steps_done, chunk.moments())
         results.append(chunk.result())
         if len(jobs) > 1:
             # Segments are dispatched without waiting: left alone, every chunk would
             # be queued at once and, on a CPU, run side by side, with the working
             # memory of all of them. Each chunk finishes before the next starts.
             jax.block_until_ready(results[-1])
-    if len(jobs) > 1:
-        _show(context, joined([chains.moments for chains, _ in results]))
+    if show and len(jobs) > 1:
+        moments = joined([chains.moments for chains, _ in results])
+        _show(context, run.num_steps * len(jobs), moments)
     return results, None
 
 
@@ -126,7 +129,7 @@ def _decide(
     )
     result = check(run.until, diagnostics)
     if context.bar is not None:
-        context.bar.set_postfix(postfix(diagnostics))
+        context.bar.show(stop, postfix(diagnostics))
     if at_cap and not result.passed:
         result = result._replace(
             reason=f"reached the cap, num_steps={stop}: {result.reason}"
@@ -156,7 +159,7 @@ def joined(trees: list[Any]) -> Any:
     return jtu.tree_map(lambda *xs: jnp.concatenate(xs), *trees)
 
 
-def _show(context: RunContext, moments: Any) -> None:
-    """The bar's postfix: the worst (nested) R-hat and smallest ESS so far."""
-    if context.bar is not None and moments is not None:
-        context.bar.set_postfix(postfix(diagnose(moments, context.superchains)))
+def _show(context: RunContext, done: int, moments: Any) -> None:
+    """The bar at `done` steps, with the worst (nested) R-hat and smallest ESS."""
+    assert context.bar is not None
+    context.bar.show(done, postfix(diagnose(moments, context.superchains)))

@@ -1,0 +1,267 @@
+"""`run_chains(until=eb.converged(...))`: stopping when converged, checked between
+segments; chunked, killed and resumed, and read back, always at the same step."""
+
+import dataclasses
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+import safetensors
+from chains_worker import ar1, stopping_run
+from helpers import assert_trees_identical
+
+import eqx_batch as eb
+
+
+WORKER = pathlib.Path(__file__).with_name("chains_worker.py")
+
+
+def fast(x, key):
+    """An AR(1) chain that forgets its start in tens of steps; stationary: N(0, 1)."""
+    return 0.9 * x + 0.44 * jr.normal(key, x.shape)
+
+
+def stuck(x, key):
+    """A chain that never leaves its start: superchains never agree."""
+    return x + 1e-3 * jr.normal(key, x.shape)
+
+
+STARTS = jnp.array([[-3.0, 0.0], [-1.0, 1.0], [1.0, -1.0], [3.0, 2.0]])
+KEYS = jr.split(jr.key(0), 4 * 32)
+
+
+def _run(step=fast, num_steps=2000, **kwargs):
+    kwargs.setdefault("until", eb.converged(every=50))
+    return eb.run_chains(step, STARTS, KEYS, num_steps, superchains=4, **kwargs)
+
+
+def _stopped(result: eb.Chains) -> eb.Stopped:
+    assert result.stopped is not None
+    return result.stopped
+
+
+def _outputs(result: eb.Chains) -> dict:
+    return {
+        "final": result.final,
+        "trace": result.trace,
+        "keys": result.keys,
+        "steps_done": result.steps_done,
+        "stopped": dataclasses.astuple(_stopped(result)),
+        "diagnostics": result.diagnostics,
+    }
+
+
+def test_stops_early_on_chains_that_mix():
+    result = _run(burn_in=5, thin=3)
+    stopped = _stopped(result)
+    assert stopped.converged
+    assert result.steps_done == stopped.step < 2000
+    assert result.steps_done % 50 == 0
+    assert stopped.checks[-1] == result.steps_done
+    assert stopped.checks.dtype == np.int64 and stopped.worst.dtype == np.float64
+    threshold = np.sqrt(1 + 4 / (16 * 32) + 1e-4)  # K = 4: a quarter of 1/M
+    assert stopped.worst[-1] <= threshold < stopped.worst[0]
+    assert "nested R-hat" in stopped.reason and "at state[" in stopped.reason
+    assert stopped.window_start == stopped.checks[-2]
+    # Only the draws made: those of `steps_done` steps after `burn_in`, every 3rd.
+    made = -(-(result.steps_done - 5) // 3)
+    assert result.trace.shape == (128, made, 2)
+    # The chains after `steps_done` steps: what a plain run of that many steps gives.
+    plain = eb.run_chains(
+        fast, STARTS, KEYS, result.steps_done, superchains=4, burn_in=5, thin=3
+    )
+    assert_trees_identical(
+        (result.final, result.keys, result.trace),
+        (plain.final, plain.keys, plain.trace),
+    )
+    # The passing statistics describe the last window only; split R-hat's halves
+    # would be those of the planned draws.
+    assert result.diagnostics is not None and result.diagnostics.split_rhat is None
+    assert float(jnp.max(result.diagnostics.nested_rhat)) == stopped.worst[-1]
+
+
+def test_runs_to_the_cap_on_chains_that_cannot_mix():
+    result = _run(stuck, num_steps=120)
+    stopped = _stopped(result)
+    assert not stopped.converged
+    assert result.steps_done == stopped.step == 120
+    assert "cap" in stopped.reason and "num_steps=120" in stopped.reason
+    assert list(stopped.checks) == [50, 100, 120]
+    assert np.all(stopped.worst > 2)
+    assert result.trace.shape == (128, 120, 2)
+
+
+def test_without_superchains_the_default_checks_classic_rhat():
+    # Classic R-hat <= 1.01 needs windows of about 50 times the chains'
+    # autocorrelation time (here about 19 steps).
+    result = eb.run_chains(
+        fast, jnp.linspace(-3, 3, 64), jr.key(1), 20_000, until=eb.converged(every=2000)
+    )
+    assert _stopped(result).converged and result.steps_done < 20_000
+    reason = _stopped(result).reason
+    assert reason.startswith("R-hat") and "at state <= 1.01" in reason
+    # A classic R-hat threshold given replaces the default's.
+    loose = eb.run_chains(
+        fast,
+        jnp.linspace(-3, 3, 64),
+        jr.key(1),
+        1000,
+        until=eb.converged(rhat=1.2, every=100),
+    )
+    assert _stopped(loose).converged and "<= 1.2" in _stopped(loose).reason
+    with pytest.raises(eb.BatchError, match="no superchains"):
+        eb.run_chains(
+            fast, jnp.zeros(8), jr.key(1), 100, until=eb.converged(nested_rhat=1.1)
+        )
+
+
+def test_every_criterion_must_hold():
+    # An ESS no run of 128 chains reaches in 200 steps: never stops early.
+    result = _run(num_steps=200, until=eb.converged(ess=1e6, every=50))
+    assert not _stopped(result).converged and result.steps_done == 200
+    reason = _stopped(result).reason
+    assert (
+        reason.startswith("reached the cap, num_steps=200: ESS") and "< 1e+06" in reason
+    )
+    # The default interval is a tenth of the cap.
+    assert list(_stopped(_run(num_steps=200, until=eb.converged(ess=1e6))).checks) == [
+        20 * i for i in range(1, 11)
+    ]
+
+
+def test_until_needs_a_cap():
+    with pytest.raises(eb.BatchError, match="`until`.*`num_steps` is None"):
+        _run(num_steps=None)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(eb.BatchError, match="`until` is 3; pass a rule"):
+        _run(until=3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"every": 0}, "`every` is 0"),
+        ({"every": -5}, "`every` is -5"),
+        ({"every": True}, "`every` is True"),
+        ({"every": 2.5}, "`every` is 2.5"),
+        ({"rhat": 0.99}, "`rhat` is 0.99; the R-hat threshold must be a number >= 1"),
+        ({"nested_rhat": 0.5}, "`nested_rhat` is 0.5"),
+        ({"nested_rhat": "paper"}, "`nested_rhat` is 'paper'"),
+        ({"rhat": True}, "`rhat` is True"),
+        ({"rhat": float("nan")}, "`rhat` is nan"),
+        ({"ess": 0}, "`ess` is 0; the ESS threshold must be a number > 0"),
+        ({"ess": -10.0}, "`ess` is -10.0"),
+        ({"ess": False}, "`ess` is False"),
+        ({"nested_rhat": None}, "no criterion"),
+    ],
+)
+def test_bad_rule_parameters_are_refused(kwargs, match):
+    with pytest.raises(eb.BatchError, match=match):
+        eb.converged(**kwargs)
+
+
+def test_a_rule_is_hashable_and_equal_by_value():
+    assert eb.converged(every=5) == eb.converged(every=5)
+    assert hash(eb.converged(rhat=1.05)) == hash(eb.converged(rhat=1.05))
+    assert isinstance(eb.converged(), eb.StoppingRule)
+
+
+@pytest.mark.parametrize("chunk_size", [48, 64])
+def test_chunked_equals_unchunked_bit_for_bit(chunk_size):
+    # Chunks take turns window by window, each check merges every chunk's moments,
+    # and every chunk stops at the same step (48 does not divide 128: padded).
+    whole = _run(burn_in=10)
+    chunked = _run(burn_in=10, chunk_size=chunk_size)
+    assert whole.steps_done < 2000
+    assert_trees_identical(_outputs(chunked), _outputs(whole))
+
+
+def _steps_done(path: pathlib.Path) -> int:
+    with safetensors.safe_open(path, "np") as file:
+        return json.loads(file.metadata()["run_chains.progress"])["steps_done"]
+
+
+_KILLED_WORKER = """
+import sys
+from chains_worker import stopping_run
+stopping_run(sys.argv[1], chunk_size=48)
+"""
+
+
+def test_killed_and_resumed_stops_at_the_same_step(tmp_path):
+    # SIGKILLed mid-run in another process (chunks of 48 of 128 chains, taking
+    # turns), then resumed here: it stops where a run never killed stops, bit for bit.
+    path = tmp_path / "run.ckpt"
+    last_chunk = tmp_path / "run.ckpt.chains-96-128"
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WORKER, str(path)], cwd=WORKER.parent
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (last_chunk.exists() and _steps_done(last_chunk) >= 100):
+            assert worker.poll() is None, "the worker exited before the kill"
+            assert time.monotonic() < deadline
+            time.sleep(0.0005)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert worker.returncode == -signal.SIGKILL
+    killed_at = _steps_done(last_chunk)
+
+    resumed = stopping_run(str(path), chunk_size=48)
+    plain = stopping_run()
+    assert killed_at < plain.steps_done < 5000
+    assert_trees_identical(_outputs(resumed), _outputs(plain))
+
+
+def test_a_run_that_stopped_early_is_read_back(tmp_path):
+    path = tmp_path / "run.ckpt"
+    first = _run(checkpoint=path, checkpoint_every=30)
+    assert first.steps_done < 2000
+    assert _steps_done(path) == first.steps_done
+    written = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    again = _run(checkpoint=path, checkpoint_every=30)
+    assert_trees_identical(_outputs(again), _outputs(first))
+    # Read back: nothing run, nothing written.
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == written
+
+
+def test_the_rule_is_part_of_the_run_identity(tmp_path):
+    path = tmp_path / "run.ckpt"
+    _run(checkpoint=path)
+    with pytest.raises(eb.BatchError, match="until: the checkpoint has nested R-hat"):
+        _run(checkpoint=path, until=eb.converged(every=40))
+    with pytest.raises(eb.BatchError, match="written by a different run"):
+        _run(checkpoint=path, until=None, diagnostics=True)
+    # A run without `until` has no such entry: its identity is the one of before.
+    plain = tmp_path / "plain.ckpt"
+    _run(num_steps=10, until=None, checkpoint=plain)
+    with safetensors.safe_open(plain, "np") as file:
+        assert "until" not in json.loads(file.metadata()["run_chains.run"])
+
+
+def test_the_progress_bar_shows_the_worst_statistics_with_their_leaf(capsys):
+    result = _run(progress=True)
+    err = capsys.readouterr().err
+    assert f"{result.steps_done}/2000" in err
+    assert "nested R-hat" in err and "at state[" in err and "ESS" in err
+    # Without `until`, with diagnostics: at the end of the run too.
+    eb.run_chains(
+        lambda state, key: {"w": ar1(state["w"], key)},
+        {"w": jnp.zeros((16, 3))},
+        jr.key(0),
+        50,
+        diagnostics=True,
+        progress=True,
+    )
+    err = capsys.readouterr().err
+    assert "R-hat" in err and "at ['w'][" in err
