@@ -112,11 +112,13 @@ def main() -> None:
                 false_stops = float(np.mean((slow <= threshold).any(axis=1)))
                 steps = steps_to_stop(fast, threshold)
                 at_cap = float(np.mean(~(fast <= threshold).any(axis=1)))
+                # The target is the default's; the paper's row is for comparison.
+                target = name == "default"
                 report(
                     f"stopping {name} K={K} M={M} false stops",
                     false_stops,
-                    f"<= {FALSE_STOP_TARGET}",
-                    false_stops <= FALSE_STOP_TARGET,
+                    f"<= {FALSE_STOP_TARGET}" if target else "report",
+                    false_stops <= FALSE_STOP_TARGET or not target,
                     f"threshold {threshold:.4f}; mixing chains stop after "
                     f"{np.mean(steps):.0f} steps on average (of {CAP}), "
                     f"{at_cap:.1%} never",

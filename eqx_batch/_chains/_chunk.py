@@ -1,5 +1,6 @@
-"""One chunk of chains through every step: placed on the devices, resumed from its
-checkpoint if there is one, run segment by segment and checkpointed after each."""
+"""One chunk of chains: placed on the devices, resumed from its checkpoint if there is
+one, advanced one segment at a time and checkpointed after each (`_turns.py` decides
+where segments end and in which order chunks run)."""
 
 import contextlib
 import dataclasses
