@@ -33,6 +33,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SCRIPTS = [
     "deep_scan",
     "ensemble_regression",
+    "many_short_chains",
     "multi_process",
     "parallel_markov_chains",
     "pmap_outputs_to_list",
@@ -40,7 +41,9 @@ SCRIPTS = [
 ]
 
 
-def run_example(name: str, out: pathlib.Path) -> tuple[str, dict]:
+def run_example(
+    name: str, out: pathlib.Path, timeout: int = TIMEOUT
+) -> tuple[str, dict]:
     """Runs `examples/<name>.py --out OUT`; returns its output and its RESULT."""
     env = {
         key: value
@@ -56,7 +59,7 @@ def run_example(name: str, out: pathlib.Path) -> tuple[str, dict]:
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
-        timeout=TIMEOUT,
+        timeout=timeout,
     )
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, f"{name}.py failed:\n{output[-6000:]}"
@@ -251,3 +254,44 @@ def test_multi_process(tmp_path):
     # The chains moved, and differ from each other.
     assert np.all((acceptance > 0.05) & (acceptance < 0.8))
     assert len(np.unique(job["final.layer2.weights"][:, 0, 0])) == 8
+
+
+def test_many_short_chains(tmp_path):
+    # It compiles four HMC loops over 1024 chains: about 1.5 min of CPU time, and
+    # more than TIMEOUT of wall time on a 2-core machine other jobs share.
+    output, result = run_example("many_short_chains", tmp_path, timeout=2 * TIMEOUT)
+    threshold = np.sqrt(1 + 1 / 64 + 1e-4)  # the paper's, for M = 64
+    assert set(result["targets"]) == {"eight schools", "100-d Gaussian"}
+    for name, target in result["targets"].items():
+        assert target["chains"] >= 1024 and target["budget"] == 2000
+        # It stopped at the first check nested R-hat passed, before the budget.
+        assert target["converged"] is True, name
+        assert target["steps_done"] == target["checks"][-1] < target["budget"]
+        assert target["checks"] == list(range(50, target["steps_done"] + 1, 50))
+        assert target["worst"][-1] <= threshold
+        assert all(worst > threshold for worst in target["worst"][:-1])
+        assert target["window_start"] == target["steps_done"] - 50
+        # ArviZ, on the stored draws of the passing window, computes what the run
+        # computed on the devices (float32 draws).
+        assert target["arviz_nested_rhat"] == pytest.approx(target["worst"][-1], 1e-4)
+        assert target["fixed_nested_rhat"] <= threshold
+        assert target["fresh_nested_rhat"] < 1.05
+        # Stopped or not, the answer is near the known one: means within a fifth of
+        # a posterior sd, variances within 20%.
+        for run in ("window", "short", "fresh", "budget"):
+            assert target["errors"][run]["mean"] < 0.2, (name, run)
+            assert target["errors"][run]["var"] < 0.2, (name, run)
+        assert 0.5 < target["acceptance"] < 1.0
+        assert target["summary_rows"] == {"eight schools": 4, "100-d Gaussian": 3}[name]
+    # The Gaussian's widest coordinate takes longer to cross than eight schools.
+    gaussian, schools = (
+        result["targets"][n] for n in ("100-d Gaussian", "eight schools")
+    )
+    assert gaussian["steps_done"] > schools["steps_done"]
+    # ArviZ's summary of the draws after the stop, and the table of errors.
+    assert "ess_bulk" in output and "mcse_mean" in output
+    assert "mean error (sd)" in output and "fixed budget (steps 1001-2000)" in output
+
+    size = assert_png(tmp_path / "many_short_chains.png")
+    # docs/many_short_chains.md shows a committed copy of this plot.
+    assert assert_png(ROOT / "docs" / "assets" / "many_short_chains.png") == size
