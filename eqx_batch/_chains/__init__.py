@@ -1,6 +1,7 @@
 """Many Markov chains in parallel: `run_chains` and its result, `Chains`.
 
 - `_run.py`: the driver (arguments, chunks of chains, results);
+- `_arguments.py`: the chains `init` and `key` hold, read and checked;
 - `_chunk.py`: one chunk through every step: placed, resumed, run segment by segment,
     checkpointed;
 - `_step.py`: the user's step, traced on one chain and checked;

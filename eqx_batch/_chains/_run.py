@@ -16,7 +16,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.extend
-import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
@@ -27,14 +26,10 @@ from .._select import take
 from .._tree import (
     as_key_data,
     as_keys_like,
-    axis_sizes,
-    common_size,
     is_array,
-    is_key,
-    is_numpy,
-    mapped_leaves,
 )
 from ._all_chains import AllChains, check_all_chains_run
+from ._arguments import chain_count, chain_keys, with_jax_dtype
 from ._checkpoint import (
     chunk_path,
     longest_file_name,
@@ -292,16 +287,16 @@ def run_chains(
         )
     # NumPy leaves get the dtypes JAX gives them, as `jax.vmap` would: a float64
     # NumPy `init` is float32 unless 64-bit mode is on, like the step's results.
-    init = jtu.tree_map(_with_jax_dtype, init)
+    init = jtu.tree_map(with_jax_dtype, init)
     init_arrays, shared = eqx.partition(init, is_array)
-    num_chains = _chain_count(init_arrays)
+    num_chains = chain_count(init_arrays)
     superchain_ids = None
     if superchains is not None:
         init_arrays, superchain_ids = expand_superchains(
             init_arrays, num_chains, key, superchains
         )
         init, num_chains = eqx.combine(init_arrays, shared), len(superchain_ids)
-    keys, legacy = _chain_keys(key, num_chains)
+    keys, legacy = chain_keys(key, num_chains)
     step = pytree_step(step)
     if isinstance(step, AllChains):
         check_all_chains_run(num_chains, chunk_size)
@@ -476,52 +471,5 @@ def _diagnostics(moments: Any, superchains: int | None, stopping: bool) -> Diagn
     return diagnostics
 
 
-def _with_jax_dtype(x: Any) -> Any:
-    if is_numpy(x):
-        return x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
-    return x
-
-
 def _is_struct(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _chain_count(states: Any) -> int:
-    return common_size(
-        axis_sizes(mapped_leaves(states, 0, "init"), "init"),
-        what="chain axis (axis 0)",
-        fix="Every array leaf of `init` needs one entry per chain along axis 0.",
-    )
-
-
-def _chain_keys(key: Any, num_chains: int) -> tuple[jax.Array, bool]:
-    """One typed key per chain, and whether `key` was given as legacy `uint32` data."""
-    if isinstance(key, jax.Array) and is_key(key):
-        legacy = False
-    elif is_array(key) and key.dtype == np.uint32 and np.ndim(key) in (1, 2):
-        legacy = True
-        try:
-            key = jr.wrap_key_data(jnp.asarray(key))
-        except TypeError:
-            # Legacy keys are raw data of the default implementation's key shape.
-            key_shape = jr.key_data(jr.key(0)).shape
-            raise BatchError(
-                f"`key` is {describe(key)}, which is not legacy key data: each legacy "
-                f"key (`jr.PRNGKey(0)`) is uint32{list(key_shape)}, so one key per "
-                f"chain is uint32[{num_chains},{','.join(map(str, key_shape))}]. Pass "
-                "such keys, or typed keys (`jr.key(0)`)."
-            ) from None
-    else:
-        raise BatchError(
-            f"`key` is {describe(key)}; pass one PRNG key (`jr.key(0)`, or legacy "
-            f"`jr.PRNGKey(0)`) or an array of {num_chains} keys, one per chain."
-        )
-    if key.ndim == 0:
-        return jr.split(key, num_chains), legacy
-    if key.shape != (num_chains,):
-        raise BatchError(
-            f"`key` holds {key.shape[0] if key.ndim == 1 else key.shape} keys but "
-            f"`init` has {num_chains} chains. Pass one key per chain, or a single key "
-            f"to be split with `jax.random.split(key, {num_chains})`."
-        )
-    return key, legacy
