@@ -100,6 +100,24 @@ class ChunkRun:
     ):
         self.run = run
         self._stack = contextlib.ExitStack()
+        try:
+            self._open(chains, pad_to, checkpoint, access, writes, bar, steps_before)
+        except BaseException:
+            # Not yet entered: nothing else would close the checkpoint's writer.
+            self._stack.close()
+            raise
+
+    def _open(
+        self,
+        chains: ChainState,
+        pad_to: int,
+        checkpoint: pathlib.Path | None,
+        access: WriteAccess | None,
+        writes: bool,
+        bar: ProgressHandle | None,
+        steps_before: int,
+    ) -> None:
+        run = self.run
         num_chains = chains.keys.shape[0]
         trace_like = None
         if run.recorded is not None:
