@@ -172,10 +172,13 @@ def test_a_rule_is_hashable_and_equal_by_value():
     assert isinstance(eb.converged(), eb.StoppingRule)
 
 
-@pytest.mark.parametrize("chunk_size", [48, 64])
+# Chunks whose chains per device (of 4) are a multiple of 8: jaxlib 0.8's CPU code for
+# `jr.normal` differs in the last bit between its vector loop and its remainder, so a
+# chunk of 48 (12 per device) can differ from 128 (32 per device) even without `until`.
+@pytest.mark.parametrize("chunk_size", [96, 64])
 def test_chunked_equals_unchunked_bit_for_bit(chunk_size):
     # Chunks take turns window by window, each check merges every chunk's moments,
-    # and every chunk stops at the same step (48 does not divide 128: padded).
+    # and every chunk stops at the same step (96 does not divide 128: padded).
     whole = _run(burn_in=10)
     chunked = _run(burn_in=10, chunk_size=chunk_size)
     assert whole.steps_done < 2000

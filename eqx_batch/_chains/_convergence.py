@@ -146,10 +146,28 @@ class Diagnostics(eqx.Module):
         return dict(sorted(found.items(), key=badness))
 
 
-@eqx.filter_jit
 def diagnose(moments: Moments, num_superchains: int | None) -> Diagnostics:
     """The diagnostics of every chain's `moments` (the real chains only, in order:
-    chain `c` in superchain `c // M`), on the devices, in one program."""
+    chain `c` in superchain `c // M`), on a device, in one program.
+
+    The moments are first put on one device: a program over moments split across
+    devices sums in another order, so the statistics (and a stopping rule's decision)
+    would change in their last bits with the chunking or the device count.
+    """
+    return _diagnose(jtu.tree_map(_on_one_device, moments), num_superchains)
+
+
+def _on_one_device(x: Any) -> Any:
+    if not isinstance(x, jax.Array):
+        return x
+    if not x.is_fully_addressable:
+        # Replicated over the processes of a job: this process's whole copy.
+        x = x.addressable_shards[0].data
+    return jax.device_put(x, jax.local_devices()[0])
+
+
+@eqx.filter_jit
+def _diagnose(moments: Moments, num_superchains: int | None) -> Diagnostics:
 
     def leaf(mean: jax.Array, m2: jax.Array) -> tuple:
         first, middle, second = bins(moments, mean, m2)
