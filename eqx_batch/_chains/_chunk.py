@@ -99,75 +99,62 @@ class ChunkRun:
         steps_before: int,
     ):
         self.run = run
-        self._stack = contextlib.ExitStack()
-        try:
-            self._open(chains, pad_to, checkpoint, access, writes, bar, steps_before)
-        except BaseException:
-            # Not yet entered: nothing else would close the checkpoint's writer.
-            self._stack.close()
-            raise
-
-    def _open(
-        self,
-        chains: ChainState,
-        pad_to: int,
-        checkpoint: pathlib.Path | None,
-        access: WriteAccess | None,
-        writes: bool,
-        bar: ProgressHandle | None,
-        steps_before: int,
-    ) -> None:
-        run = self.run
-        num_chains = chains.keys.shape[0]
-        trace_like = None
-        if run.recorded is not None:
-            trace_like = as_key_data(
-                _with_leading(run.recorded, num_chains, run.plan.num_draws)
-            )
-        self.store = restored = None
-        # The checks of `until` as this chunk's checkpoint has them.
-        self.record: Record | None = None
-        if checkpoint is not None:
-            assert access is not None
-            self.store = self._stack.enter_context(
-                Checkpoint(
-                    checkpoint,
-                    run.identity(chains, num_chains),
-                    num_chains,
-                    access=access,
-                    writes=writes,
+        # Closed here if opening fails (nothing else would close the checkpoint's
+        # writer); kept open for the with-block otherwise.
+        with contextlib.ExitStack() as stack:
+            num_chains = chains.keys.shape[0]
+            trace_like = None
+            if run.recorded is not None:
+                trace_like = as_key_data(
+                    _with_leading(run.recorded, num_chains, run.plan.num_draws)
                 )
+            self.store = restored = None
+            # The checks of `until` as this chunk's checkpoint has them.
+            self.record: Record | None = None
+            if checkpoint is not None:
+                assert access is not None
+                self.store = stack.enter_context(
+                    Checkpoint(
+                        checkpoint,
+                        run.identity(chains, num_chains),
+                        num_chains,
+                        access=access,
+                        writes=writes,
+                    )
+                )
+                restored = self.store.restore(
+                    _shapes(chains),
+                    trace_like,
+                    num_steps=run.num_steps,
+                    draws_after=ft.partial(
+                        draws_before, burn_in=run.plan.burn_in, thin=run.plan.thin
+                    ),
+                    read_stopping=Record.from_json if run.until is not None else None,
+                )
+                if restored is not None:
+                    self.record = restored.stopping
+                stopped = self.record is not None and self.record.stopped is not None
+                if restored is None or (
+                    restored.steps_done < run.num_steps and not stopped
+                ):
+                    self.store.start_writing()
+            # A step that sees every chain would see padding chains too.
+            self.placement = Placement(
+                num_chains, pad_to=pad_to, pad=not isinstance(run.step, AllChains)
             )
-            restored = self.store.restore(
-                _shapes(chains),
-                trace_like,
-                num_steps=run.num_steps,
-                draws_after=ft.partial(
-                    draws_before, burn_in=run.plan.burn_in, thin=run.plan.thin
-                ),
-                read_stopping=Record.from_json if run.until is not None else None,
+            self.steps_done, self.chains, self.trace_buffer = _start(
+                self.placement, chains, trace_like, restored
             )
-            if restored is not None:
-                self.record = restored.stopping
-            stopped = self.record is not None and self.record.stopped is not None
-            if restored is None or (
-                restored.steps_done < run.num_steps and not stopped
-            ):
-                self.store.start_writing()
-        # A step that sees every chain would see padding chains too.
-        self.placement = Placement(
-            num_chains, pad_to=pad_to, pad=not isinstance(run.step, AllChains)
-        )
-        self.steps_done, self.chains, self.trace_buffer = _start(
-            self.placement, chains, trace_like, restored
-        )
-        self.progress = None
-        if bar is not None:
-            self.progress = SegmentProgress(
-                bar, bar.start(steps_before + self.steps_done), np.int32(steps_before)
-            )
-        # The last segment's new draws and where they go, until written.
-        self._unwritten: tuple[Any, _Window] | None = None
+            self.progress = None
+            if bar is not None:
+                self.progress = SegmentProgress(
+                    bar,
+                    bar.start(steps_before + self.steps_done),
+                    np.int32(steps_before),
+                )
+            # The last segment's new draws and where they go, until written.
+            self._unwritten: tuple[Any, _Window] | None = None
+            self._stack = stack.pop_all()
 
     def __enter__(self) -> "ChunkRun":
         return self
