@@ -413,6 +413,19 @@ def test_bad_chunk_size_is_refused(chunk_size):
 # Errors.
 
 
+def test_init_whose_leaves_disagree_on_the_chains_is_refused_naming_them():
+    # The count is read from the bare leaves first; a disagreement, or a leaf with no
+    # chain axis, must still name the leaves.
+    init = {"a": jnp.zeros((4, 2)), "b": {"c": jnp.zeros((3,))}}
+    with pytest.raises(eb.BatchError, match=r"init\['b'\]\['c'\]") as info:
+        eb.run_chains(metropolis, init, jr.key(0), 2)
+    assert "init['a']" in str(info.value) and "3" in str(info.value)
+    with pytest.raises(eb.BatchError, match=r"init\['s'\].*0-d"):
+        eb.run_chains(
+            metropolis, {"w": jnp.zeros((4, 2)), "s": jnp.zeros(())}, jr.key(0), 2
+        )
+
+
 def test_step_changing_a_shape_is_refused():
     def step(state: dict, key: jax.Array) -> dict:
         state = dict(state)

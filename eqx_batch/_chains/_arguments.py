@@ -6,6 +6,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import BatchError, describe
@@ -22,6 +23,11 @@ def with_jax_dtype(x: Any) -> Any:
 
 def chain_count(states: Any) -> int:
     """The chains the array leaves of `init` agree on (their axis 0)."""
+    # Checked on the bare leaves first: naming every leaf by its path is for the
+    # message when they disagree, and costs on every call of a large tree.
+    sizes = {np.shape(x)[0] if np.ndim(x) else -1 for x in jtu.tree_leaves(states)}
+    if len(sizes) == 1 and min(sizes) >= 0:
+        return int(sizes.pop())
     return common_size(
         axis_sizes(mapped_leaves(states, 0, "init"), "init"),
         what="chain axis (axis 0)",

@@ -143,7 +143,11 @@ class ChunkRun:
                 num_chains, pad_to=pad_to, pad=not isinstance(run.step, AllChains)
             )
             self.steps_done, self.chains, self.trace_buffer = _start(
-                self.placement, chains, trace_like, restored
+                self.placement,
+                chains,
+                trace_like,
+                restored,
+                one_segment=0 < run.num_steps == run.next_boundary(0),
             )
             self.progress = None
             if bar is not None:
@@ -264,12 +268,23 @@ def _start(
     chains: ChainState,
     trace_like: Any,
     restored: Restored | None,
+    *,
+    one_segment: bool,
 ) -> _Start:
-    """The chains and trace buffer on the devices, at the start or as checkpointed."""
+    """The chains and trace buffer on the devices, at the start or as checkpointed.
+
+    At the start of a run of `one_segment`, the trace buffer and the NaN report are
+    the shape-dtype structs of their zeros, which the segment's program makes.
+    """
     if restored is None:
-        # Every chain starts finite: its report is made on the devices, in the one
-        # program that makes the trace buffer (placing a host array costs as much).
-        trace_buffer, first_bad = placement.zeros((trace_like, chains.first_bad))
+        # Every chain starts finite: its report is made on the devices, with the
+        # trace buffer (placing a host array costs as much). Made by the loop's own
+        # program if it is the only one, else by one program the segments share.
+        like = (trace_like, chains.first_bad)
+        if one_segment:
+            trace_buffer, first_bad = seen_before(placement.zeros_to_make(like))
+        else:
+            trace_buffer, first_bad = placement.zeros(like)
         chains = placement.put(chains._replace(first_bad=None))
         return _Start(0, chains._replace(first_bad=first_bad), trace_buffer)
     trace_buffer = None

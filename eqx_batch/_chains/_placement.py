@@ -89,6 +89,28 @@ class Placement:
         specs = tuple(((self.num_rows, *x.shape[1:]), x.dtype) for x in leaves)
         return jtu.tree_unflatten(treedef, _sharded_zeros(specs, self.split))
 
+    def zeros_to_make(self, like: Any) -> Any:
+        """What `zeros(like)` would make, as shape-dtype structs split as it splits
+        them, for a program to make them itself (`made_zeros`)."""
+        return jtu.tree_map(
+            lambda x: jax.ShapeDtypeStruct(
+                (self.num_rows, *x.shape[1:]), x.dtype, sharding=self.split
+            ),
+            like,
+        )
+
+
+def made_zeros(tree: Any) -> Any:
+    """Inside a program: `tree` with each of its shape-dtype structs (made by
+    `Placement.zeros_to_make`) replaced by zeros of that shape, dtype and split."""
+
+    def make(x: Any) -> Any:
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return lax.with_sharding_constraint(jnp.zeros(x.shape, x.dtype), x.sharding)
+
+    return jtu.tree_map(make, tree)
+
 
 def chain_devices(num_chains: int) -> list[Device]:
     """The most devices that `num_chains` chains split over evenly, as many of each

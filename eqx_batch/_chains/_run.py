@@ -436,19 +436,23 @@ def run_chains(
         recorded = eqx.combine(
             as_keys_like(recorded, run.recorded), run.recorded_static
         )
-    nonfinite_steps = np.asarray(chains.first_bad)
-    bad_chains = np.flatnonzero(nonfinite_steps)
-    # Wrapped like the keys passed in (a concrete array tells its implementation
-    # without creating one).
-    keys = jr.wrap_key_data(chains.keys, impl=jr.key_impl(keys))
     states = outputs = None
     if recorded is not None and with_output:
         states, outputs = recorded
+    # Wrapped like the keys passed in (a concrete array tells its implementation
+    # without creating one); legacy keys are their raw data.
+    end_keys = (
+        chains.keys if legacy else jr.wrap_key_data(chains.keys, impl=jr.key_impl(keys))
+    )
+    final = eqx.combine(as_keys_like(chains.states, one_chain.state), shared)
+    # Read last, as it waits for the loop: the work above is done while it runs.
+    nonfinite_steps = np.asarray(chains.first_bad)
+    bad_chains = np.flatnonzero(nonfinite_steps)
     return Chains(
-        final=eqx.combine(as_keys_like(chains.states, one_chain.state), shared),
+        final=final,
         trace=outputs if with_output else recorded,
         states=states,
-        keys=jr.key_data(keys) if legacy else keys,
+        keys=end_keys,
         nonfinite=NonFinite(
             chains=bad_chains.astype(np.int64),
             steps=nonfinite_steps[bad_chains].astype(np.int64),

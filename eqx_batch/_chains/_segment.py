@@ -29,6 +29,7 @@ from .._progress import ProgressHandle
 from .._tree import as_key_data, as_keys_like, is_array
 from ._all_chains import AllChains
 from ._moments import record
+from ._placement import made_zeros
 from ._step import numbers_as_arrays
 
 
@@ -116,7 +117,12 @@ def _segment(
 
     `shared` holds the non-array leaves of the state. The trace buffer holds every
     draw of the run (`[chains, draws, ...]` per leaf, raw data) and is written in place.
+    A run of one segment passes it, and the NaN report, as the shape-dtype structs of
+    the zeros they start as (`Placement.zeros_to_make`), made here: one program to
+    dispatch rather than two, and no buffer handed between them.
     """
+    trace_buffer = made_zeros(trace_buffer)
+    chains = chains._replace(first_bad=made_zeros(chains.first_bad))
 
     def next_key(raw_key: jax.Array) -> tuple:
         # The chain's carried key (raw) and the key its step gets.
