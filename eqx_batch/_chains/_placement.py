@@ -85,9 +85,8 @@ class Placement:
 
     def zeros(self, like: Any) -> Any:
         """Zeros shaped like `like` (one row per chain), created already split."""
-        leaves, treedef = jtu.tree_flatten(like)
-        specs = tuple(((self.num_rows, *x.shape[1:]), x.dtype) for x in leaves)
-        return jtu.tree_unflatten(treedef, _sharded_zeros(specs, self.split))
+        structs, treedef = jtu.tree_flatten(self.zeros_to_make(like))
+        return jtu.tree_unflatten(treedef, _sharded_zeros(tuple(structs)))
 
     def zeros_to_make(self, like: Any) -> Any:
         """What `zeros(like)` would make, as shape-dtype structs split as it splits
@@ -147,13 +146,10 @@ def _replicate(tree: Any, sharding: jax.sharding.Sharding) -> Any:
     return jtu.tree_map(lambda x: lax.with_sharding_constraint(x, sharding), tree)
 
 
-@ft.partial(jax.jit, static_argnums=(0, 1))
-def _sharded_zeros(specs: tuple, sharding: jax.sharding.Sharding) -> list[jax.Array]:
+@ft.partial(jax.jit, static_argnums=0)
+def _sharded_zeros(structs: tuple[jax.ShapeDtypeStruct, ...]) -> list[jax.Array]:
     # Made on the devices that hold them, rather than on one device and then moved.
-    return [
-        lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
-        for shape, dtype in specs
-    ]
+    return made_zeros(list(structs))
 
 
 @eqx.filter_jit(donate="all-except-first")
