@@ -219,6 +219,36 @@ def test_nonfinite_chains_are_reported_and_do_not_disturb_the_others():
         assert_trees_identical(alone.final, result.final[i : i + 1])
 
 
+@pytest.mark.parametrize("segments", ["one", "checkpointed", "chunked"])
+def test_nonfinite_report_at_segment_ends_and_after_recovery(segments, tmp_path):
+    # The report is the first step whose state is not finite: a chain that recovers
+    # keeps it, and a step at a segment's end (3 and 6 with `checkpoint_every=3`) or
+    # the run's last is caught. Integer and boolean leaves are never checked.
+    def step(state: dict, key: jax.Array) -> dict:
+        del key
+        n, when = state["n"], state["when"]
+        x = jnp.where(n == when, jnp.nan, state["x"])
+        x = jnp.where((n == when + 1) & state["recovers"], 0.0, x)
+        return {**state, "x": x + 1.0, "n": n + 1}
+
+    init = {
+        "x": jnp.zeros((5, 2), jnp.float32),
+        "n": jnp.zeros(5, jnp.int32),
+        # Step `when + 1` (counted from 1) makes the state NaN.
+        "when": jnp.array([2, 5, 8, 9, 100], jnp.int32),
+        "recovers": jnp.array([False, True, False, False, False]),
+    }
+    options: dict = {
+        "one": {},
+        "checkpointed": {"checkpoint": tmp_path / "run", "checkpoint_every": 3},
+        "chunked": {"chunk_size": 2},
+    }[segments]
+    result = eb.run_chains(step, init, jr.key(0), 10, **options)
+    np.testing.assert_array_equal(result.nonfinite.chains, [0, 1, 2, 3])
+    np.testing.assert_array_equal(result.nonfinite.steps, [3, 6, 9, 10])
+    assert bool(jnp.isfinite(result.final["x"][1]).all())
+
+
 def test_equinox_module_state(getkey):
     # An MLP also holds non-array leaves (its activations): shared, never stacked.
     models = eqx.filter_vmap(lambda k: eqx.nn.MLP(2, 2, 4, 1, key=k))(
