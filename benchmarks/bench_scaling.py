@@ -48,9 +48,9 @@ WIDE_SHAPES = ((3,), (2, 2), ())
 CHAIN_STEPS = 10
 # XLA's compile of the chains loop grows faster than linearly with the leaves of the
 # state (about 1.2 s at 30 leaves and 4.5-5 s at 100 on this machine; the hand-written
-# loop's 1.0 s and 3.2-4.1 s, with the same fusions), so its row over leaves stops at
-# 30. Packing the carried leaves into one array per chain does not help: the growth is
-# in compiling the step's body.
+# loop's 1.0 s and 3.2-4.1 s, with the same fusions but our finiteness check's two), so
+# its row over leaves stops at 30. Packing the carried leaves into one array per chain
+# does not help: the growth is in compiling the step's body.
 CHAIN_LEAF_COUNTS = (10, 30)
 WEAK_LEAVES = 5000
 OPERATIONS = ("stack", "unstack", "save", "load", "run_chains")
