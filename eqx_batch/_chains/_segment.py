@@ -190,7 +190,7 @@ def _segment(
             slot = t - plan.burn_in
             if plan.thin > 1:
                 # Truncated, not floored: equal from `burn_in` on, and at most 0 before.
-                slot = lax.div(slot, plan.thin)
+                slot = lax.div(slot, slot.dtype.type(plan.thin))
 
             def write(draws: jax.Array, x: jax.Array) -> jax.Array:
                 if plan.thin > 1:
