@@ -268,6 +268,27 @@ def test_equinox_module_state(getkey):
     assert result.trace.activation is models.activation
 
 
+@pytest.mark.parametrize("with_output", [False, True])
+def test_static_leaves_are_the_callers_own_on_a_cached_step(with_output):
+    # The layout of a step is cached by equality of the state's static leaves, and
+    # `1 == 1.0 == True`: each call still gets back the very leaves it passed.
+    def step(state: dict, key: jax.Array) -> Any:
+        new = {**state, "x": state["x"] + jr.normal(key, state["x"].shape)}
+        output = {"sum": jnp.sum(new["x"]), "tag": "output"}
+        return (new, output) if with_output else new
+
+    for scale in [1, 1.0, True]:
+        init = {"x": jnp.zeros((3, 2)), "scale": scale}
+        result = eb.run_chains(step, init, jr.key(0), 4, with_output=with_output)
+        states = result.states if with_output else result.trace
+        for got in [result.final["scale"], states["scale"]]:
+            assert got is scale
+        assert states["x"].shape == (3, 4, 2)
+        if with_output:
+            assert result.trace["tag"] == "output"
+            assert result.trace["sum"].shape == (3, 4)
+
+
 def test_trace_is_written_in_place():
     # The compiled loop updates the (donated) trace buffer in place: memory stays at the
     # trace's size, with no second copy of it.

@@ -59,6 +59,8 @@ class Placement:
         # only the leaves not already split so (`device_put` costs even then).
         leaves, treedef = jtu.tree_flatten(tree)
         moving = [i for i, x in enumerate(leaves) if not self._is_split(x)]
+        if not moving:
+            return tree
         moved = jax.device_put([leaves[i] for i in moving], self.split)
         for i, x in zip(moving, moved, strict=True):
             leaves[i] = x

@@ -47,7 +47,7 @@ from ._segment import (
     seen_before,
     SegmentPlan,
 )
-from ._step import checked_output, per_chain, pytree_step, trace_step
+from ._step import checked_layout, pytree_step, step_layout, trace_step
 from ._stopping import StoppingRule
 from ._superchains import expand_superchains
 from ._turns import ChunkJob, joined, run_chunks, RunContext
@@ -305,19 +305,17 @@ def run_chains(
     traced = None
     if checkpoint is not None:
         traced = trace_step(step, init, keys, legacy, with_output)
-        output = traced.output
+        layout = step_layout(init, keys, traced.output)
     else:
-        output = checked_output(step, init, keys, legacy, with_output)
+        layout = checked_layout(step, init, keys, legacy, with_output)
     num_draws = draws_before(num_steps, burn_in, thin)
-    one_chain = seen_before(
-        OneChain(per_chain(init_arrays), jax.ShapeDtypeStruct((), keys.dtype))
-    )
+    one_chain = OneChain(layout.state, layout.key)
+    if traced is not None:
+        # Equal structs seen before, so that the compiled loop finds its program by
+        # their identity (a cached layout's are the same objects every call).
+        one_chain = seen_before(one_chain)
     if diagnostics:
         check_diagnostics(one_chain.state, num_draws)
-    # One chain's recorded leaves: shape-dtype structs for the arrays, and the leaves
-    # that are the same in every draw (an MLP's activation) as they are. With
-    # `with_output`, the state and the output, as a pair.
-    recorded = (per_chain(init), output) if with_output else per_chain(init)
     counts = {
         "num_steps": num_steps,
         "thin": thin,
@@ -354,8 +352,10 @@ def run_chains(
             legacy=legacy,
         ),
         num_steps=num_steps,
-        recorded=None if not trace else eqx.filter(recorded, _is_struct),
-        recorded_static=eqx.filter(recorded, _is_struct, inverse=True),
+        recorded=layout.recorded if trace else None,
+        # The leaves of a draw that are the same in every draw (an MLP's activation):
+        # the state's are those of `init`, as the caller passed them.
+        recorded_static=(shared, layout.output_static) if with_output else shared,
         program=None if traced is None else traced.program,
         counts=counts,
         checkpoint_every=checkpoint_every,
@@ -473,7 +473,3 @@ def _diagnostics(moments: Any, superchains: int | None, stopping: bool) -> Diagn
         # Its halves are those of the planned draws, which an early stop never makes.
         diagnostics = dataclasses.replace(diagnostics, split_rhat=None)
     return diagnostics
-
-
-def _is_struct(x: Any) -> bool:
-    return isinstance(x, jax.ShapeDtypeStruct)

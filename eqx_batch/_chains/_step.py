@@ -162,14 +162,11 @@ def _output_per_chain(output: Any, num_chains: int) -> Any:
     `BatchError` if an array leaf has not one row per chain on axis 0.
     """
 
-    def is_struct(x: Any) -> bool:
-        return isinstance(x, jax.ShapeDtypeStruct)
-
     leaves = jtu.tree_leaves_with_path(output)
     wrong = [
         f"`{leaf_name('output', path)}` is {describe(x)}"
         for path, x in leaves
-        if is_struct(x) and (x.ndim == 0 or x.shape[0] != num_chains)
+        if _is_struct(x) and (x.ndim == 0 or x.shape[0] != num_chains)
     ]
     if wrong:
         raise BatchError(
@@ -180,23 +177,59 @@ def _output_per_chain(output: Any, num_chains: int) -> Any:
             f"repeated with `jnp.broadcast_to(x, ({num_chains}, *x.shape))`)."
         )
     return jtu.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if is_struct(x) else x,
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if _is_struct(x) else x,
         output,
     )
+
+
+class StepLayout(NamedTuple):
+    """One chain as a run lays it out, from `step` and the kind of state alone.
+
+    Its shape-dtype structs are made once per kind of state and reused by every call
+    that meets it again, so that the compiled loop finds its program by their identity.
+    """
+
+    state: Any  # one chain's array leaves, as shape-dtype structs (others None)
+    key: jax.ShapeDtypeStruct  # one chain's key, typed keys as keys
+    # What a draw records: the state's structs (and, with `with_output`, the output's,
+    # as a pair), None elsewhere.
+    recorded: Any
+    # With `with_output`, the output's leaves that are the same in every draw (None
+    # where `recorded` has a struct); else None.
+    output_static: Any
+
+
+def step_layout(states: Any, key: jax.Array, output: Any) -> StepLayout:
+    """The layout of one chain of `states`, given the output `trace_step` found (None
+    without `with_output`)."""
+    state = eqx.filter(per_chain(states), _is_struct)
+    if output is None:
+        return StepLayout(state, jax.ShapeDtypeStruct((), key.dtype), state, None)
+    return StepLayout(
+        state,
+        jax.ShapeDtypeStruct((), key.dtype),
+        (state, eqx.filter(output, _is_struct)),
+        eqx.filter(output, _is_struct, inverse=True),
+    )
+
+
+def _is_struct(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
 
 
 # Checked steps are looked up by the static part of `step` and of the state, and the
 # shapes and dtypes of their arrays: what the compiled loop's cache keys on too. An
 # entry keeps its step alive (as `jax.jit`'s cache does), so at most this many are kept.
 _CHECKED_STEPS = 256
-_checked_outputs: dict[tuple, Any] = {}
+_checked_layouts: dict[tuple, StepLayout] = {}
 
 
-def checked_output(
+def checked_layout(
     step: Callable, states: Any, key: jax.Array, legacy: bool, with_output: bool
-) -> Any:
-    """`trace_step(...).output`, traced only the first time `step` meets states and
-    keys of these shapes and dtypes (and raising as `trace_step` does)."""
+) -> StepLayout:
+    """`step_layout` of `trace_step(...).output`, traced only the first time `step`
+    meets states and keys of these shapes and dtypes (and raising as `trace_step`
+    does)."""
     step_arrays, step_static = partition(step)
     state_arrays, state_static = partition(states)
     signature = (
@@ -213,18 +246,20 @@ def checked_output(
         with_output,
     )
     try:
-        return _checked_outputs[signature]
+        return _checked_layouts[signature]
     except KeyError:
-        pass
+        cached = True
     except TypeError:
         # A non-array leaf that cannot be hashed: traced every time (and refused, by
         # name, when the loop is compiled).
-        return trace_step(step, states, key, legacy, with_output).output
-    output = trace_step(step, states, key, legacy, with_output).output
-    if len(_checked_outputs) >= _CHECKED_STEPS:
-        del _checked_outputs[next(iter(_checked_outputs))]
-    _checked_outputs[signature] = output
-    return output
+        cached = False
+    traced = trace_step(step, states, key, legacy, with_output)
+    layout = step_layout(states, key, traced.output)
+    if cached:
+        if len(_checked_layouts) >= _CHECKED_STEPS:
+            del _checked_layouts[next(iter(_checked_layouts))]
+        _checked_layouts[signature] = layout
+    return layout
 
 
 def _structure_change(before: tuple, after: tuple) -> str:
