@@ -154,6 +154,29 @@ def test_legacy_and_typed_keys_give_the_same_bits():
     assert_trees_identical(outputs(legacy_each), outputs(legacy))
 
 
+@pytest.mark.parametrize("options", [{}, {"chunk_size": 2}, {"checkpoint_every": 2}])
+def test_keys_of_another_implementation_continue_and_resume(tmp_path, options):
+    # The chains' keys stay typed through the run: they come back of the
+    # implementation they were given and continue the chains bit for bit, also after a
+    # resume from files that hold their raw data. (JAX's `rbg` keys draw differently
+    # under `vmap` when the batch changes, so the runs compared have the same chunks.)
+    keys = jr.split(jr.key(3, impl="rbg"), 5)
+    init = make_init(5)
+    chunks = {k: v for k, v in options.items() if k == "chunk_size"}
+    if "checkpoint_every" in options:
+        options = {**options, "checkpoint": tmp_path / "run"}
+    whole = eb.run_chains(metropolis, init, keys, 6, **options)
+    assert whole.keys.dtype == keys.dtype
+    first = eb.run_chains(metropolis, init, keys, 3, **chunks)
+    rest = eb.run_chains(metropolis, first.final, first.keys, 3, **chunks)
+    assert_trees_identical(whole.final, rest.final)
+    assert_trees_identical(jr.key_data(whole.keys), jr.key_data(rest.keys))
+    if "checkpoint" in options:
+        again = eb.run_chains(metropolis, init, keys, 6, **options)  # read back
+        assert again.keys.dtype == keys.dtype
+        assert_trees_identical(jr.key_data(again.keys), jr.key_data(whole.keys))
+
+
 def test_with_output_records_outputs():
     result = eb.run_chains(
         _state_and_output, make_init(6), jr.key(8), 20, thin=4, with_output=True

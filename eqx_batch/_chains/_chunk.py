@@ -16,7 +16,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._progress import ProgressHandle
-from .._tree import as_key_data
+from .._tree import as_key_data, as_keys_like
 from ._all_chains import AllChains
 from ._checkpoint import Checkpoint, DrawFile, Restored, Snapshot
 from ._identity import RunIdentity
@@ -62,14 +62,14 @@ class RunPlan:
         return min(stops)
 
     def identity(self, chains: ChainState, num_chains: int) -> RunIdentity:
-        """The identity of the run of these chains (raw data)."""
+        """The identity of the run of these chains."""
         init_like = _with_leading(self.one_chain.state, num_chains)
         assert self.program is not None
         return RunIdentity.of(
             self.program,
             eqx.combine(chains.states, self.shared),
             eqx.combine(init_like, self.shared),
-            chains.keys,
+            as_key_data(chains.keys),
             _with_leading(self.one_chain.key, num_chains),
             self.counts,
         )
@@ -123,7 +123,8 @@ class ChunkRun:
                     )
                 )
                 restored = self.store.restore(
-                    _shapes(chains),
+                    # As the files hold them: keys as their raw data.
+                    as_key_data(_shapes(chains)),
                     trace_like,
                     num_steps=run.num_steps,
                     draws_after=ft.partial(
@@ -297,7 +298,11 @@ def _start(
             trace_buffer = placement.zeros(trace_like)
             if made:
                 trace_buffer = put_draws(placement.put(restored.draws), trace_buffer)
-    return _Start(restored.steps_done, placement.put(restored.chains), trace_buffer)
+    # Keys again, of the implementation of the keys the run was given.
+    restored_chains = restored.chains._replace(
+        keys=as_keys_like(restored.chains.keys, chains.keys)
+    )
+    return _Start(restored.steps_done, placement.put(restored_chains), trace_buffer)
 
 
 def _snapshot(
@@ -313,7 +318,8 @@ def _snapshot(
         chains, new_draws = placement.replicated((chains, new_draws))
     return Snapshot(
         steps_done,
-        chains,
+        # As the files hold them: keys as their raw data.
+        chains._replace(keys=as_key_data(chains.keys)),
         draws=new_draws,
         draw_file=window.draw_file,
         offset=window.offset,

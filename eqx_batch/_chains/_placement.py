@@ -2,9 +2,9 @@
 multiple of the device count (or, for a step that sees every chain, unpadded on the
 most devices they divide over).
 
-Everything here is raw data (typed PRNG keys travel as their key data, see
-`_segment.py`): only host data, the same in every process, can be placed on the devices
-of other processes, and typed keys cannot go there.
+Only host data, the same in every process, can be placed on the devices of other
+processes, and typed PRNG keys cannot go there: they go as their raw data and are made
+keys again on the devices.
 """
 
 import functools as ft
@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._errors import BatchError
 from .._select import take
 from .._shard import Device, member_mesh
-from .._tree import is_array
+from .._tree import as_keys_like, host_array, is_array
 
 
 class Placement:
@@ -53,8 +53,12 @@ class Placement:
             tree = take(tree, np.r_[np.arange(self.num_chains), padding])
         if jax.process_count() > 1:
             # Only host data (the same in every process) can be placed on the devices
-            # of other processes.
-            tree = jtu.tree_map(lambda x: np.asarray(x) if is_array(x) else x, tree)
+            # of other processes: typed keys go as their raw data, wrapped again there.
+            host = jtu.tree_map(lambda x: host_array(x) if is_array(x) else x, tree)
+            return as_keys_like(self._split(host), tree)
+        return self._split(tree)
+
+    def _split(self, tree: Any) -> Any:
         # In one call, without `eb.shard`'s checks (which are for a user's tree), and
         # only the leaves not already split so (`device_put` costs even then).
         leaves, treedef = jtu.tree_flatten(tree)

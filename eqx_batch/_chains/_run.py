@@ -1,9 +1,10 @@
 """`run_chains`: many Markov chains at once, from a step written for one.
 
 The algorithm: check the arguments and trace the step on one chain (`_step.py`); turn
-typed PRNG keys into raw data, once; run each chunk of chains (all of them, unless
-`chunk_size`) through every step (`_chunk.py`); finally join the chunks and make raw
-key data typed keys again, once.
+typed PRNG keys in the states into raw data, once; run each chunk of chains (all of
+them, unless `chunk_size`) through every step (`_chunk.py`); finally join the chunks
+and make the states' raw key data typed keys again, once. The chains' own keys stay
+typed throughout (the compiled segments unwrap them).
 """
 
 import contextlib
@@ -79,7 +80,8 @@ def run_chains(
     bit, when its step is elementwise) as running it alone with its own key: each
     step's key is split from the chain's own carried key, so the number of chains,
     devices, processes, thinning or checkpoint interval never changes a chain's
-    random stream.
+    random stream (with JAX's default keys: under `vmap`, JAX does not draw the bits
+    of `rbg` keys from each key alone).
 
     A chain whose state goes NaN or infinite keeps running without disturbing the
     others and is reported in `nonfinite`.
@@ -361,11 +363,11 @@ def run_chains(
         checkpoint_every=checkpoint_every,
         until=schedule,
     )
-    # Typed PRNG keys become raw data here, once, and keys again on the way out: in
-    # between, chunks, placement and checkpoints handle plain arrays.
+    # Typed PRNG keys in the states become raw data here, once, and keys again on the
+    # way out: in between, chunks, placement and checkpoints handle plain arrays.
     chains = ChainState(
         as_key_data(init_arrays),
-        jr.key_data(keys),
+        keys,
         np.zeros(num_chains, np.int32),
         zeros(one_chain.state, num_chains) if diagnostics else None,
     )
@@ -439,11 +441,8 @@ def run_chains(
     states = outputs = None
     if recorded is not None and with_output:
         states, outputs = recorded
-    # Wrapped like the keys passed in (a concrete array tells its implementation
-    # without creating one); legacy keys are their raw data.
-    end_keys = (
-        chains.keys if legacy else jr.wrap_key_data(chains.keys, impl=jr.key_impl(keys))
-    )
+    # Typed, as the segments return them; legacy keys are their raw data.
+    end_keys = jr.key_data(chains.keys) if legacy else chains.keys
     final = eqx.combine(as_keys_like(chains.states, one_chain.state), shared)
     # Read last, as it waits for the loop: the work above is done while it runs.
     nonfinite_steps = np.asarray(chains.first_bad)

@@ -6,9 +6,11 @@ the progress bar and the segment offsets are plain scalar logic, and nothing abo
 chain depends on how many others run beside it. An `eb.all_chains` step is called once
 on the whole stack instead, with the keys split per chain as for a per-chain step.
 
-Typed PRNG keys enter and leave the program as their raw data (`as_key_data`), so that
-everything outside it (placement, chunks, checkpoints) handles plain arrays; they are
-keys again only inside, where wrapping and unwrapping cost nothing. This module knows
+Typed PRNG keys in the states enter and leave the program as their raw data
+(`as_key_data`), so that the trace buffer, chunks and checkpoints handle plain arrays;
+they are keys again only inside, where wrapping and unwrapping cost nothing. The chains'
+own keys enter and leave typed (each segment unwraps and wraps them), so that a run
+makes no eager JAX operation on them before or after its program. This module knows
 nothing about files.
 """
 
@@ -54,12 +56,12 @@ class SegmentPlan:
 
 
 class ChainState(NamedTuple):
-    """Every chain between two steps, as raw data: the array leaves of its state and
-    its key (typed keys as `as_key_data` makes them), and its NaN report."""
+    """Every chain between two steps: the array leaves of its state as raw data (typed
+    keys as `as_key_data` makes them), its key, and its NaN report."""
 
     # JAX arrays on the devices, or NumPy arrays on the host before they are placed.
     states: Any
-    keys: Any
+    keys: Any  # typed keys (raw data in checkpoint files only)
     first_bad: Any  # the first non-finite step, counted from 1; 0 while finite
     # The running moments of the recorded draws (`_moments.py`), with
     # `diagnostics=True`; else None.
@@ -137,7 +139,10 @@ def _segment(
     dispatch rather than two, and no buffer handed between them.
     """
     trace_buffer = made_zeros(trace_buffer)
-    chains = chains._replace(first_bad=made_zeros(chains.first_bad))
+    keys_in = chains.keys
+    chains = chains._replace(
+        keys=as_key_data(keys_in), first_bad=made_zeros(chains.first_bad)
+    )
 
     def next_key(raw_key: jax.Array) -> tuple:
         # The chain's carried key (raw) and the key its step gets.
@@ -220,7 +225,8 @@ def _segment(
     )
     # The states after the segment's last step, which no step of it carried in.
     chains = chains._replace(
-        first_bad=_with_first_bad(chains.first_bad, chains.states, end)
+        keys=as_keys_like(chains.keys, keys_in),
+        first_bad=_with_first_bad(chains.first_bad, chains.states, end),
     )
     new_draws = None
     if plan.emit:
