@@ -61,7 +61,9 @@ class ChainState(NamedTuple):
 
     # JAX arrays on the devices, or NumPy arrays on the host before they are placed.
     states: Any
-    keys: Any  # typed keys (raw data in checkpoint files only)
+    # Typed keys: their raw data only in checkpoint files and on the way to the devices
+    # of other processes.
+    keys: Any
     first_bad: Any  # the first non-finite step, counted from 1; 0 while finite
     # The running moments of the recorded draws (`_moments.py`), with
     # `diagnostics=True`; else None.
