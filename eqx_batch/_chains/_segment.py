@@ -9,9 +9,9 @@ on the whole stack instead, with the keys split per chain as for a per-chain ste
 Typed PRNG keys in the states enter and leave the program as their raw data
 (`as_key_data`), so that the trace buffer, chunks and checkpoints handle plain arrays;
 they are keys again only inside, where wrapping and unwrapping cost nothing. The chains'
-own keys enter and leave typed (each segment unwraps and wraps them), so that a run
-makes no eager JAX operation on them before or after its program. This module knows
-nothing about files.
+own keys enter and leave typed (each segment unwraps and wraps them), so that a run of
+typed keys makes no eager JAX operation on them before or after its program. This module
+knows nothing about files.
 """
 
 import dataclasses
