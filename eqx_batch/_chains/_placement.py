@@ -55,10 +55,10 @@ class Placement:
             # Only host data (the same in every process) can be placed on the devices
             # of other processes: typed keys go as their raw data, wrapped again there.
             host = jtu.tree_map(lambda x: host_array(x) if is_array(x) else x, tree)
-            return as_keys_like(self._split(host), tree)
-        return self._split(tree)
+            return as_keys_like(self._placed(host), tree)
+        return self._placed(tree)
 
-    def _split(self, tree: Any) -> Any:
+    def _placed(self, tree: Any) -> Any:
         # In one call, without `eb.shard`'s checks (which are for a user's tree), and
         # only the leaves not already split so (`device_put` costs even then).
         leaves, treedef = jtu.tree_flatten(tree)

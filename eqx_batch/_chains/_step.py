@@ -203,14 +203,11 @@ def step_layout(states: Any, key: jax.Array, output: Any) -> StepLayout:
     """The layout of one chain of `states`, given the output `trace_step` found (None
     without `with_output`)."""
     state = eqx.filter(per_chain(states), _is_struct)
+    one_key = jax.ShapeDtypeStruct((), key.dtype)
     if output is None:
-        return StepLayout(state, jax.ShapeDtypeStruct((), key.dtype), state, None)
-    return StepLayout(
-        state,
-        jax.ShapeDtypeStruct((), key.dtype),
-        (state, eqx.filter(output, _is_struct)),
-        eqx.filter(output, _is_struct, inverse=True),
-    )
+        return StepLayout(state, one_key, state, None)
+    output_structs, output_static = eqx.partition(output, _is_struct)
+    return StepLayout(state, one_key, (state, output_structs), output_static)
 
 
 def _is_struct(x: Any) -> bool:
