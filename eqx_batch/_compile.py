@@ -24,6 +24,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._errors import BatchError, describe, KeyPath, leaf_name
+from ._memo import BoundedCache
 from ._tree import is_array
 
 
@@ -173,7 +174,7 @@ class AsyncJit:
         # Argument 0 of `run` is the static parts; `fun`'s arrays follow.
         donated = tuple(1 + parameters.index(name) for name in donate)
         self._jitted = jax.jit(run, static_argnums=0, donate_argnums=donated)
-        self._by_identity: dict[tuple, tuple[CallPlan, tuple]] = {}
+        self._by_identity = BoundedCache(_PLANS_BY_IDENTITY)
         self._by_statics: dict[tuple[StaticPart, ...], CallPlan] = {}
         self._array_types: dict[type, bool] = {}
 
@@ -236,10 +237,8 @@ class AsyncJit:
             plan = self._by_statics.setdefault(
                 statics, CallPlan(statics, tuple(positions))
             )
-        if len(self._by_identity) >= _PLANS_BY_IDENTITY:
-            del self._by_identity[next(iter(self._by_identity))]
         held = tuple(x for x, i in zip(leaves, identity, strict=True) if i is not None)
-        self._by_identity[key] = (plan, held)
+        self._by_identity.add(key, (plan, held))
         return plan
 
     def has_checks(self, plan: CallPlan, arrays: list[list[Any]]) -> bool:

@@ -1,5 +1,6 @@
 """`eb.run_chains` and `eb.Chains`: per-chain bits, checkpoints, real kills, errors."""
 
+import dataclasses
 import functools as ft
 import os
 import pathlib
@@ -175,6 +176,23 @@ def test_keys_of_another_implementation_continue_and_resume(tmp_path, options):
         again = eb.run_chains(metropolis, init, keys, 6, **options)  # read back
         assert again.keys.dtype == keys.dtype
         assert_trees_identical(jr.key_data(again.keys), jr.key_data(whole.keys))
+
+
+@pytest.mark.parametrize("with_output", [False, True])
+def test_result_is_the_module_its_constructor_builds(with_output):
+    # `run_chains` builds its result without calling the constructor: the same module,
+    # field for field, with the same structure (its static field included).
+    step = _state_and_output if with_output else metropolis
+    result = eb.run_chains(
+        step, make_init(4), jr.key(3), 5, with_output=with_output, diagnostics=True
+    )
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(eb.Chains)}
+    nonfinite = eb.NonFinite(result.nonfinite.chains, result.nonfinite.steps)
+    built = eb.Chains(**{**fields, "nonfinite": nonfinite})
+    assert type(result) is eb.Chains and type(result.nonfinite) is eb.NonFinite
+    assert result.with_output is with_output
+    assert jtu.tree_structure(result) == jtu.tree_structure(built)
+    assert_trees_identical(result, built)
 
 
 def test_with_output_records_outputs():

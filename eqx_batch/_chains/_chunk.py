@@ -15,6 +15,7 @@ import jax.extend
 import jax.tree_util as jtu
 import numpy as np
 
+from .._memo import BoundedCache
 from .._progress import ProgressHandle
 from .._tree import as_key_data, as_keys_like
 from ._all_chains import AllChains
@@ -105,9 +106,7 @@ class ChunkRun:
             num_chains = chains.keys.shape[0]
             trace_like = None
             if run.recorded is not None:
-                trace_like = as_key_data(
-                    _with_leading(run.recorded, num_chains, run.plan.num_draws)
-                )
+                trace_like = _trace_like(run.recorded, num_chains, run.plan.num_draws)
             self.store = restored = None
             # The checks of `until` as this chunk's checkpoint has them.
             self.record: Record | None = None
@@ -140,7 +139,7 @@ class ChunkRun:
                 ):
                     self.store.start_writing()
             # A step that sees every chain would see padding chains too.
-            self.placement = Placement(
+            self.placement = Placement.of(
                 num_chains, pad_to=pad_to, pad=not isinstance(run.step, AllChains)
             )
             self.steps_done, self.chains, self.trace_buffer = _start(
@@ -231,6 +230,21 @@ def _with_leading(like: Any, *sizes: int) -> Any:
     )
 
 
+def _trace_like(recorded: Any, num_chains: int, num_draws: int) -> Any:
+    """The trace buffer's shape-dtype structs, raw key data for keys: the same objects
+    for the same draws, chains and draws as the last times."""
+    leaves, treedef = jtu.tree_flatten(recorded)
+    key = (treedef, num_chains, num_draws, *leaves)
+    found = _trace_likes.get(key)
+    if found is None:
+        like = _with_leading(recorded, num_chains, num_draws)
+        found = _trace_likes.add(key, as_key_data(like))
+    return found
+
+
+_trace_likes = BoundedCache(64)
+
+
 def _shapes(tree: Any) -> Any:
     return jtu.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
@@ -281,9 +295,10 @@ def _start(
         # Every chain starts finite: its report is made on the devices, with the
         # trace buffer (placing a host array costs as much). Made by the loop's own
         # program if it is the only one, else by one program the segments share.
-        like = (trace_like, chains.first_bad)
+        first_bad = chains.first_bad
+        like = (trace_like, jax.ShapeDtypeStruct(first_bad.shape, first_bad.dtype))
         if one_segment:
-            trace_buffer, first_bad = seen_before(placement.zeros_to_make(like))
+            trace_buffer, first_bad = placement.zeros_to_make(like)
         else:
             trace_buffer, first_bad = placement.zeros(like)
         chains = placement.put(chains._replace(first_bad=None))

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._errors import BatchError
+from .._memo import BoundedCache
 from .._select import take
 from .._shard import Device, member_mesh
 from .._tree import as_keys_like, host_array, is_array
@@ -44,6 +45,20 @@ class Placement:
         self.num_rows = -(-max(num_chains, pad_to) // size) * size
         # Every leaf placed here is split along its axis 0, one row per chain.
         self.split = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names[0]))
+        # With one device in all, every array on the devices is where it would go.
+        self._one_device = jax.device_count() == 1
+        self._made = BoundedCache(16)
+
+    @classmethod
+    def of(cls, num_chains: int, pad_to: int = 0, *, pad: bool = True) -> "Placement":
+        """`Placement(num_chains, pad_to, pad=pad)`, made once per devices: a run
+        meets the same one again on every call, with the shape-dtype structs it made
+        (the compiled loop finds its program by their identity)."""
+        key = (num_chains, pad_to, pad, *jax.devices())
+        found = _placements.get(key)
+        if found is None:
+            found = _placements.add(key, cls(num_chains, pad_to, pad=pad))
+        return found
 
     def put(self, tree: Any) -> Any:
         """`tree` (on the host or on devices, one row per chain) split over the
@@ -71,8 +86,9 @@ class Placement:
         return jtu.tree_unflatten(treedef, leaves)
 
     def _is_split(self, x: Any) -> bool:
-        return isinstance(x, jax.Array) and x.sharding.is_equivalent_to(
-            self.split, x.ndim
+        return isinstance(x, jax.Array) and (
+            # Asked of a typed key array, `sharding` costs tens of microseconds.
+            self._one_device or x.sharding.is_equivalent_to(self.split, x.ndim)
         )
 
     def real_chains(self, tree: Any) -> Any:
@@ -96,13 +112,25 @@ class Placement:
 
     def zeros_to_make(self, like: Any) -> Any:
         """What `zeros(like)` would make, as shape-dtype structs split as it splits
-        them, for a program to make them itself (`made_zeros`)."""
-        return jtu.tree_map(
-            lambda x: jax.ShapeDtypeStruct(
-                (self.num_rows, *x.shape[1:]), x.dtype, sharding=self.split
-            ),
-            like,
-        )
+        them, for a program to make them itself (`made_zeros`). The same objects for
+        an equal `like` (of shape-dtype structs) as the last times."""
+        leaves, treedef = jtu.tree_flatten(like)
+        key = (treedef, *leaves)
+        found = self._made.get(key)
+        if found is None:
+            found = self._made.add(
+                key,
+                jtu.tree_map(
+                    lambda x: jax.ShapeDtypeStruct(
+                        (self.num_rows, *x.shape[1:]), x.dtype, sharding=self.split
+                    ),
+                    like,
+                ),
+            )
+        return found
+
+
+_placements = BoundedCache(64)
 
 
 def made_zeros(tree: Any) -> Any:

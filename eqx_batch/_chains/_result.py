@@ -1,10 +1,13 @@
 """`Chains`, the result of `run_chains`, and `NonFinite`, its report of chains whose
 state went NaN or infinite."""
 
+import dataclasses
+import functools as ft
 from typing import Any, TYPE_CHECKING
 
 import equinox as eqx
 import jax
+import jax.tree_util as jtu
 import numpy as np
 
 from ._arviz import trace_to_arviz
@@ -157,3 +160,29 @@ class Chains(eqx.Module):
         if self.with_output:
             return trace_to_arviz(self.states, self.trace, superchain_ids=ids)
         return trace_to_arviz(self.trace, superchain_ids=ids)
+
+
+def assembled(cls: type[eqx.Module], **fields: Any) -> Any:
+    """`cls(**fields)` for `Chains` or `NonFinite`, built as JAX rebuilds a module that
+    passes through a transform (`jax.tree_util.tree_unflatten`).
+
+    Equinox's constructor looks at every leaf of its arguments (for a JAX-transformed
+    function stored by mistake), which on each call of a small run costs as much as
+    its loop; these modules have no `__init__`, converter or `__check_init__` of their
+    own for it to skip. Static fields are passed too: they pick the structure.
+    """
+    static = tuple(sorted((k, v) for k, v in fields.items() if k in _STATIC))
+    treedef, names = _skeleton(cls, static)
+    return jtu.tree_unflatten(treedef, [fields[name] for name in names])
+
+
+_STATIC = frozenset({"with_output"})
+
+
+@ft.cache
+def _skeleton(cls: type[eqx.Module], static: tuple) -> tuple[Any, list[str]]:
+    # A module whose every other field is its own name: flattening it gives the
+    # structure, and the fields in the order of its leaves.
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in _STATIC]
+    leaves, treedef = jtu.tree_flatten(cls(**{n: n for n in names}, **dict(static)))
+    return treedef, leaves

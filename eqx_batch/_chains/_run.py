@@ -40,7 +40,7 @@ from ._chunk import RunPlan
 from ._convergence import diagnose, Diagnostics
 from ._lock import check_folder, refuse_if_in_use, WriteAccess
 from ._moments import check_diagnostics, zeros
-from ._result import Chains, NonFinite
+from ._result import assembled, Chains, NonFinite
 from ._segment import (
     ChainState,
     draws_before,
@@ -447,12 +447,14 @@ def run_chains(
     # Read last, as it waits for the loop: the work above is done while it runs.
     nonfinite_steps = np.asarray(chains.first_bad)
     bad_chains = np.flatnonzero(nonfinite_steps)
-    return Chains(
+    return assembled(
+        Chains,
         final=final,
         trace=outputs if with_output else recorded,
         states=states,
         keys=end_keys,
-        nonfinite=NonFinite(
+        nonfinite=assembled(
+            NonFinite,
             chains=bad_chains.astype(np.int64),
             steps=nonfinite_steps[bad_chains].astype(np.int64),
         ),

@@ -28,6 +28,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 
 from .._compile import AsyncJit
+from .._memo import BoundedCache
 from .._progress import ProgressHandle
 from .._tree import as_key_data, as_keys_like, is_array
 from ._all_chains import AllChains
@@ -249,8 +250,7 @@ run_segment = AsyncJit(_segment, donate=("trace_buffer",))
 # `run_segment` finds its program at once for arguments whose non-array leaves are the
 # very objects of an earlier call (else it partitions and hashes them): the plan and
 # shape-dtype structs that every call makes anew are swapped for equal ones seen before.
-_SEEN = 256
-_seen: dict[Any, Any] = {}
+_seen: BoundedCache = BoundedCache(256)
 
 
 def seen_before(tree: Any) -> Any:
@@ -259,10 +259,6 @@ def seen_before(tree: Any) -> Any:
 
     def swap(leaf: Any) -> Any:
         found = _seen.get(leaf)
-        if found is None:
-            if len(_seen) >= _SEEN:
-                del _seen[next(iter(_seen))]
-            found = _seen[leaf] = leaf
-        return found
+        return _seen.add(leaf, leaf) if found is None else found
 
     return jtu.tree_map(swap, tree)

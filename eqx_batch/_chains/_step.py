@@ -19,6 +19,7 @@ import jax.tree_util as jtu
 
 from .._compile import array_types, partition
 from .._errors import BatchError, bullet_list, describe, leaf_name
+from .._memo import BoundedCache
 from .._tree import is_array
 from ._all_chains import AllChains
 
@@ -216,9 +217,8 @@ def _is_struct(x: Any) -> bool:
 
 # Checked steps are looked up by the static part of `step` and of the state, and the
 # shapes and dtypes of their arrays: what the compiled loop's cache keys on too. An
-# entry keeps its step alive (as `jax.jit`'s cache does), so at most this many are kept.
-_CHECKED_STEPS = 256
-_checked_layouts: dict[tuple, StepLayout] = {}
+# entry keeps its step alive (as `jax.jit`'s cache does), so the cache is bounded.
+_checked_layouts: BoundedCache = BoundedCache(256)
 
 
 def checked_layout(
@@ -253,9 +253,7 @@ def checked_layout(
     traced = trace_step(step, states, key, legacy, with_output)
     layout = step_layout(states, key, traced.output)
     if cached:
-        if len(_checked_layouts) >= _CHECKED_STEPS:
-            del _checked_layouts[next(iter(_checked_layouts))]
-        _checked_layouts[signature] = layout
+        _checked_layouts.add(signature, layout)
     return layout
 
 
