@@ -35,6 +35,7 @@ class BoundedCache(dict[Any, Any]):
     def add(self, key: Any, value: V) -> V:
         """Stores `value` under `key` and returns it."""
         if key not in self and len(self) >= self.size:
-            del self[next(iter(self))]
+            # `pop` with a default: another thread may have just forgotten it.
+            self.pop(next(iter(self), None), None)
         self[key] = value
         return value

@@ -1,4 +1,4 @@
-"""`BoundedCache`: the per-call paths' memo forgets its oldest entries beyond its size."""
+"""`BoundedCache`: the per-call memo forgets its oldest entries beyond its size."""
 
 from eqx_batch._memo import BoundedCache
 

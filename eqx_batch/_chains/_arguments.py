@@ -1,7 +1,7 @@
 """The chains of `run_chains`' arguments: how many `init` holds, one key for each,
 and NumPy leaves read with the dtypes JAX gives them."""
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,25 +13,52 @@ from .._errors import BatchError, describe
 from .._tree import axis_sizes, common_size, is_array, is_key, is_numpy, mapped_leaves
 
 
-def with_jax_dtype(x: Any) -> Any:
-    """A NumPy leaf with the dtype JAX gives it, as `jax.vmap` reads it (float64 is
-    float32 unless 64-bit mode is on); other leaves as they are."""
-    if is_numpy(x):
-        return x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
-    return x
+class Init(NamedTuple):
+    """`run_chains`' `init`, taken apart."""
+
+    whole: Any  # `init`, its NumPy leaves with the dtypes JAX gives them
+    arrays: Any  # its array leaves (others None)
+    shared: Any  # its other leaves, the same for every chain (arrays None)
+    num_chains: int  # the size of axis 0 that its array leaves agree on
 
 
-def chain_count(states: Any) -> int:
-    """The chains the array leaves of `init` agree on (their axis 0)."""
+def split_init(init: Any) -> Init:
+    """`init` taken apart in one pass over its leaves: a call of a short run costs
+    little more than its loop, and `eqx.partition` and friends would each pass again.
+
+    NumPy leaves get the dtypes JAX gives them, as `jax.vmap` reads them: a float64
+    NumPy `init` is float32 unless 64-bit mode is on, like the step's results.
+
+    **Raises:**
+
+    `BatchError` if the array leaves disagree on the number of chains (naming each
+    leaf) or there is none.
+    """
+    leaves, treedef = jtu.tree_flatten(init)
+    leaves = [
+        x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
+        if is_numpy(x)
+        else x
+        for x in leaves
+    ]
+    arrays = [x if is_array(x) else None for x in leaves]
     # Checked on the bare leaves first: naming every leaf by its path is for the
     # message when they disagree, and costs on every call of a large tree.
-    sizes = {np.shape(x)[0] if np.ndim(x) else -1 for x in jtu.tree_leaves(states)}
+    sizes = {x.shape[0] if x.ndim else -1 for x in arrays if x is not None}
+    arrays_tree = treedef.unflatten(arrays)
     if len(sizes) == 1 and min(sizes) >= 0:
-        return int(sizes.pop())
-    return common_size(
-        axis_sizes(mapped_leaves(states, 0, "init"), "init"),
-        what="chain axis (axis 0)",
-        fix="Every array leaf of `init` needs one entry per chain along axis 0.",
+        num_chains = sizes.pop()
+    else:
+        num_chains = common_size(
+            axis_sizes(mapped_leaves(arrays_tree, 0, "init"), "init"),
+            what="chain axis (axis 0)",
+            fix="Every array leaf of `init` needs one entry per chain along axis 0.",
+        )
+    return Init(
+        treedef.unflatten(leaves),
+        arrays_tree,
+        treedef.unflatten([None if is_array(x) else x for x in leaves]),
+        int(num_chains),
     )
 
 

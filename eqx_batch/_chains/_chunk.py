@@ -28,7 +28,6 @@ from ._segment import (
     draws_before,
     OneChain,
     run_segment,
-    seen_before,
     SegmentPlan,
     SegmentProgress,
 )
@@ -173,9 +172,7 @@ class ChunkRun:
             run.plan, self.steps_done, stop - self.steps_done, self.store
         )
         result = run_segment(
-            seen_before(
-                dataclasses.replace(run.plan, length=window.length, emit=window.emit)
-            ),
+            run.plan.window(window.length, window.emit),
             run.step,
             run.shared,
             run.one_chain,
@@ -232,7 +229,7 @@ def _with_leading(like: Any, *sizes: int) -> Any:
 
 def _trace_like(recorded: Any, num_chains: int, num_draws: int) -> Any:
     """The trace buffer's shape-dtype structs, raw key data for keys: the same objects
-    for the same draws, chains and draws as the last times."""
+    for the same recorded draws, chains and number of draws as on earlier calls."""
     leaves, treedef = jtu.tree_flatten(recorded)
     key = (treedef, num_chains, num_draws, *leaves)
     found = _trace_likes.get(key)

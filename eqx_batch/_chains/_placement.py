@@ -113,7 +113,7 @@ class Placement:
     def zeros_to_make(self, like: Any) -> Any:
         """What `zeros(like)` would make, as shape-dtype structs split as it splits
         them, for a program to make them itself (`made_zeros`). The same objects for
-        an equal `like` (of shape-dtype structs) as the last times."""
+        an equal `like` (of shape-dtype structs) as on earlier calls."""
         leaves, treedef = jtu.tree_flatten(like)
         key = (treedef, *leaves)
         found = self._made.get(key)

@@ -27,10 +27,9 @@ from .._select import take
 from .._tree import (
     as_key_data,
     as_keys_like,
-    is_array,
 )
 from ._all_chains import AllChains, check_all_chains_run
-from ._arguments import chain_count, chain_keys, with_jax_dtype
+from ._arguments import chain_keys, split_init
 from ._checkpoint import (
     chunk_path,
     longest_file_name,
@@ -287,11 +286,7 @@ def run_chains(
             hint="It is how many chains to run at a time; None runs every chain at "
             "once.",
         )
-    # NumPy leaves get the dtypes JAX gives them, as `jax.vmap` would: a float64
-    # NumPy `init` is float32 unless 64-bit mode is on, like the step's results.
-    init = jtu.tree_map(with_jax_dtype, init)
-    init_arrays, shared = eqx.partition(init, is_array)
-    num_chains = chain_count(init_arrays)
+    init, init_arrays, shared, num_chains = split_init(init)
     superchain_ids = None
     if superchains is not None:
         init_arrays, superchain_ids = expand_superchains(

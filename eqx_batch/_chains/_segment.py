@@ -55,6 +55,21 @@ class SegmentPlan:
     # end and starts before the segment's first draw.
     emit: int = 0
 
+    def window(self, length: int, emit: int) -> "SegmentPlan":
+        """This plan for a segment of `length` steps that emits `emit` draws: the
+        same object as on earlier calls, so that `run_segment` finds its program by
+        identity."""
+        key = (self, length, emit)
+        found = _windows.get(key)
+        if found is None:
+            found = _windows.add(
+                key, dataclasses.replace(self, length=length, emit=emit)
+            )
+        return found
+
+
+_windows = BoundedCache(256)
+
 
 class ChainState(NamedTuple):
     """Every chain between two steps: the array leaves of its state as raw data (typed
