@@ -1,5 +1,6 @@
 """`eb.run_chains` and `eb.Chains`: per-chain bits, checkpoints, real kills, errors."""
 
+import concurrent.futures
 import dataclasses
 import functools as ft
 import os
@@ -328,6 +329,22 @@ def test_static_leaves_are_the_callers_own_on_a_cached_step(with_output):
         if with_output:
             assert result.trace["tag"] == "output"
             assert result.trace["sum"].shape == (3, 4)
+
+
+def test_runs_in_threads_share_the_caches_and_equal_runs_alone():
+    # Every call meets the caches of checked steps, placements and programs; calls
+    # from several threads at once, over several chain counts, must each get their
+    # own run's bits.
+    counts = [3, 5, 8, 13]
+    alone = {n: eb.run_chains(metropolis, make_init(n), jr.key(n), 7) for n in counts}
+
+    def run(n: int) -> eb.Chains:
+        return eb.run_chains(metropolis, make_init(n), jr.key(n), 7)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, counts * 5))
+    for n, result in zip(counts * 5, results, strict=True):
+        assert_trees_identical(outputs(result), outputs(alone[n]))
 
 
 def test_trace_is_written_in_place():
