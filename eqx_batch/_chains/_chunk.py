@@ -292,8 +292,8 @@ def _start(
         # Every chain starts finite: its report is made on the devices, with the
         # trace buffer (placing a host array costs as much). Made by the loop's own
         # program if it is the only one, else by one program the segments share.
-        first_bad = chains.first_bad
-        like = (trace_like, jax.ShapeDtypeStruct(first_bad.shape, first_bad.dtype))
+        report = chains.first_bad
+        like = (trace_like, jax.ShapeDtypeStruct(report.shape, report.dtype))
         if one_segment:
             trace_buffer, first_bad = placement.zeros_to_make(like)
         else:

@@ -169,20 +169,25 @@ def assembled(cls: type[eqx.Module], **fields: Any) -> Any:
     Equinox's constructor looks at every leaf of its arguments (for a JAX-transformed
     function stored by mistake), which on each call of a small run costs as much as
     its loop; these modules have no `__init__`, converter or `__check_init__` of their
-    own for it to skip. Static fields are passed too: they pick the structure.
+    own for it to skip.
     """
-    static = tuple(sorted((k, v) for k, v in fields.items() if k in _STATIC))
-    treedef, names = _skeleton(cls, static)
-    return jtu.tree_unflatten(treedef, [fields[name] for name in names])
-
-
-_STATIC = frozenset({"with_output"})
+    dynamic = _dynamic_fields(cls)
+    static = tuple((name, v) for name, v in fields.items() if name not in dynamic)
+    return jtu.tree_unflatten(
+        _structure(cls, static), [fields[name] for name in dynamic]
+    )
 
 
 @ft.cache
-def _skeleton(cls: type[eqx.Module], static: tuple) -> tuple[Any, list[str]]:
-    # A module whose every other field is its own name: flattening it gives the
-    # structure, and the fields in the order of its leaves.
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in _STATIC]
-    leaves, treedef = jtu.tree_flatten(cls(**{n: n for n in names}, **dict(static)))
-    return treedef, leaves
+def _dynamic_fields(cls: type[eqx.Module]) -> list[str]:
+    # A module whose every field is its own name: its leaves are the names of the
+    # fields that are not static, in the order of its leaves.
+    names = [f.name for f in dataclasses.fields(cls)]
+    return jtu.tree_leaves(cls(**{name: name for name in names}))
+
+
+@ft.cache
+def _structure(cls: type[eqx.Module], static: tuple) -> Any:
+    # The static fields' values are part of the structure.
+    dynamic = _dynamic_fields(cls)
+    return jtu.tree_structure(cls(**{name: name for name in dynamic}, **dict(static)))
