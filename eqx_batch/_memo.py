@@ -6,6 +6,7 @@ A long-lived process can make such keys without end (a new step per call), and e
 entry keeps its key and value alive, so every such memo holds a bounded number.
 """
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 
@@ -25,6 +26,7 @@ class BoundedCache(dict[Any, Any]):
         cache = BoundedCache(2)
         cache.add("a", 1); cache.add("b", 2); cache.add("c", 3)
         list(cache)  # ['b', 'c']
+        cache.get_or_make("d", lambda: 4)  # 4, made and stored: ['c', 'd']
         ```
     """
 
@@ -39,3 +41,8 @@ class BoundedCache(dict[Any, Any]):
             self.pop(next(iter(self), None), None)
         self[key] = value
         return value
+
+    def get_or_make(self, key: Any, make: Callable[[], V]) -> V:
+        """The value stored under `key`, or `make()`, stored under it."""
+        found = self.get(key)
+        return self.add(key, make()) if found is None else found

@@ -11,6 +11,19 @@ def test_holds_at_most_its_size_forgetting_the_oldest():
     assert dict(cache) == {"b": 2, "c": 3}
 
 
+def test_get_or_make_makes_only_what_it_does_not_hold():
+    cache = BoundedCache(2)
+    made = []
+
+    def make() -> int:
+        made.append(1)
+        return len(made)
+
+    assert cache.get_or_make("a", make) == 1
+    assert cache.get_or_make("a", make) == 1
+    assert made == [1]
+
+
 def test_replacing_an_entry_forgets_nothing_else():
     cache = BoundedCache(2)
     cache.add("a", 1)

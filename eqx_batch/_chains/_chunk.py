@@ -231,12 +231,10 @@ def _trace_like(recorded: Any, num_chains: int, num_draws: int) -> Any:
     """The trace buffer's shape-dtype structs, raw key data for keys: the same objects
     for the same recorded draws, chains and number of draws as on earlier calls."""
     leaves, treedef = jtu.tree_flatten(recorded)
-    key = (treedef, num_chains, num_draws, *leaves)
-    found = _trace_likes.get(key)
-    if found is None:
-        like = _with_leading(recorded, num_chains, num_draws)
-        found = _trace_likes.add(key, as_key_data(like))
-    return found
+    return _trace_likes.get_or_make(
+        (treedef, num_chains, num_draws, *leaves),
+        lambda: as_key_data(_with_leading(recorded, num_chains, num_draws)),
+    )
 
 
 _trace_likes = BoundedCache(64)

@@ -54,11 +54,10 @@ class Placement:
         """`Placement(num_chains, pad_to, pad=pad)`, made once per devices: a run
         meets the same one again on every call, with the shape-dtype structs it made
         (the compiled loop finds its program by their identity)."""
-        key = (num_chains, pad_to, pad, *jax.devices())
-        found = _placements.get(key)
-        if found is None:
-            found = _placements.add(key, cls(num_chains, pad_to, pad=pad))
-        return found
+        return _placements.get_or_make(
+            (num_chains, pad_to, pad, *jax.devices()),
+            lambda: cls(num_chains, pad_to, pad=pad),
+        )
 
     def put(self, tree: Any) -> Any:
         """`tree` (on the host or on devices, one row per chain) split over the
@@ -115,19 +114,15 @@ class Placement:
         them, for a program to make them itself (`made_zeros`). The same objects for
         an equal `like` (of shape-dtype structs) as on earlier calls."""
         leaves, treedef = jtu.tree_flatten(like)
-        key = (treedef, *leaves)
-        found = self._made.get(key)
-        if found is None:
-            found = self._made.add(
-                key,
-                jtu.tree_map(
-                    lambda x: jax.ShapeDtypeStruct(
-                        (self.num_rows, *x.shape[1:]), x.dtype, sharding=self.split
-                    ),
-                    like,
+        return self._made.get_or_make(
+            (treedef, *leaves),
+            lambda: jtu.tree_map(
+                lambda x: jax.ShapeDtypeStruct(
+                    (self.num_rows, *x.shape[1:]), x.dtype, sharding=self.split
                 ),
-            )
-        return found
+                like,
+            ),
+        )
 
 
 _placements = BoundedCache(64)

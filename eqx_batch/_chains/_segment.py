@@ -59,13 +59,10 @@ class SegmentPlan:
         """This plan for a segment of `length` steps that emits `emit` draws: the
         same object as on earlier calls, so that `run_segment` finds its program by
         identity."""
-        key = (self, length, emit)
-        found = _windows.get(key)
-        if found is None:
-            found = _windows.add(
-                key, dataclasses.replace(self, length=length, emit=emit)
-            )
-        return found
+        return _windows.get_or_make(
+            (self, length, emit),
+            lambda: dataclasses.replace(self, length=length, emit=emit),
+        )
 
 
 _windows = BoundedCache(256)
@@ -272,8 +269,4 @@ def seen_before(tree: Any) -> Any:
     """`tree` with each leaf (hashable: a `SegmentPlan`, shape-dtype structs) replaced
     by an equal one passed here before, if any."""
 
-    def swap(leaf: Any) -> Any:
-        found = _seen.get(leaf)
-        return _seen.add(leaf, leaf) if found is None else found
-
-    return jtu.tree_map(swap, tree)
+    return jtu.tree_map(lambda leaf: _seen.get_or_make(leaf, lambda: leaf), tree)
