@@ -339,5 +339,5 @@ def test_an_all_chains_run_is_another_run_for_its_checkpoint(tmp_path):
     raises(
         "different run",
         lambda: eb.run_chains(_disguised, make_init(8), jr.key(0), 5, checkpoint=path),
-        "step takes",
+        "all_chains: the checkpoint has False, this call has True",
     )

@@ -350,40 +350,28 @@ def test_runs_in_threads_share_the_caches_and_equal_runs_alone():
 def test_trace_is_written_in_place():
     # The compiled loop updates the (donated) trace buffer in place: memory stays at the
     # trace's size, with no second copy of it.
-    from eqx_batch._chains._segment import (
-        ChainState,
-        OneChain,
-        run_segment,
-        SegmentPlan,
-    )
+    from eqx_batch._chains._common import ChainState, Draws
+    from eqx_batch._chains._segment import run_segment, SegmentPlan
 
     num_chains, num_steps = 8, 50
     init = make_init(num_chains)
     buffer = jtu.tree_map(lambda x: jnp.zeros((num_chains, num_steps, 3, 3)), init)
     plan = SegmentPlan(
         length=num_steps,
-        num_draws=num_steps,
-        thin=1,
-        burn_in=0,
+        draws=Draws.of(num_steps, burn_in=0, thin=1),
         with_output=False,
-        record=True,
+        keep_trace=True,
         legacy=False,
-    )
-    keys = jr.split(jr.key(0), num_chains)
-    one_chain = OneChain(
-        state=jtu.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), init),
-        key=jax.ShapeDtypeStruct((), keys.dtype),
     )
     chains = ChainState(
         states=init,
-        keys=jr.key_data(keys),
+        keys=jr.split(jr.key(0), num_chains),
         first_bad=jnp.zeros(num_chains, jnp.int32),
     )
     lowered: Any = run_segment.lower(
         plan,
         metropolis,
         eqx.filter(init, eqx.is_array, inverse=True),
-        one_chain,
         chains,
         jnp.asarray(0, jnp.int32),
         None,

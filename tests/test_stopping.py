@@ -245,11 +245,11 @@ def test_the_rule_is_part_of_the_run_identity(tmp_path):
         _run(checkpoint=path, until=eb.converged(every=40))
     with pytest.raises(eb.BatchError, match="written by a different run"):
         _run(checkpoint=path, until=None, diagnostics=True)
-    # A run without `until` has no such entry: its identity is the one of before.
+    # Every run records its rule: a run without one says so.
     plain = tmp_path / "plain.ckpt"
     _run(num_steps=10, until=None, checkpoint=plain)
     with safetensors.safe_open(plain, "np") as file:
-        assert "until" not in json.loads(file.metadata()["run_chains.run"])
+        assert json.loads(file.metadata()["run_chains.run"])["until"] == "None"
 
 
 def test_the_progress_bar_shows_the_worst_statistics_with_their_leaf(capsys):

@@ -1,22 +1,26 @@
 """Many Markov chains in parallel: `run_chains` and its result, `Chains`.
 
-- `_run.py`: the driver (arguments, chunks of chains, results);
-- `_arguments.py`: the chains `init` and `key` hold, read and checked;
-- `_chunk.py`: one chunk through every step: placed, resumed, run segment by segment,
-    checkpointed;
-- `_step.py`: the user's step, traced on one chain and checked;
-- `_all_chains.py`: `all_chains`, which marks a step that takes every chain at once;
+From the top down:
+
+- `_run.py`: `run_chains`, the algorithm: checked arguments, the plan, the checkpoint,
+    the chunks, the result;
+- `_loop.py`: the chunks through their steps, one after another or, with `until`,
+    boundary by boundary;
+- `_chunk.py`: one chunk: placed, resumed, advanced a segment at a time, checkpointed;
+- `_plan.py`: `RunPlan`, what the chunks of one call share;
+- `_prepared.py`: the memo of a run prepared once per step and kind of state;
+- `_arguments.py`: the counts, the chains `init` holds and one key for each, checked;
+- `_checkpoint.py`, `_lock.py`, `_identity.py`: the checkpoint files, the lock, and
+    what makes two calls one run;
 - `_segment.py`: the compiled segment, which knows nothing about files;
+- `_step.py`: the user's step, traced on one chain and checked;
 - `_placement.py`: chains padded and split over the devices;
-- `_result.py`: `Chains` and `NonFinite`; `_arviz.py`: the trace as ArviZ data;
-- `_superchains.py`: chains grouped in superchains that share a start;
-- `_moments.py`: running moments of each chain's draws, updated in the loop;
-- `_convergence.py`: `Diagnostics` (R-hat, nested R-hat, ESS) from those moments;
-- `_stopping.py`: `converged`, the rule of `until=`, its checks and `Stopped`;
-- `_turns.py`: the chunks through their steps, in turns window by window with `until`;
-- `_identity.py`: what makes two calls one run;
-- `_checkpoint.py`: the checkpoint files, read back and written in the background;
-- `_lock.py`: the lock and the writability check, before any work.
+- `_stopping.py`, `_convergence.py`, `_moments.py`: `until`'s rule and checks, the
+    diagnostics, and the running moments they read;
+- `_result.py`, `_arviz.py`: `Chains` and `NonFinite`, and the trace as ArviZ data;
+- `_all_chains.py`, `_superchains.py`: steps that see every chain, and superchains;
+- `_common.py`: the shared vocabulary: `ChainState`, `OneChain`, `Draws` (which steps
+    are draws) and `structs` (shape-dtype structs).
 """
 
 from ._all_chains import all_chains as all_chains, AllChains as AllChains

@@ -1,5 +1,5 @@
-"""The chains of `run_chains`' arguments: how many `init` holds, one key for each,
-and NumPy leaves read with the dtypes JAX gives them."""
+"""`run_chains`' arguments, checked: its counts, how many chains `init` holds, one key
+for each, and NumPy leaves read with the dtypes JAX gives them."""
 
 from typing import Any, NamedTuple
 
@@ -9,8 +9,68 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError, describe
+from .._errors import BatchError, check_int, describe
 from .._tree import axis_sizes, common_size, is_array, is_key, is_numpy, mapped_leaves
+from ._stopping import StoppingRule
+
+
+class Counts(NamedTuple):
+    """`run_chains`' counts, checked."""
+
+    num_steps: int
+    thin: int
+    burn_in: int
+    checkpoint_every: int | None
+    chunk_size: int | None
+
+
+def checked_counts(
+    num_steps: Any,
+    thin: Any,
+    burn_in: Any,
+    checkpoint_every: Any,
+    chunk_size: Any,
+    *,
+    checkpointed: bool,
+    until: Any,
+) -> Counts:
+    """The counts of a run, each in its range (a bool is no count).
+
+    **Raises:**
+
+    `BatchError` naming the argument out of range, `checkpoint_every` without a
+    checkpoint, an `until` that is not a rule of `eb.converged`, or `until` without
+    `num_steps` (its cap).
+    """
+    if until is not None:
+        if not isinstance(until, StoppingRule):
+            raise BatchError(
+                f"`until` is {describe(until)}; pass a rule that `eb.converged` makes."
+            )
+        if num_steps is None:
+            raise BatchError(
+                "`until` is given but `num_steps` is None: `num_steps` is the cap, the "
+                "most steps the chains run if the rule never holds. Pass one."
+            )
+    num_steps = check_int(num_steps, "num_steps")
+    thin = check_int(thin, "thin", minimum=1)
+    burn_in = check_int(burn_in, "burn_in", maximum=num_steps)
+    if checkpoint_every is not None:
+        if not checkpointed:
+            raise BatchError(
+                "`checkpoint_every` is set but `checkpoint` is None: pass a file path "
+                "as `checkpoint` to write checkpoints to."
+            )
+        checkpoint_every = check_int(checkpoint_every, "checkpoint_every", minimum=1)
+    if chunk_size is not None:
+        chunk_size = check_int(
+            chunk_size,
+            "chunk_size",
+            minimum=1,
+            hint="It is how many chains to run at a time; None runs every chain at "
+            "once.",
+        )
+    return Counts(num_steps, thin, burn_in, checkpoint_every, chunk_size)
 
 
 class Init(NamedTuple):

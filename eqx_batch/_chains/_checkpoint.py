@@ -14,7 +14,8 @@ A checkpoint at `path` is a few safetensors files in one folder:
     releases the lock when that process ends, however it ends, so a crashed run never
     blocks its own resume while a live one keeps every other run out (`_lock.py`).
 
-Everything here is raw data: typed PRNG keys are stored as their key data.
+The files hold raw data: typed PRNG keys are written as their key data, and made keys
+again when read back. This is the one place, with the run's identity, that sees them so.
 """
 
 import concurrent.futures
@@ -24,7 +25,7 @@ import os
 import pathlib
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -35,10 +36,11 @@ from .._atomic import temporary_name
 from .._errors import BatchError, bullet_list
 from .._file_format import BadFileError, ForeignFileError, read_metadata
 from .._serialise import read_tree, write_tree
-from .._tree import is_int
+from .._tree import as_key_data, as_keys_like, host_array, is_int
+from ._common import ChainState, Draws, structs
 from ._identity import RunIdentity
-from ._lock import WriteAccess
-from ._segment import ChainState
+from ._lock import is_writer, WriteAccess
+from ._stopping import Record
 
 
 class DrawFile(NamedTuple):
@@ -49,29 +51,37 @@ class DrawFile(NamedTuple):
     stop: int
 
 
+class SegmentFiles(NamedTuple):
+    """Where a segment's new draws go: the draw file, and where they lie in the
+    `emit` draws the segment returns (see `SegmentPlan.emit`)."""
+
+    draw_file: DrawFile
+    emit: int
+    offset: int  # of the file's first draw, along axis 1 of what the segment returns
+
+
 class Restored(NamedTuple):
-    """A run read back from its checkpoint, on the host."""
+    """A run read back from its checkpoint (keys typed again)."""
 
     steps_done: int
     chains: ChainState
     draws: Any  # the draws so far, `[chains, draws, ...]` per leaf; None without trace
-    stopping: Any = None  # the checks of `until`, as `read_stopping` read them
+    record: Record | None  # the checks of `until`; None without it
 
 
 class Snapshot(NamedTuple):
     """What one checkpoint writes: the chains after `steps_done` steps, and new draws.
 
     Arrays may still be being computed and may hold padding chains (rows beyond the
-    run's chains); `draws` holds the new draws `draw_file.first` to `draw_file.stop`
-    from index `offset` along axis 1, or is None when the segment recorded none.
+    run's chains); `draws` holds what the segment returned of the trace, or None when
+    it recorded nothing to write.
     """
 
     steps_done: int
     chains: ChainState
-    draws: Any = None
-    draw_file: DrawFile | None = None
-    offset: int = 0
-    stopping: Any = None  # with `until`: the checks so far, with a `to_json` method
+    draws: Any
+    files: SegmentFiles | None
+    record: Record | None  # with `until`: the checks so far
 
 
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -136,8 +146,8 @@ class Checkpoint:
     Used as a context manager. `restore` reads what is there without writing; a run
     with steps left then calls `start_writing`, which checks that the folder can be
     written and takes the lock (`access`, shared by every chunk of a chunked run), and,
-    in the process that writes (`writes=True`, process 0 of a job), starts the writer
-    thread. Leaving it waits for the last write.
+    in the process that writes (process 0 of a job), starts the writer thread. Leaving
+    it waits for the last write.
     """
 
     def __init__(
@@ -145,15 +155,12 @@ class Checkpoint:
         path: pathlib.Path,
         identity: RunIdentity,
         num_chains: int,
-        *,
         access: WriteAccess,
-        writes: bool,
     ):
         self.path = path
         self.identity = identity
         self.num_chains = num_chains
         self.access = access
-        self.writes = writes
         self.draw_files: list[DrawFile] = []
         self.steps_written: int | None = None
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
@@ -177,7 +184,7 @@ class Checkpoint:
     def start_writing(self) -> None:
         """Takes the right to write (see `WriteAccess`) and starts the writer."""
         self.access.acquire()
-        if self.writes and self._thread is None:
+        if is_writer() and self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1)
 
     # -- reading back ----------------------------------------------------------------
@@ -188,16 +195,15 @@ class Checkpoint:
         trace_like: Any,
         *,
         num_steps: int,
-        draws_after: Callable[[int], int],
-        read_stopping: Callable[[Any], Any] | None = None,
+        draws: Draws,
+        with_record: bool,
     ) -> Restored | None:
-        """The run as last checkpointed, on the host; None if there is no checkpoint.
+        """The run as last checkpointed; None if there is no checkpoint.
 
         `chains_like` and `trace_like` (the whole trace, or None) are shape-dtype
-        structs; `draws_after(n)` is how many draws the first `n` steps record. Draw
-        files are read on the host and joined there, so reading back compiles nothing
-        whatever their number. Nothing is written. A run with `until` reads the
-        record of its checks with `read_stopping` (from JSON).
+        structs. Draw files are read on the host and joined there, so reading back
+        compiles nothing whatever their number. Nothing is written. A run with `until`
+        (`with_record`) reads the record of its checks.
 
         Raises if the file is not a checkpoint, is corrupt, or belongs to another run.
         """
@@ -211,10 +217,11 @@ class Checkpoint:
                 "path: this one would be overwritten."
             )
         self._check_run(self.path, metadata, "checkpoint")
-        stopping = None
-        if read_stopping is not None:
+        record = None
+        if with_record:
             try:
-                stopping = read_stopping(json.loads(metadata[_PROGRESS])["stopping"])
+                saved = json.loads(metadata[_PROGRESS])["stopping"]
+                record = Record.from_json(saved, draws.burn_in)
             except (ValueError, TypeError, KeyError) as e:
                 raise self._damaged(
                     f"its record of `until`'s checks does not parse ({e!r})"
@@ -222,15 +229,16 @@ class Checkpoint:
         steps_done, draw_files = self._progress(
             metadata[_PROGRESS],
             num_steps=num_steps,
-            num_draws=0 if trace_like is None else draws_after,
+            num_draws=0 if trace_like is None else draws.before,
         )
-        saved = self._read(self.path, chains_like._asdict(), "checkpoint")
+        saved = self._read(self.path, as_key_data(chains_like._asdict()), "checkpoint")
         self.draw_files = draw_files
         self.steps_written = steps_done
-        draws = None
+        made = None
         if trace_like is not None:
-            draws = self._read_draws(trace_like)
-        return Restored(steps_done, ChainState(**saved), draws, stopping)
+            made = as_keys_like(self._read_draws(as_key_data(trace_like)), trace_like)
+        chains = ChainState(**as_keys_like(saved, chains_like._asdict()))
+        return Restored(steps_done, chains, made, record)
 
     def _progress(
         self, text: str, *, num_steps: int, num_draws: Any
@@ -287,11 +295,8 @@ class Checkpoint:
         return jtu.tree_map(lambda *xs: np.concatenate(xs, axis=1), *per_file)
 
     def _read_draw_file(self, entry: DrawFile, trace_like: Any) -> Any:
-        count = entry.stop - entry.first
-        like = jtu.tree_map(
-            lambda x: jax.ShapeDtypeStruct((x.shape[0], count, *x.shape[2:]), x.dtype),
-            trace_like,
-        )
+        num_chains = jtu.tree_leaves(trace_like)[0].shape[0]
+        like = structs(trace_like, drop=2, add=(num_chains, entry.stop - entry.first))
         path = self.path.with_name(entry.name)
         metadata = self._read_metadata(path, "draw file")
         self._check_run(path, metadata, "draw file")
@@ -372,6 +377,20 @@ class Checkpoint:
     def draws_name(self, first: int, stop: int) -> str:
         return f"{self.path.name}.{self.identity.run_id}.draws-{first}-{stop}"
 
+    def segment_files(self, draws: Draws, start: int, stop: int) -> SegmentFiles | None:
+        """Where the draws of the segment from step `start` to `stop` go; None if it
+        makes none."""
+        first, end = draws.before(start), draws.before(stop)
+        if first == end:
+            return None
+        emit = draws.most_in(stop - start)
+        # The segment returns the `emit` draws from its first on, or, near the end of
+        # the buffer, the last `emit` of the trace.
+        offset = first - min(first, draws.count - emit)
+        return SegmentFiles(
+            DrawFile(self.draws_name(first, end), first, end), emit, offset
+        )
+
     def write(self, snapshot: Snapshot) -> None:
         """Writes `snapshot` in the background, once the previous write is done.
 
@@ -399,12 +418,12 @@ class Checkpoint:
         real = slice(self.num_chains)
         draw_files = self.draw_files
         try:
-            if snapshot.draw_file is not None:
-                draw_file = snapshot.draw_file
-                count = draw_file.stop - draw_file.first
-                window = slice(snapshot.offset, snapshot.offset + count)
+            if snapshot.files is not None:
+                draw_file = snapshot.files.draw_file
+                offset = snapshot.files.offset
+                window = slice(offset, offset + draw_file.stop - draw_file.first)
                 draws = jtu.tree_map(
-                    lambda x: np.asarray(x)[real, window], snapshot.draws
+                    lambda x: host_array(x)[real, window], snapshot.draws
                 )
                 write_tree(
                     self.path.with_name(draw_file.name),
@@ -417,14 +436,14 @@ class Checkpoint:
                 )
                 draw_files = [*draw_files, draw_file]
             state = jtu.tree_map(
-                lambda x: np.asarray(x)[real], snapshot.chains._asdict()
+                lambda x: host_array(x)[real], snapshot.chains._asdict()
             )
             progress = {
                 "steps_done": snapshot.steps_done,
                 "draws": [list(d) for d in draw_files],
             }
-            if snapshot.stopping is not None:
-                progress["stopping"] = snapshot.stopping.to_json()
+            if snapshot.record is not None:
+                progress["stopping"] = snapshot.record.to_json()
             write_tree(
                 self.path,
                 state,

@@ -16,7 +16,7 @@ import json
 import re
 import types
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend
@@ -57,18 +57,15 @@ def _kind(like: Any) -> str:
     return str(like.dtype)
 
 
-def _values_digest(tree: Any, like: Any) -> str:
-    """A digest of the paths and values of `tree`'s leaves, whose typed PRNG keys are
-    raw data where `like` (shape-dtype structs, or arrays) has keys."""
+def _values_digest(tree: Any) -> str:
+    """A digest of the paths and values of `tree`'s leaves (typed PRNG keys by their
+    implementation and raw data)."""
     parts = []
-    leaves, treedef = jtu.tree_flatten_with_path(tree)
-    for (path, leaf), like_leaf in zip(
-        leaves, treedef.flatten_up_to(like), strict=True
-    ):
+    for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
         parts.append(jtu.keystr(path).encode())
         if is_array(leaf):
             data = np.ascontiguousarray(host_array(leaf))
-            parts.append(f"{_kind(like_leaf)}{data.shape}".encode())
+            parts.append(f"{_kind(leaf)}{data.shape}".encode())
             parts.append(data.tobytes())
         else:
             parts.append(_stable_name(leaf).encode())
@@ -190,7 +187,7 @@ def _step_digests(program: jax.extend.core.ClosedJaxpr) -> dict[str, str]:
     consts = list(program.consts)
     digests = {
         "step program": _digest(text.encode()),
-        "step constants": _values_digest(consts, consts),
+        "step constants": _values_digest(consts),
     }
     callbacks = _callbacks_digest(program)
     if callbacks is not None:
@@ -228,6 +225,20 @@ _EXPLAINED = {
 _RANDOM_BITS = ("jax", "jaxlib", "prng")
 
 
+class RunOptions(NamedTuple):
+    """The arguments of `run_chains` besides `step`, `init` and `key` that change its
+    results or where it stops."""
+
+    num_steps: int
+    thin: int
+    burn_in: int
+    with_output: bool
+    trace: bool
+    diagnostics: bool
+    all_chains: bool  # whether `step` takes every chain at once
+    until: str | None  # the stopping rule's criteria and interval, if any
+
+
 @dataclasses.dataclass(frozen=True)
 class RunIdentity:
     """What makes two calls of `run_chains` the same run, as named strings."""
@@ -239,30 +250,22 @@ class RunIdentity:
         cls,
         program: jax.extend.core.ClosedJaxpr,
         init: Any,
-        init_like: Any,
-        keys: Any,
-        keys_like: jax.ShapeDtypeStruct,
-        counts: Mapping[str, Any],
+        keys: jax.Array,
+        options: RunOptions,
     ) -> "RunIdentity":
-        """The identity of a run of the traced step `program` from `init` and `keys`.
-
-        `init` (the whole state, non-array leaves included) and `keys` hold raw key
-        data where `init_like` and `keys_like`, their shape-dtype structs, hold typed
-        keys. `counts` holds the other arguments that change results (`num_steps`,
-        `thin`...).
-        """
+        """The identity of a run of the traced step `program` from `init` (the whole
+        state, non-array leaves included) and `keys`, with `options`."""
         leaves, treedef = jtu.tree_flatten_with_path(init)
-        likes = treedef.flatten_up_to(init_like)
         fields = {
             "init structure": _without_addresses(str(treedef)),
             "init leaves": "; ".join(
                 f"{jtu.keystr(path)}: "
-                + (describe(like) if is_array(leaf) else _stable_name(leaf))
-                for (path, leaf), like in zip(leaves, likes, strict=True)
+                + (describe(leaf) if is_array(leaf) else _stable_name(leaf))
+                for path, leaf in leaves
             ),
-            "init values": _values_digest(init, init_like),
-            "keys": _values_digest(keys, keys_like),
-            **{name: str(value) for name, value in counts.items()},
+            "init values": _values_digest(init),
+            "keys": _values_digest(keys),
+            **{name: str(value) for name, value in options._asdict().items()},
             **_step_digests(program),
             **_jax_versions(),
         }

@@ -17,11 +17,19 @@ import stat
 import sys
 from typing import Any
 
+import jax
+
 from .._errors import BatchError
 
 
 if sys.platform != "win32":
     import fcntl
+
+
+def is_writer() -> bool:
+    """Whether this process writes checkpoints: in a job of several processes, only
+    process 0 does, and the others leave the lock to it."""
+    return jax.process_index() == 0
 
 
 def check_folder(path: pathlib.Path) -> None:
@@ -75,8 +83,11 @@ def check_writable(path: pathlib.Path, longest_name: str) -> None:
 
 def refuse_if_in_use(path: pathlib.Path) -> None:
     """Raises if a live run holds the lock of `path`, without creating or writing
-    anything: a run is refused for being in use before its files are read."""
-    if sys.platform == "win32":
+    anything: a run is refused for being in use before its files are read.
+
+    The other processes of a job read the files process 0 locks: they check nothing.
+    """
+    if sys.platform == "win32" or not is_writer():
         return
     lock_path = _lock_path(path)
     try:
@@ -186,17 +197,16 @@ class WriteAccess:
     """The right to write a run's checkpoint files, taken when first needed.
 
     Taking it checks that the folder can be written (`check_writable`) and, in the
-    process that writes (`writes=True`), takes the lock of `path`. A chunked run
+    process that writes (`is_writer`), takes the lock of `path`. A chunked run
     shares one among its chunks (`chunk_path`), so a second live run on `path` is
     refused whichever chunk the first one is running; a run whose checkpoints are all
     finished never takes it, so it reads back from read-only storage. Used as a context
     manager, which releases the lock.
     """
 
-    def __init__(self, path: pathlib.Path, longest_name: str, *, writes: bool):
+    def __init__(self, path: pathlib.Path, longest_name: str):
         self.path = path
         self.longest_name = longest_name
-        self.writes = writes
         self._taken = False
         self._lock: int | None = None
 
@@ -204,7 +214,7 @@ class WriteAccess:
         if self._taken:
             return
         check_writable(self.path, self.longest_name)
-        if self.writes:
+        if is_writer():
             self._lock = take_lock(self.path)
         self._taken = True
 

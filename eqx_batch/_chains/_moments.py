@@ -20,6 +20,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import BatchError
+from ._common import Draws
 
 
 # The bins of a chain's draws: the first half, the middle draw (when the number of
@@ -81,27 +82,21 @@ def zeros(states: Any, num_chains: int) -> Moments:
     return Moments(np.zeros((num_chains, NUM_BINS), np.int32), mean, m2)
 
 
-def record(
-    moments: Moments | None,
-    states: Any,
-    step: jax.Array,
-    *,
-    burn_in: int,
-    thin: int,
-    num_draws: int,
+def add_draw(
+    moments: Moments | None, states: Any, t: jax.Array, draws: Draws
 ) -> Moments | None:
-    """`moments` with every chain's state after step `step + 1` added, if the trace
-    records that step (after `burn_in`, every `thin`-th); `None` stays `None`.
+    """`moments` with every chain's state after step `t` (counted from 0) added, if
+    that step makes a draw; `None` stays `None`.
 
     One bin is read, updated and written back (rather than all three updated under a
     mask): the cost per step is one state's worth of arithmetic.
     """
     if moments is None:
         return None
-    keep = (step >= burn_in) & ((step - burn_in) % thin == 0)
-    draw = (step - burn_in) // thin
-    half = num_draws // 2
-    which = (draw >= half).astype(jnp.int32) + (draw >= num_draws - half).astype(
+    keep = draws.is_draw(t)
+    draw = draws.slot(t)
+    half = draws.count // 2
+    which = (draw >= half).astype(jnp.int32) + (draw >= draws.count - half).astype(
         jnp.int32
     )
     count = lax.dynamic_index_in_dim(moments.count, which, 1, keepdims=False)

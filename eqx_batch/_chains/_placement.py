@@ -47,17 +47,8 @@ class Placement:
         self.split = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names[0]))
         # With one device in all, every array on the devices is where it would go.
         self._one_device = jax.device_count() == 1
+        # A run asks for the zeros of the same few structs on every call.
         self._made = BoundedCache(16)
-
-    @classmethod
-    def of(cls, num_chains: int, pad_to: int = 0, *, pad: bool = True) -> "Placement":
-        """`Placement(num_chains, pad_to, pad=pad)`, made once per devices: a run
-        meets the same one again on every call, with the shape-dtype structs it made
-        (the compiled loop finds its program by their identity)."""
-        return _placements.get_or_make(
-            (num_chains, pad_to, pad, *jax.devices()),
-            lambda: cls(num_chains, pad_to, pad=pad),
-        )
 
     def put(self, tree: Any) -> Any:
         """`tree` (on the host or on devices, one row per chain) split over the
@@ -123,9 +114,6 @@ class Placement:
                 like,
             ),
         )
-
-
-_placements = BoundedCache(64)
 
 
 def made_zeros(tree: Any) -> Any:

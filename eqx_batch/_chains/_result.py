@@ -90,10 +90,9 @@ class Chains(eqx.Module):
 
     final: Any
     trace: Any
-    states: Any
+    outputs: Any
     keys: jax.Array
     nonfinite: NonFinite
-    with_output: bool = eqx.field(static=True, default=False)
     superchain: np.ndarray | None = None
     diagnostics: Diagnostics | None = None
     steps_done: int = 0
@@ -157,8 +156,8 @@ class Chains(eqx.Module):
             ```
         """
         ids = self.superchain
-        if self.with_output:
-            return trace_to_arviz(self.states, self.trace, superchain_ids=ids)
+        if self.outputs is not None:
+            return trace_to_arviz(self.trace, self.outputs, superchain_ids=ids)
         return trace_to_arviz(self.trace, superchain_ids=ids)
 
 

@@ -1,11 +1,5 @@
 """The user's step, traced on one chain (or, for an `eb.all_chains` step, on the whole
-stack) and checked before anything runs.
-
-A run without a checkpoint needs of the trace only its checks and the shapes of the
-step's output, which depend on nothing but the step and the abstract state: they are
-cached, so that calling `run_chains` again with the same step and kind of state costs no
-trace (as the compiled loop costs no compile).
-"""
+stack) and checked before anything runs."""
 
 import functools as ft
 from collections.abc import Callable
@@ -17,20 +11,9 @@ import jax.extend
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .._compile import array_types, partition
 from .._errors import BatchError, bullet_list, describe, leaf_name
-from .._memo import BoundedCache
-from .._tree import is_array
 from ._all_chains import AllChains
-
-
-def per_chain(states: Any) -> Any:
-    """Shape-dtype structs of one chain's state (array leaves; others kept as they
-    are)."""
-    return jtu.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if is_array(x) else x,
-        states,
-    )
+from ._common import is_struct, structs
 
 
 def pytree_step(step: Callable) -> Callable:
@@ -93,7 +76,7 @@ def trace_step(
     one_key = step_key_like(key, legacy)
     # Through a closure, so that the arrays of a partial are the program's constants.
     if whole:
-        like = _stacked(states)
+        like = structs(states)
         program, dynamic, static = eqx.filter_make_jaxpr(
             lambda s, k, count: step(s, k, count)
         )(
@@ -102,7 +85,7 @@ def trace_step(
             jax.ShapeDtypeStruct((), jnp.int32),
         )
     else:
-        like = per_chain(states)
+        like = structs(states, drop=1)
         program, dynamic, static = eqx.filter_make_jaxpr(lambda s, k: step(s, k))(
             like, one_key
         )
@@ -148,13 +131,6 @@ def trace_step(
     return TracedStep(program, output)
 
 
-def _stacked(states: Any) -> Any:
-    """Shape-dtype structs of every chain's state (array leaves; others kept)."""
-    return jtu.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_array(x) else x, states
-    )
-
-
 def _output_per_chain(output: Any, num_chains: int) -> Any:
     """The output of an all-chains step (shape-dtype structs) as one chain's.
 
@@ -167,7 +143,7 @@ def _output_per_chain(output: Any, num_chains: int) -> Any:
     wrong = [
         f"`{leaf_name('output', path)}` is {describe(x)}"
         for path, x in leaves
-        if _is_struct(x) and (x.ndim == 0 or x.shape[0] != num_chains)
+        if is_struct(x) and (x.ndim == 0 or x.shape[0] != num_chains)
     ]
     if wrong:
         raise BatchError(
@@ -177,17 +153,15 @@ def _output_per_chain(output: Any, num_chains: int) -> Any:
             + "\nReturn one value per chain (a statistic of the whole ensemble can be "
             f"repeated with `jnp.broadcast_to(x, ({num_chains}, *x.shape))`)."
         )
-    return jtu.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if _is_struct(x) else x,
-        output,
-    )
+    return structs(output, drop=1)
 
 
 class StepLayout(NamedTuple):
     """One chain as a run lays it out, from `step` and the kind of state alone.
 
-    Its shape-dtype structs are made once per kind of state and reused by every call
-    that meets it again, so that the compiled loop finds its program by their identity.
+    `PreparedRun` keeps one per step and kind of state, so that every call that meets
+    them again passes the same structs, and the compiled loop finds its program by
+    their identity.
     """
 
     state: Any  # one chain's array leaves, as shape-dtype structs (others None)
@@ -203,58 +177,12 @@ class StepLayout(NamedTuple):
 def step_layout(states: Any, key: jax.Array, output: Any) -> StepLayout:
     """The layout of one chain of `states`, given the output `trace_step` found (None
     without `with_output`)."""
-    state = eqx.filter(per_chain(states), _is_struct)
+    state = eqx.filter(structs(states, drop=1), is_struct)
     one_key = jax.ShapeDtypeStruct((), key.dtype)
     if output is None:
         return StepLayout(state, one_key, state, None)
-    output_structs, output_static = eqx.partition(output, _is_struct)
+    output_structs, output_static = eqx.partition(output, is_struct)
     return StepLayout(state, one_key, (state, output_structs), output_static)
-
-
-def _is_struct(x: Any) -> bool:
-    return isinstance(x, jax.ShapeDtypeStruct)
-
-
-# Checked steps are looked up by the static part of `step` and of the state, and the
-# shapes and dtypes of their arrays: what the compiled loop's cache keys on too. An
-# entry keeps its step alive (as `jax.jit`'s cache does), so the cache is bounded.
-_checked_layouts: BoundedCache = BoundedCache(256)
-
-
-def checked_layout(
-    step: Callable, states: Any, key: jax.Array, legacy: bool, with_output: bool
-) -> StepLayout:
-    """`step_layout` of `trace_step(...).output`, traced only the first time `step`
-    meets states and keys of these shapes and dtypes (and raising as `trace_step`
-    does)."""
-    step_arrays, step_static = partition(step)
-    state_arrays, state_static = partition(states)
-    signature = (
-        step_static,
-        array_types(step_arrays),
-        state_static,
-        # An all-chains step is traced on every chain: their number matters to it.
-        tuple(
-            (x.shape if isinstance(step, AllChains) else x.shape[1:], x.dtype)
-            for x in state_arrays
-        ),
-        key.dtype,
-        legacy,
-        with_output,
-    )
-    try:
-        return _checked_layouts[signature]
-    except KeyError:
-        cached = True
-    except TypeError:
-        # A non-array leaf that cannot be hashed: traced every time (and refused, by
-        # name, when the loop is compiled).
-        cached = False
-    traced = trace_step(step, states, key, legacy, with_output)
-    layout = step_layout(states, key, traced.output)
-    if cached:
-        _checked_layouts.add(signature, layout)
-    return layout
 
 
 def _structure_change(before: tuple, after: tuple) -> str:

@@ -310,62 +310,76 @@ class Stopped(eqx.Module):
 
 
 class Record(NamedTuple):
-    """The checks of a run so far, as a checkpoint keeps them (JSON)."""
+    """The checks of a run so far, and its `Stopped` once it stops, as a checkpoint
+    keeps them (JSON)."""
 
     checks: tuple[int, ...] = ()
     worst: tuple[float, ...] = ()
-    # Set once the run stops: (step, converged, reason).
-    stopped: tuple[int, bool, str] | None = None
+    stopped: Stopped | None = None
 
     def to_json(self) -> dict:
+        stopped = self.stopped
         return {
             "checks": list(self.checks),
             "worst": list(self.worst),
-            "stopped": None if self.stopped is None else list(self.stopped),
+            "stopped": None
+            if stopped is None
+            else [stopped.step, stopped.converged, stopped.reason],
         }
 
     @classmethod
-    def from_json(cls, saved: Any) -> "Record":
+    def from_json(cls, saved: Any, burn_in: int) -> "Record":
         """Raises `ValueError`, `TypeError` or `KeyError` if `saved` is malformed."""
-        stopped = saved["stopped"]
-        if stopped is not None:
-            step, is_converged, reason = stopped
-            stopped = (int(step), bool(is_converged), str(reason))
         checks = tuple(int(step) for step in saved["checks"])
         worst = tuple(float(value) for value in saved["worst"])
         if len(checks) != len(worst):
             raise ValueError("as many checks as worst values")
-        return cls(checks, worst, stopped)
+        record = cls(checks, worst)
+        if saved["stopped"] is not None:
+            step, is_converged, reason = saved["stopped"]
+            record = record.stop(int(step), bool(is_converged), str(reason), burn_in)
+        return record
 
     def as_of(self, step: int) -> "Record":
         """The record as a chunk that has run `step` steps keeps it."""
         kept = sum(1 for check_step in self.checks if check_step <= step)
         stopped = self.stopped
-        if stopped is not None and stopped[0] > step:
+        if stopped is not None and stopped.step > step:
             stopped = None
         return Record(self.checks[:kept], self.worst[:kept], stopped)
 
+    def end(self, num_steps: int) -> int:
+        """The step the run ends at: where it stopped, else `num_steps`."""
+        return num_steps if self.stopped is None else self.stopped.step
+
     def decided(self, step: int) -> bool:
-        return step in self.checks or (
-            self.stopped is not None and self.stopped[0] == step
-        )
+        return step in self.checks or self._stopped_at(step)
 
     def failed(self, step: int) -> bool:
         """Whether the check at `step` failed and its window was discarded."""
-        return step in self.checks and (self.stopped is None or self.stopped[0] != step)
+        return step in self.checks and not self._stopped_at(step)
+
+    def _stopped_at(self, step: int) -> bool:
+        return self.stopped is not None and self.stopped.step == step
 
     def window_start(self, step: int) -> int:
         """Where the window of draws that ends at `step` began."""
         return max((c for c in self.checks if c < step), default=0)
 
-    def with_check(self, step: int, result: Check, stop: bool) -> "Record":
-        stopped = (step, result.passed, result.reason) if stop else None
-        return Record((*self.checks, step), (*self.worst, result.worst), stopped)
+    def with_check(
+        self, step: int, result: Check, stop: bool, burn_in: int
+    ) -> "Record":
+        """The record with the check at `step` added, stopping there if `stop`."""
+        record = Record((*self.checks, step), (*self.worst, result.worst))
+        if stop:
+            record = record.stop(step, result.passed, result.reason, burn_in)
+        return record
 
-    def report(self, burn_in: int) -> Stopped:
-        assert self.stopped is not None
-        step, is_converged, reason = self.stopped
-        return Stopped(
+    def stop(
+        self, step: int, is_converged: bool, reason: str, burn_in: int
+    ) -> "Record":
+        """The record of a run that stops at `step`."""
+        stopped = Stopped(
             step=step,
             converged=is_converged,
             reason=reason,
@@ -373,3 +387,4 @@ class Record(NamedTuple):
             checks=np.asarray(self.checks, np.int64),
             worst=np.asarray(self.worst, np.float64),
         )
+        return self._replace(stopped=stopped)

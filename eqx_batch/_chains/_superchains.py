@@ -5,19 +5,19 @@
 
 from typing import Any
 
+import equinox as eqx
 import jax
 import numpy as np
 
 from .._errors import BatchError, check_int, describe
 from .._select import take
 from .._tree import is_array, is_key
+from ._arguments import Init
 
 
-def expand_superchains(
-    init_arrays: Any, members: int, key: Any, superchains: Any
-) -> tuple:
-    """`init_arrays` (`members` starts, one per superchain) repeated for each chain,
-    and each chain's superchain id (`int64[chains]`).
+def expand_superchains(init: Init, key: Any, superchains: Any) -> tuple[Init, Any]:
+    """`init` (one start per superchain) repeated for each chain, and each chain's
+    superchain id (`int64[chains]`).
 
     **Raises:**
 
@@ -32,9 +32,9 @@ def expand_superchains(
         hint="It is how many superchains (groups of chains started from the same "
         "point) the chains form.",
     )
-    if members != superchains:
+    if init.num_chains != superchains:
         raise BatchError(
-            f"`init` has {members} members along axis 0, but "
+            f"`init` has {init.num_chains} members along axis 0, but "
             f"`superchains={superchains}`: with superchains, `init` holds one start "
             "per superchain "
             f"({superchains}), and chain `c` starts from `init[c // M]` (M chains per "
@@ -57,7 +57,9 @@ def expand_superchains(
         )
     per_superchain = num_keys // superchains
     ids = np.arange(num_keys) // per_superchain
-    return take(init_arrays, ids), ids.astype(np.int64)
+    arrays = take(init.arrays, ids)
+    expanded = Init(eqx.combine(arrays, init.shared), arrays, init.shared, num_keys)
+    return expanded, ids.astype(np.int64)
 
 
 def _key_count(key: Any) -> int | None:

@@ -1,0 +1,98 @@
+"""The vocabulary every part of `run_chains` shares: the chains between two steps, one
+chain's layout, which steps are draws, and shape-dtype structs.
+
+Nothing here runs or writes anything; the drivers above it do.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from .._tree import is_array
+
+
+class ChainState(NamedTuple):
+    """Every chain between two steps, one row per chain in each array.
+
+    Typed PRNG keys stay typed here, in the states as in `keys`: only checkpoint files
+    and the run's identity see their raw data.
+    """
+
+    # JAX arrays on the devices, or NumPy arrays on the host before they are placed.
+    states: Any  # the array leaves of the state (others None)
+    keys: Any  # each chain's carried key
+    first_bad: Any  # the first non-finite step, counted from 1; 0 while finite
+    # The running moments of the recorded draws (`_moments.py`) with
+    # `diagnostics=True`; else None.
+    moments: Any = None
+
+
+class OneChain(NamedTuple):
+    """One chain's state (array leaves) and key, as shape-dtype structs."""
+
+    state: Any
+    key: jax.ShapeDtypeStruct
+
+
+class Draws(NamedTuple):
+    """Which steps the trace records: after `burn_in`, every `thin`-th, `count` in all.
+
+    The one answer to "is step `t` a draw?", for the host and inside the compiled
+    loop. Steps are counted from 0: step `t` makes the state after `t + 1` steps,
+    which is a draw when `t >= burn_in` and `(t - burn_in) % thin == 0`.
+    """
+
+    burn_in: int
+    thin: int
+    count: int  # the draws of the whole run
+
+    @classmethod
+    def of(cls, num_steps: int, burn_in: int, thin: int) -> "Draws":
+        return cls(burn_in, thin, cls(burn_in, thin, 0).before(num_steps))
+
+    def before(self, step: Any) -> Any:
+        """How many draws the first `step` steps record (an int, or traced)."""
+        made = -(-(step - self.burn_in) // self.thin)
+        return max(0, made) if isinstance(made, int) else jnp.maximum(0, made)
+
+    def is_draw(self, t: jax.Array) -> jax.Array:
+        """Inside the loop: whether step `t` makes a draw."""
+        return (t >= self.burn_in) & ((t - self.burn_in) % self.thin == 0)
+
+    def slot(self, t: jax.Array) -> jax.Array:
+        """Inside the loop: the trace slot of step `t`'s draw, if it makes one.
+
+        Truncated, not floored: equal to the draw's index from `burn_in` on, and 0 or
+        below before it (a write there is clamped to slot 0 by XLA).
+        """
+        slot = t - self.burn_in
+        if self.thin == 1:
+            return slot
+        return lax.div(slot, slot.dtype.type(self.thin))
+
+    def most_in(self, length: int) -> int:
+        """The most draws that any `length` consecutive steps record."""
+        return min(-(-length // self.thin), self.count)
+
+
+def structs(tree: Any, *, drop: int = 0, add: tuple[int, ...] = ()) -> Any:
+    """Shape-dtype structs of `tree`'s array leaves (or structs), with their first
+    `drop` axes replaced by axes of sizes `add`; other leaves are kept as they are.
+
+    `structs(states, drop=1)` is one chain of a stack; `structs(one, add=(n,))` is `n`
+    of them.
+    """
+
+    def struct(x: Any) -> Any:
+        if not (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
+            return x
+        return jax.ShapeDtypeStruct((*add, *x.shape[drop:]), x.dtype)
+
+    return jtu.tree_map(struct, tree)
+
+
+def is_struct(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)

@@ -1,0 +1,126 @@
+"""The chunks of one run through their steps, in one loop.
+
+Without `until`, the chunks run one after another, each to the end (one chunk's
+memory at a time). With `until`, every chunk is open at once and they move boundary by
+boundary, so that each check sees every chain's moments and every chunk stops at the
+same step: a chunked run stops where the unchunked one does.
+"""
+
+import contextlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from ._chunk import ChunkJob, ChunkRun, RunContext
+from ._common import ChainState
+from ._convergence import diagnose
+from ._stopping import check, postfix, Record
+
+
+def run_chunks(
+    context: RunContext, jobs: list[ChunkJob]
+) -> tuple[list[tuple[ChainState, Any]], Record]:
+    """Every chunk's chains and trace after the run, and the record of `until`'s
+    checks (empty without it)."""
+    together = context.plan.until is not None
+    groups = [jobs] if together else [[job] for job in jobs]
+    results, record = [], Record()
+    for group in groups:
+        with contextlib.ExitStack() as stack:
+            chunks = [stack.enter_context(ChunkRun(context, job)) for job in group]
+            record = _run_group(context, chunks, separate=len(jobs) > 1)
+        results += [chunk.result() for chunk in chunks]
+        if len(groups) > 1:
+            # Segments are dispatched without waiting: left alone, every chunk would
+            # be queued at once and, on a CPU, run side by side, with the working
+            # memory of all of them. Each chunk finishes before the next starts.
+            jax.block_until_ready(results[-1])
+    if _shows_moments(context) and len(jobs) > 1 and not together:
+        moments = [chains.moments for chains, _ in results]
+        _show(context, context.plan.num_steps * len(jobs), moments)
+    return results, record
+
+
+def _run_group(context: RunContext, chunks: list[ChunkRun], separate: bool) -> Record:
+    """Moves `chunks` to the run's end, boundary by boundary, checkpointing each after
+    every segment; with `until`, checks the rule where due (every chunk there)."""
+    plan = context.plan
+    # Resumed chunks may stand at different steps (a kill between two chunks'
+    # writes): the one furthest on holds the decisions of the others' next checks.
+    record = max(
+        (chunk.record or Record() for chunk in chunks),
+        key=lambda r: (len(r.checks), r.stopped is not None),
+    )
+    while (here := min(chunk.steps_done for chunk in chunks)) < record.end(
+        plan.num_steps
+    ):
+        stop = plan.next_boundary(here)
+        moving = [chunk for chunk in chunks if chunk.steps_done == here]
+        for chunk in moving:
+            chunk.advance(stop)
+            if len(chunks) > 1:
+                # As between groups: one chunk's working memory at a time.
+                jax.block_until_ready(chunk.chains)
+        if plan.until is None:
+            if _shows_moments(context) and not separate:
+                _show(context, stop, [chunk.moments() for chunk in chunks])
+        elif plan.until.is_check(stop, plan.num_steps) and not record.decided(stop):
+            record = _decide(context, record, stop, chunks)
+        for chunk in moving:
+            if record.failed(stop):
+                chunk.discard_moments()
+            chunk.write(None if plan.until is None else record.as_of(stop))
+    return record
+
+
+def _decide(
+    context: RunContext, record: Record, stop: int, chunks: list[ChunkRun]
+) -> Record:
+    """The record with the check at step `stop` (every chunk is there) added."""
+    plan = context.plan
+    assert plan.until is not None
+    at_cap = stop == plan.num_steps
+    start = record.window_start(stop)
+    burn_in = plan.draws.burn_in
+    if plan.draws.before(stop) == plan.draws.before(start):
+        # Nothing recorded since the last check (before `burn_in`): nothing to check.
+        if not at_cap:
+            return record
+        reason = (
+            f"reached the cap, num_steps={stop}, with no draw recorded since step "
+            f"{start} to check"
+        )
+        return record.stop(stop, False, reason, burn_in)
+    diagnostics = diagnose(
+        joined([chunk.moments() for chunk in chunks]), plan.superchains
+    )
+    result = check(plan.until, diagnostics)
+    if context.bar is not None:
+        context.bar.show(stop, postfix(diagnostics))
+    if at_cap and not result.passed:
+        result = result._replace(
+            reason=f"reached the cap, num_steps={stop}: {result.reason}"
+        )
+    return record.with_check(stop, result, result.passed or at_cap, burn_in)
+
+
+def joined(trees: list[Any]) -> Any:
+    """The chunks' trees (one row per chain) as one, in the order of the chains."""
+    if len(trees) == 1:
+        return trees[0]
+    return jtu.tree_map(lambda *xs: jnp.concatenate(xs), *trees)
+
+
+def _shows_moments(context: RunContext) -> bool:
+    """Whether the bar shows the statistics so far (`progress` and `diagnostics`)."""
+    return context.bar is not None and context.plan.options.diagnostics
+
+
+def _show(context: RunContext, done: int, moments: list[Any]) -> None:
+    """The bar at `done` steps, with the worst (nested) R-hat and smallest ESS of the
+    chunks' `moments`."""
+    assert context.bar is not None
+    diagnostics = diagnose(joined(moments), context.plan.superchains)
+    context.bar.show(done, postfix(diagnostics))

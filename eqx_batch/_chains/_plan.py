@@ -1,0 +1,150 @@
+"""The plan of one call of `run_chains`: everything its chunks share, fixed before any
+step runs."""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.extend
+
+from ._all_chains import AllChains, check_all_chains_run
+from ._arguments import Counts, Init
+from ._common import ChainState, Draws
+from ._identity import RunIdentity, RunOptions
+from ._moments import check_diagnostics
+from ._placement import Placement
+from ._prepared import prepared_run, PreparedRun
+from ._segment import SegmentPlan
+from ._step import trace_step
+from ._stopping import Schedule, StoppingRule
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What every chunk of one call of `run_chains` shares."""
+
+    step: Callable
+    shared: Any  # the non-array leaves of the state
+    prepared: PreparedRun  # one chain's structs, and the segments and placements
+    segment: SegmentPlan  # with `length` 0: `prepared.segment` sets it per segment
+    options: RunOptions  # the arguments that change results, for the identity
+    num_chains: int
+    chunk_size: int  # chains per chunk: `num_chains` unless chunked
+    checkpoint_every: int | None
+    until: Schedule | None  # when to check whether to stop, and what
+    superchains: int | None
+    # `step`, traced: for the run's identity (None without a checkpoint).
+    program: jax.extend.core.ClosedJaxpr | None
+
+    @property
+    def num_steps(self) -> int:
+        return self.options.num_steps
+
+    @property
+    def draws(self) -> Draws:
+        return self.segment.draws
+
+    @property
+    def chunks(self) -> list[range]:
+        """The chains of each chunk, in order."""
+        size = max(self.chunk_size, 1)
+        starts = range(0, self.num_chains, size)
+        chunks = [range(a, min(a + size, self.num_chains)) for a in starts]
+        return chunks or [range(0)]
+
+    def next_boundary(self, step: int) -> int:
+        """The step the segment from `step` ends at: the next checkpoint, the next
+        check of `until`, or the last step."""
+        stops = [self.num_steps]
+        if self.checkpoint_every is not None:
+            stops.append((step // self.checkpoint_every + 1) * self.checkpoint_every)
+        if self.until is not None:
+            stops.append(self.until.next_check(step))
+        return min(stops)
+
+    def placement(self, num_chains: int) -> Placement:
+        """Where a chunk of `num_chains` chains lives: padded to the size of the
+        others, so that every chunk runs one program; never padded for a step that
+        sees every chain (it would see the padding)."""
+        chunked = len(self.chunks) > 1
+        return self.prepared.placement(
+            num_chains,
+            pad_to=self.chunk_size if chunked else 0,
+            pad=not self.options.all_chains,
+        )
+
+    def trace_like(self, num_chains: int) -> Any:
+        """The trace buffer's shape-dtype structs; None without a trace."""
+        if not self.segment.keep_trace:
+            return None
+        return self.prepared.trace_like(num_chains, self.draws.count)
+
+    def identity(self, chains: ChainState) -> RunIdentity:
+        """The identity of the run of these chains (at their start)."""
+        assert self.program is not None
+        init = eqx.combine(chains.states, self.shared)
+        return RunIdentity.of(self.program, init, chains.keys, self.options)
+
+
+def plan_run(
+    step: Callable,
+    init: Init,
+    keys: jax.Array,
+    legacy: bool,
+    counts: Counts,
+    *,
+    with_output: bool,
+    trace: bool,
+    diagnostics: bool,
+    until: StoppingRule | None,
+    superchains: int | None,
+    checkpointed: bool,
+) -> RunPlan:
+    """The plan of a run of `step` from `init`, one row per chain.
+
+    A checkpointed run traces `step` on every call, for its identity (its constants'
+    values are part of it); any other run only the first time it meets these shapes.
+
+    **Raises:**
+
+    As `trace_step` does, and `BatchError` if `diagnostics` has nothing to diagnose
+    or an all-chains step cannot take the run.
+    """
+    num_chains = init.num_chains
+    all_chains = isinstance(step, AllChains)
+    if all_chains:
+        check_all_chains_run(num_chains, counts.chunk_size)
+    traced = None
+    if checkpointed:
+        traced = trace_step(step, init.whole, keys, legacy, with_output)
+    prepared = prepared_run(step, init.whole, keys, legacy, with_output, traced)
+    draws = Draws.of(counts.num_steps, counts.burn_in, counts.thin)
+    if diagnostics:
+        check_diagnostics(prepared.one_chain.state, draws.count)
+    schedule = None
+    if until is not None:
+        schedule = until.plan(counts.num_steps, superchains, num_chains)
+    return RunPlan(
+        step=step,
+        shared=init.shared,
+        prepared=prepared,
+        segment=SegmentPlan(0, draws, with_output, trace and draws.count > 0, legacy),
+        options=RunOptions(
+            num_steps=counts.num_steps,
+            thin=counts.thin,
+            burn_in=counts.burn_in,
+            with_output=with_output,
+            trace=trace,
+            diagnostics=diagnostics,
+            all_chains=all_chains,
+            until=None if schedule is None else str(schedule),
+        ),
+        num_chains=num_chains,
+        chunk_size=min(counts.chunk_size or num_chains, num_chains),
+        checkpoint_every=counts.checkpoint_every,
+        until=schedule,
+        superchains=superchains,
+        program=None if traced is None else traced.program,
+    )

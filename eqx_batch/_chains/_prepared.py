@@ -1,0 +1,113 @@
+"""A run prepared once per step and kind of state, and kept for the calls that meet
+them again.
+
+The compiled segment finds its program at once when the non-array leaves of its
+arguments are the very objects of an earlier call (else it partitions and hashes them).
+So every call of `run_chains` with the same step and kind of state must pass the same
+shape-dtype structs, segment plans and placement: this memo is the one place that keeps
+that promise. It also saves the trace of the step that checks it: calling `run_chains`
+again costs no trace, as the compiled loop costs no compile.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from .._compile import array_types, partition
+from .._memo import BoundedCache
+from ._all_chains import AllChains
+from ._common import OneChain, structs
+from ._placement import Placement
+from ._segment import SegmentPlan
+from ._step import step_layout, StepLayout, trace_step, TracedStep
+
+
+class PreparedRun:
+    """What every call of `run_chains` with one step and kind of state shares: one
+    chain's layout, and the segment plans, placements and trace structs made for it.
+
+    Each is made the first time it is asked for and then returned as the same object.
+    """
+
+    def __init__(self, layout: StepLayout):
+        self.layout = layout
+        self.one_chain = OneChain(layout.state, layout.key)
+        # Bounded: a long-lived process may ask for ever new lengths or chain counts.
+        self._made = BoundedCache(256)
+
+    def segment(self, plan: SegmentPlan, length: int, emit: int) -> SegmentPlan:
+        """`plan` for a segment of `length` steps that emits `emit` draws."""
+        return self._made.get_or_make(
+            ("segment", plan, length, emit),
+            lambda: SegmentPlan(
+                length, plan.draws, plan.with_output, plan.keep_trace, plan.legacy, emit
+            ),
+        )
+
+    def placement(self, num_chains: int, pad_to: int, *, pad: bool) -> Placement:
+        """`Placement(num_chains, pad_to, pad=pad)` on the current devices."""
+        return self._made.get_or_make(
+            ("placement", num_chains, pad_to, pad, *jax.devices()),
+            lambda: Placement(num_chains, pad_to, pad=pad),
+        )
+
+    def trace_like(self, num_chains: int, num_draws: int) -> Any:
+        """The trace buffer's shape-dtype structs: `[chains, draws, ...]` per leaf."""
+        return self._made.get_or_make(
+            ("trace", num_chains, num_draws),
+            lambda: structs(self.layout.recorded, add=(num_chains, num_draws)),
+        )
+
+
+# Looked up by the static part of `step` and of the state, and the shapes and dtypes
+# of their arrays: what the compiled loop's cache keys on too. An entry keeps its step
+# alive (as `jax.jit`'s cache does), so the memo is bounded.
+_prepared: BoundedCache = BoundedCache(256)
+
+
+def prepared_run(
+    step: Callable,
+    states: Any,
+    keys: jax.Array,
+    legacy: bool,
+    with_output: bool,
+    traced: TracedStep | None = None,
+) -> PreparedRun:
+    """The run of `step` on `states` and `keys`, prepared (`step` traced and checked)
+    the first time it meets states and keys of these shapes and dtypes.
+
+    `traced` is `step` traced already (a checkpointed run traces it on every call,
+    for its identity), used if the run is new.
+
+    **Raises:**
+
+    As `trace_step`, when `step` is traced.
+    """
+    step_arrays, step_static = partition(step)
+    state_arrays, state_static = partition(states)
+    signature = (
+        step_static,
+        array_types(step_arrays),
+        state_static,
+        # An all-chains step is traced on every chain: their number matters to it.
+        tuple(
+            (x.shape if isinstance(step, AllChains) else x.shape[1:], x.dtype)
+            for x in state_arrays
+        ),
+        keys.dtype,
+        legacy,
+        with_output,
+    )
+    try:
+        found = _prepared.get(signature)
+    except TypeError:
+        # A non-array leaf that cannot be hashed: prepared every time (and refused, by
+        # name, when the loop is compiled).
+        signature, found = None, None
+    if found is not None:
+        return found
+    if traced is None:
+        traced = trace_step(step, states, keys, legacy, with_output)
+    run = PreparedRun(step_layout(states, keys, traced.output))
+    return run if signature is None else _prepared.add(signature, run)
