@@ -3,8 +3,8 @@ of a tree, the check of a record against the leaf of `like` at its place, and th
 that leaf gets back.
 
 Array values travel as `Stored` (host data, weak type, key implementation) until
-`materialise` gives them the types of `like`'s leaves, so that loading across layouts
-(`_load_layouts.py`) can split or join them first.
+`materialise` gives them the types of `like`'s leaves, all of a tree's at once, so that
+they reach the devices in one transfer.
 """
 
 import functools
@@ -147,11 +147,10 @@ def check_leaf(
     record: dict,
     like_leaf: Any,
     where: tuple[str, KeyPath],
-    shape: tuple[int, ...],
 ) -> None:
-    """Raises if `record`, of shape `shape` (a member's, between layouts), is not
-    what `like_leaf`, at `leaf_name(*where)`, stands for."""
-    problem = _leaf_problem(record, like_leaf, shape)
+    """Raises unless `record` is what `like_leaf` stands for; `where` names the leaf
+    (as `leaf_name(*where)`)."""
+    problem = _leaf_problem(record, like_leaf)
     if problem is not None:
         raise BatchError(
             f"`{leaf_name(*where)}` does not match the leaf `{record['path']}` of the "
@@ -159,7 +158,7 @@ def check_leaf(
         )
 
 
-def _leaf_problem(record: dict, like_leaf: Any, shape: tuple[int, ...]) -> str | None:
+def _leaf_problem(record: dict, like_leaf: Any) -> str | None:
     """What differs between a leaf record and `like_leaf`, with the fix; or `None`."""
     kind = _expected_kind(like_leaf)
     if record["kind"] != kind:
@@ -173,10 +172,10 @@ def _leaf_problem(record: dict, like_leaf: Any, shape: tuple[int, ...]) -> str |
             f"{_KIND_PHRASES[record['kind']]}. Pass a `like` built the same way as the "
             "saved tree."
         )
-    if kind in ("array", "key") and shape != tuple(like_leaf.shape):
+    if kind in ("array", "key") and tuple(record["shape"]) != tuple(like_leaf.shape):
         return (
             f"`like` has shape {tuple(like_leaf.shape)} but the file has shape "
-            f"{shape}. Build `like` with the sizes the saved tree had."
+            f"{tuple(record['shape'])}. Build `like` with the sizes the saved tree had."
         )
     if kind == "key":
         try:

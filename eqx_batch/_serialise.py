@@ -5,8 +5,9 @@ A tree is written as one record per leaf and the arrays of its array leaves
 (`_leaf_records.py`); the file format (safetensors with eqx_batch metadata and
 checksums) is `_file_layout.py`'s, opened by `_file_format.py`. Loading checks every
 record of a file against the leaf of `like` at the same place before it reads any
-tensor, then gives each value the type of `like`'s leaf. A file of a stacked tree loads
-into a list of members and a file of a list into a stacked `like` (`_load_layouts.py`).
+tensor, then gives each value the type of `like`'s leaf. A file loads only into the
+structure it was saved from: a stacked tree is not split into members, nor a list
+stacked, but the error names the `eb.stack` or `eb.unstack` line that does it.
 """
 
 import os
@@ -20,8 +21,13 @@ import jax.tree_util as jtu
 from ._errors import BatchError, bullet_list
 from ._file_format import CheckedFile, open_checked
 from ._file_layout import check_caller_metadata, write_file
-from ._leaf_records import check_leaf, leaf_records, leaf_value, materialise
-from ._load_layouts import list_into_stacked, list_length, stacked_into_list
+from ._leaf_records import (
+    check_leaf,
+    is_array_template,
+    leaf_records,
+    leaf_value,
+    materialise,
+)
 
 
 Tree = TypeVar("Tree")
@@ -116,11 +122,14 @@ def save(path: str | os.PathLike, tree: Any) -> None:
 
 
 def _restore(file: CheckedFile, like: Any, argname: str, on_host: bool) -> Any:
-    """`like` with every leaf replaced by the file's, whose paths match `like`'s."""
+    """`like` with every leaf replaced by the file's; their paths must match."""
     leaves, treedef = jtu.tree_flatten_with_path(like)
+    like_paths = [jtu.keystr(path) for path, _ in leaves]
+    if like_paths != file.paths:
+        raise _structure_error(file, like, like_paths)
     like_leaves = [leaf for _, leaf in leaves]
     for (path, leaf), record in zip(leaves, file.records, strict=True):
-        check_leaf(file, record, leaf, (argname, path), tuple(record.get("shape", ())))
+        check_leaf(file, record, leaf, (argname, path))
     values = [
         leaf_value(file, record, leaf)
         for leaf, record in zip(like_leaves, file.records, strict=True)
@@ -132,18 +141,102 @@ def _paths(tree: Any) -> list[str]:
     return [jtu.keystr(path) for path, _ in jtu.tree_flatten_with_path(tree)[0]]
 
 
-def _grid_ndim(like: Any, file_paths: list[str]) -> int | None:
-    """`ndim` if `like` is `ndim >= 2` levels of lists around members of the file's
-    structure, as `eb.unstack(grid, ndim=ndim)` makes them; else `None`."""
+def _leading_sizes(shapes: list[tuple[int, ...]], ndim: int) -> tuple[int, ...] | None:
+    """The sizes of the `ndim` leading axes of `shapes`, if they all have the same."""
+    leading = {shape[:ndim] for shape in shapes}
+    sizes = leading.pop() if len(leading) == 1 else ()
+    return sizes if len(sizes) == ndim else None
+
+
+def _list_levels(like: Any, file_paths: list[str]) -> int | None:
+    """`ndim` if `like` is `ndim` levels of lists around members of the file's
+    structure, as `eb.unstack(tree, ndim=ndim)` makes them; else `None`."""
     inner, ndim = like, 0
     while type(inner) in (list, tuple) and inner:
         inner, ndim = inner[0], ndim + 1
-        if ndim >= 2 and file_paths and _paths(inner) == file_paths:
+        if file_paths and _paths(inner) == file_paths:
             return ndim
     return None
 
 
+def _list_length(file_paths: list[str], member_paths: list[str]) -> int | None:
+    """`n` if the file holds a list of `n` trees with `member_paths`, else `None`."""
+    if not member_paths or len(file_paths) % len(member_paths):
+        return None
+    length = len(file_paths) // len(member_paths)
+    expected = [f"[{i}]{path}" for i in range(length) for path in member_paths]
+    return length if expected == file_paths else None
+
+
+def _of_like(function: str, like: Any, ndim: int) -> str:
+    """The code `eb.<function>(like)`, for `like` in an error's fix.
+
+    `eb.stack` keeps `ShapeDtypeStruct`s as leaves shared by all members, so a
+    shape-only `like` is stacked or unstacked by `eqx.filter_eval_shape`.
+    """
+    arguments = "like" if ndim == 1 else f"like, ndim={ndim}"
+    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jtu.tree_leaves(like)):
+        return f"eqx.filter_eval_shape(eb.{function}, {arguments})"
+    return f"eb.{function}({arguments})"
+
+
+def _as_saved(saved: int, given: int | None) -> str:
+    """How many members a fix's `like` needs, if the caller's has another number."""
+    return "" if given == saved else f", with `like` of {saved} members as saved"
+
+
+def _stacked_file_fix(file: CheckedFile, like: Any, ndim: int) -> str:
+    """What a stacked file and `like`, `ndim` levels of lists of members, are, and the
+    line that loads the file into the lists."""
+    shapes = [
+        tuple(record["shape"])
+        for record in file.records
+        if record["kind"] in ("array", "key")
+    ]
+    sizes = _leading_sizes(shapes, ndim)
+    if sizes is None:
+        stacked, count = "one stacked tree", ""
+    else:
+        stacked = f"one tree stacked from {' x '.join(map(str, sizes))} members"
+        count = _as_saved(sizes[0], len(like)) if ndim == 1 else ""
+    if ndim == 1:
+        lists, unstack_ndim = f"a {type(like).__name__} of {len(like)} members", ""
+    else:
+        lists, unstack_ndim = f"{ndim} levels of lists of members", f", ndim={ndim}"
+    return (
+        f"the file holds {stacked} (as `eb.stack` makes it), and `like` is {lists}. "
+        f"Load it stacked and unstack it: `eb.unstack(eb.load({file.path!r}, "
+        f"like={_of_like('stack', like, ndim)}){unstack_ndim})`{count}."
+    )
+
+
+def _list_file_fix(file: CheckedFile, like: Any, length: int) -> str:
+    """What a file of a list of `length` trees of `like`'s structure and `like` are,
+    and the line that loads the file."""
+    holds = f"the file holds a list of {length} members (saved as a list, not stacked)"
+    arrays = [leaf for leaf in jtu.tree_leaves(like) if is_array_template(leaf)]
+    sizes = _leading_sizes([tuple(leaf.shape) for leaf in arrays], 1)
+    if sizes is None:
+        return (
+            f"{holds}, and `like` is one member. Load the list: "
+            f"`eb.load({file.path!r}, like=[like] * {length})`."
+        )
+    return (
+        f"{holds}, and `like` is one tree stacked from {sizes[0]} members. Load the "
+        f"list and stack it: `eb.stack(eb.load({file.path!r}, "
+        f"like={_of_like('unstack', like, 1)}))`{_as_saved(length, sizes[0])}."
+    )
+
+
 def _structure_error(file: CheckedFile, like: Any, like_paths: list[str]) -> BatchError:
+    heading = f"`like` does not have the structure of the tree saved in `{file.path}`"
+    # `load` returns the tree as it was saved; `eb.stack` and `eb.unstack` convert.
+    ndim = _list_levels(like, file.paths)
+    if ndim is not None:
+        return BatchError(f"{heading}: {_stacked_file_fix(file, like, ndim)}")
+    length = _list_length(file.paths, like_paths)
+    if length is not None:
+        return BatchError(f"{heading}: {_list_file_fix(file, like, length)}")
     in_file, in_like = set(file.paths), set(like_paths)
     missing = [f"like{p}" for p in like_paths if p not in in_file]
     extra = [p for p in file.paths if p not in in_like]
@@ -151,48 +244,13 @@ def _structure_error(file: CheckedFile, like: Any, like_paths: list[str]) -> Bat
     lines += [f"in the file only: `{p}`" for p in extra]
     if not lines:
         lines = ["the same leaves, in a different order"]
-    ndim = _grid_ndim(like, file.paths)
-    if ndim is None:
-        fix = (
-            "Pass a `like` built the same way as the saved tree (the same model "
-            "constructor and sizes), or a list of members for a stacked file."
-        )
-    else:
-        fix = (
-            f"`like` is {ndim} levels of lists around members of the saved tree's "
-            f"structure, and the file holds them stacked into one grid (as "
-            f"`eb.stack(..., ndim={ndim})` makes it): load it stacked and split it, "
-            f"`eb.unstack(eb.load({file.path!r}, like=eb.stack(like, ndim={ndim})), "
-            f"ndim={ndim})`."
-        )
     return BatchError(
-        f"`like` does not have the structure of the tree saved in `{file.path}` "
-        f"({len(like_paths)} leaves in `like`, {len(file.paths)} in the file):\n"
+        f"{heading} ({len(like_paths)} leaves in `like`, {len(file.paths)} in the "
+        "file):\n"
         + bullet_list(lines)
-        + "\n"
-        + fix
+        + "\nPass a `like` built the same way as the saved tree (the same model "
+        "constructor and sizes)."
     )
-
-
-def _load_into(file: CheckedFile, like: Any, argname: str, on_host: bool) -> Any:
-    # Only a file without leaves could fit both `like` and `like[0]`: it fits `like`.
-    if (
-        type(like) in (list, tuple)
-        and like
-        and file.paths
-        and _paths(like[0]) == file.paths
-    ):
-        # Members of one structure have the same paths: compare them once.
-        flat = [jtu.tree_flatten(member) for member in like]
-        if all(treedef == flat[0][1] for _, treedef in flat):
-            return stacked_into_list(file, like, flat, argname, on_host)
-    like_paths = _paths(like)
-    if file.paths == like_paths:
-        return _restore(file, like, argname, on_host)
-    length = list_length(file.paths, like_paths)
-    if length is not None:
-        return list_into_stacked(file, like, argname, length, on_host)
-    raise _structure_error(file, like, like_paths)
 
 
 def read_tree(
@@ -215,8 +273,7 @@ def read_tree(
     a plain `BatchError` if it does not fit `like`, `OSError` if it cannot be opened.
     """
     with open_checked(path) as file:
-        tree = _load_into(file, like, argname, on_host)
-        return tree, file.caller_metadata
+        return _restore(file, like, argname, on_host), file.caller_metadata
 
 
 def load(path: str | os.PathLike, like: Tree) -> Tree:
@@ -231,23 +288,21 @@ def load(path: str | os.PathLike, like: Tree) -> Tree:
     key implementations, the names of functions) before returning anything. Nothing
     is unpickled.
 
-    Stacked and unstacked files read each other: a file saved from a stacked tree
-    (every array with a leading member axis, as `eb.stack` makes it) loads into a list
-    (or tuple) of members when `like` is one, and a file saved from a list of members
-    loads into a stacked `like`.
+    A file loads as it was saved: a stacked tree (every array with a leading member
+    axis, as `eb.stack` makes it) into a stacked `like`, a list of members into a
+    list. To get the other one, convert after loading with `eb.unstack` or `eb.stack`.
 
     `like` need not hold any values: `jax.ShapeDtypeStruct` leaves, as
     `eqx.filter_eval_shape` gives them, say what to load without initialising
-    anything, in either layout: a stacked file loads into
-    `[eqx.filter_eval_shape(make, k) for k in keys]`, and a list file into
-    `eqx.filter_eval_shape(make_stacked, keys)`.
+    anything: a stacked file loads into `eqx.filter_eval_shape(eqx.filter_vmap(make),
+    keys)`, and a list file into `[eqx.filter_eval_shape(make, k) for k in keys]`.
 
     **Arguments:**
 
     - `path`: a file written by `eb.save`.
     - `like`: a pytree with the structure of the saved one, such as a freshly
-        constructed model, or a list of members for a stacked file (and the other way
-        round). Its array leaves may be JAX or NumPy arrays or `jax.ShapeDtypeStruct`s.
+        constructed model. Its array leaves may be JAX or NumPy arrays or
+        `jax.ShapeDtypeStruct`s.
 
     **Returns:**
 
@@ -266,12 +321,11 @@ def load(path: str | os.PathLike, like: Tree) -> Tree:
     re-saved by safetensors: the message says how to read its arrays), is corrupt,
     truncated or crafted (a checksum or a size does not match), or comes from a newer
     format version; if `like`'s structure differs from the saved tree's (listing the
-    leaves only one of them has, and for a grid file loaded into lists of rows, how to
-    load it stacked and unstack it with `ndim`); if a leaf differs in
-    kind, shape, dtype, key implementation or function name (naming the leaf and both
-    values); or, between stacked and list files, if the member counts differ (naming
-    the leaf and both counts). `OSError` (e.g. `FileNotFoundError`) if the file cannot
-    be opened.
+    leaves only one of them has, or, for a stacked file and a list of members or the
+    other way round, saying which is which and the line of `eb.stack` or `eb.unstack`
+    that loads it); or if a leaf differs in kind, shape, dtype, key implementation or
+    function name (naming the leaf and both values). `OSError` (e.g.
+    `FileNotFoundError`) if the file cannot be opened.
 
     !!! Example
 
@@ -281,9 +335,10 @@ def load(path: str | os.PathLike, like: Tree) -> Tree:
 
         keys = jr.split(jr.key(0), 4)
         eb.save("ensemble.safetensors", eb.stack([make(k) for k in keys]))
-        # A list of 4 Linear layers, from shapes only: nothing is initialised.
-        shapes = [eqx.filter_eval_shape(make, k) for k in keys]
-        as_list = eb.load("ensemble.safetensors", like=shapes)
+        # From shapes only: nothing is initialised.
+        shapes = eqx.filter_eval_shape(eqx.filter_vmap(make), keys)
+        ensemble = eb.load("ensemble.safetensors", like=shapes)
+        members = eb.unstack(ensemble)  # a list of 4 Linear layers
         ```
     """
     return read_tree(path, like)[0]

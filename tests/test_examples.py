@@ -179,8 +179,8 @@ def test_ensemble_regression(tmp_path):
     assert result["edited_member_mse"][0] == pytest.approx(member_mse.max())
     assert result["others_unchanged"] is True
     assert result["load_stacked_ok"] is True
-    assert result["load_as_list_ok"] is True
-    assert result["load_list_as_stacked_ok"] is True
+    assert result["load_list_ok"] is True
+    assert result["restack_loaded_list_ok"] is True
 
     size = assert_png(tmp_path / "ensemble_regression.png")
     # The README shows a committed copy of this plot.

@@ -1,9 +1,9 @@
 """`eb.save` / `eb.load` and the checkpoint layer's `write_tree` / `read_tree`: round
-trips, and every mismatch between a file and `like` or problem of a tree to save.
-Files loaded across layouts (stacked <-> list) are `test_load_layouts.py`'s."""
+trips, and every mismatch between a file and `like` or problem of a tree to save."""
 
 import logging
 import math
+import re
 import struct
 from typing import Any
 
@@ -61,14 +61,6 @@ def test_weak_types_come_back(tmp_path):
     assert not loaded["strong"].weak_type
     assert (loaded["scale"] * jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16
     assert_trees_identical(loaded, tree)
-    # Between layouts too.
-    stacked = {"steps": tree["steps"], "strong": tree["strong"]}
-    eb.save(path, stacked)
-    member = {"steps": jnp.asarray(0), "strong": jnp.ones(())}
-    members = eb.load(path, like=[member, member])
-    assert members[0]["steps"].weak_type and not members[1]["strong"].weak_type
-    eb.save(path, members)
-    assert_trees_identical(eb.load(path, like=stacked), stacked)
 
 
 def _backend_compiles(caplog: Any) -> list[str]:
@@ -323,6 +315,113 @@ def test_structure_mismatch_lists_the_differing_leaves(tmp_path):
     message = str(info.value)
     assert "in `like` only: `like['c']`" in message
     assert "in the file only: `['b']`" in message
+
+
+def _members(key, count):
+    # 0-d NumPy arrays, not NumPy scalars: `eb.unstack` gives those back as arrays.
+    return [
+        {"mlp": eqx.nn.MLP(2, 1, 4, 1, key=k), "key": k, "steps": np.asarray(i)}
+        for i, k in enumerate(jr.split(key, count))
+    ]
+
+
+def _refused(path, like) -> str:
+    """The message of `eb.load(path, like)`, which must refuse and leave `path` be."""
+    before = path.read_bytes()
+    with pytest.raises(eb.BatchError) as info:
+        eb.load(path, like=like)
+    assert isinstance(info.value, ValueError)
+    assert path.read_bytes() == before
+    return str(info.value)
+
+
+def _run_fix(message: str, like: Any) -> Any:
+    """Runs the line of code that ends `message`, the fix it names."""
+    line = re.findall(r"`(eb\.[^`]*)`", message)[-1]
+    return eval(line, {"eb": eb, "eqx": eqx, "like": like})
+
+
+def test_stacked_file_into_a_list_of_members_names_unstack(getkey, tmp_path):
+    members = _members(getkey(), 3)
+    path = tmp_path / "stacked.safetensors"
+    eb.save(path, eb.stack(members))
+    like = _members(getkey(), 3)
+    message = _refused(path, like)
+    assert "the file holds one tree stacked from 3 members" in message
+    assert "`like` is a list of 3 members" in message
+    assert message.endswith(
+        f"`eb.unstack(eb.load({str(path)!r}, like=eb.stack(like)))`."
+    )
+    assert_trees_identical(_run_fix(message, like), members)
+
+
+def test_list_file_into_a_stacked_like_names_stack(getkey, tmp_path):
+    members = _members(getkey(), 3)
+    path = tmp_path / "list.safetensors"
+    eb.save(path, members)
+    like = eb.stack(_members(getkey(), 3))
+    message = _refused(path, like)
+    assert "the file holds a list of 3 members" in message
+    assert "`like` is one tree stacked from 3 members" in message
+    assert message.endswith(
+        f"`eb.stack(eb.load({str(path)!r}, like=eb.unstack(like)))`."
+    )
+    assert_trees_identical(_run_fix(message, like), eb.stack(members))
+
+
+def _make(key):
+    return eqx.nn.MLP(2, 2, 8, 2, key=key)
+
+
+def test_layout_fixes_for_shape_only_likes(tmp_path):
+    # `eb.stack` would keep `ShapeDtypeStruct`s as shared leaves: the fix says
+    # `eqx.filter_eval_shape`.
+    keys = jr.split(jr.key(3), 4)
+    members = [_make(k) for k in keys]
+    eb.save(tmp_path / "stacked", eb.stack(members))
+    eb.save(tmp_path / "list", members)
+    like = [eqx.filter_eval_shape(_make, k) for k in keys]
+    message = _refused(tmp_path / "stacked", like)
+    assert "like=eqx.filter_eval_shape(eb.stack, like)" in message
+    assert_trees_identical(_run_fix(message, like), members)
+    like = eqx.filter_eval_shape(eqx.filter_vmap(_make), keys)
+    message = _refused(tmp_path / "list", like)
+    assert "like=eqx.filter_eval_shape(eb.unstack, like)" in message
+    assert_trees_identical(_run_fix(message, like), eb.stack(members))
+
+
+def test_layout_errors_say_when_the_member_counts_differ(getkey, tmp_path):
+    path = tmp_path / "list.safetensors"
+    eb.save(path, _members(getkey(), 3))
+    message = _refused(path, eb.stack(_members(getkey(), 2)))
+    assert "`like` is one tree stacked from 2 members" in message
+    assert message.endswith("with `like` of 3 members as saved.")
+    eb.save(path, eb.stack(_members(getkey(), 3)))
+    message = _refused(path, _members(getkey(), 2))
+    assert "`like` is a list of 2 members" in message
+    assert message.endswith("with `like` of 3 members as saved.")
+
+
+def test_list_file_into_one_member(getkey, tmp_path):
+    members = _members(getkey(), 3)
+    path = tmp_path / "list.safetensors"
+    eb.save(path, members)
+    like = _members(getkey(), 1)[0]
+    message = _refused(path, like)
+    assert "`like` is one member" in message
+    assert_trees_identical(_run_fix(message, like), members)
+
+
+def test_grid_file_into_rows_of_members_names_unstack_with_ndim(tmp_path):
+    rows = [[{"w": jnp.full(2, 3.0 * i + j)} for j in range(3)] for i in range(2)]
+    path = tmp_path / "grid.safetensors"
+    eb.save(path, eb.stack(rows, ndim=2))
+    like = [[{"w": jnp.zeros(2)} for _ in range(3)] for _ in range(2)]
+    message = _refused(path, like)
+    assert "one tree stacked from 2 x 3 members" in message
+    assert "eb.unstack(eb.load(" in message
+    assert "like=eb.stack(like, ndim=2)), ndim=2)" in message
+    assert_trees_identical(_run_fix(message, like), rows)
 
 
 def test_kind_mismatch_array_against_scalar(tmp_path):
