@@ -1,5 +1,6 @@
 """A run's identity: what must not change between a kill and its resume."""
 
+import functools as ft
 from typing import Any
 
 import jax
@@ -7,7 +8,8 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from chains_worker import make_init, metropolis
+from chains_worker import make_init, metropolis, outputs
+from helpers import assert_trees_identical
 
 import eqx_batch as eb
 
@@ -108,3 +110,19 @@ def test_a_host_callback_that_cannot_be_identified_is_refused(tmp_path):
     assert not list(tmp_path.iterdir())
     # Without a checkpoint, nothing needs identifying.
     eb.run_chains(step, make_init(2), jr.key(0), 5)
+
+
+def test_a_host_callback_s_globals_are_not_walked(tmp_path):
+    # `settings` has no identity of its own (its repr is its address), but it is a
+    # global the callback reads, not a value it closes over: the callback is
+    # identified by its own code, so the run is checkpointed, and a new definition of
+    # the same code (another `settings` object) reads it back.
+    source = (
+        "class Settings:\n    scale = 1.0\n\nsettings = Settings()\n\n"
+        "def loglik(x):\n    return x * settings.scale\n"
+    )
+    path = tmp_path / "run.ckpt"
+    run = ft.partial(eb.run_chains, init=make_init(2), key=jr.key(0), num_steps=5)
+    first = run(_callback_step(source), checkpoint=path)
+    again = run(_callback_step(source), checkpoint=path)
+    assert_trees_identical(outputs(again), outputs(first))

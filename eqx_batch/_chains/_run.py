@@ -132,7 +132,7 @@ def run_chains(
         dtypes and values of `init`, the keys, `num_steps`, `thin`, `burn_in`,
         `with_output`, `trace`, whether `step` takes every chain, what `step` computes
         (a digest of its traced program, of its constants' values and of the code
-        and data of its host callbacks, not its name), and the versions of JAX and
+        and closures of its host callbacks, not its name), and the versions of JAX and
         jaxlib and their PRNG configuration; every file records it, and a
         checkpoint of another run is refused, saying what differs. Before the first
         step, the folder is checked by creating a file in it with the longest name
