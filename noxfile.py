@@ -58,7 +58,7 @@ def tests(session: nox.Session) -> None:
     """The test suite on the newest Python and newest versions of every dependency."""
     session.install("-e", ".[test]")
     session.run("python", "-c", VERSIONS, silent=False)
-    session.run("pytest", "-m", "not examples", *session.posargs)
+    session.run("pytest", "-m", "not examples", "--durations=25", *session.posargs)
 
 
 @nox.session(python=OLDEST, venv_backend="uv")
@@ -69,7 +69,7 @@ def tests_lowest(session: nox.Session) -> None:
     """
     session.install("--resolution", "lowest-direct", "-e", ".[test]")
     session.run("python", "-c", VERSIONS, silent=False)
-    session.run("pytest", "-m", "not examples", *session.posargs)
+    session.run("pytest", "-m", "not examples", "--durations=25", *session.posargs)
 
 
 @nox.session(python=PYTHON)

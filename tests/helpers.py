@@ -1,5 +1,9 @@
-"""Comparisons and error checks shared by the tests."""
+"""Comparisons, error checks and run fixtures shared by the tests."""
 
+import contextlib
+import os
+import pathlib
+import subprocess
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +14,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
+from chains_worker import metropolis
 
 import eqx_batch as eb
 
@@ -100,3 +105,46 @@ def mixed_tree(key):
         "flags": jnp.array([True, False]),
         "settings": [1.5, 3, True, "adam", 1 - 2j],
     }
+
+
+# One entry per step of `counted_metropolis` that ran: a test clears it, runs, and
+# counts, to see whether a checkpoint was read back or recomputed.
+STEPS_RUN: list[int] = []
+
+
+def counted_metropolis(state: dict, key: jax.Array) -> dict:
+    """`metropolis`, telling the host each time it runs (to see what was recomputed)."""
+    jax.debug.callback(lambda: STEPS_RUN.append(1))
+    return metropolis(state, key)
+
+
+@contextlib.contextmanager
+def mounted(folder: pathlib.Path, *options: str) -> Any:
+    """`folder` with a filesystem mounted on it (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a filesystem needs root")
+    result = subprocess.run(["mount", *options, str(folder)], capture_output=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount here: {result.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@contextlib.contextmanager
+def made_read_only(folder: pathlib.Path) -> Any:
+    """`folder` made read-only for real: permission bits, or a read-only bind mount
+    as root (whom permission bits do not stop)."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield folder
+        finally:
+            folder.chmod(0o755)
+        return
+    with mounted(folder, "--bind", str(folder)):
+        subprocess.run(
+            ["mount", "-o", "remount,bind,ro", str(folder)], check=True, timeout=30
+        )
+        yield folder

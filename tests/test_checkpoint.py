@@ -1,13 +1,10 @@
-"""Checkpoints of `eb.run_chains`: resume bit for bit, real kills, locks, run identity,
-files that are not this run's, full disks and read-only folders."""
+"""Checkpoints of `eb.run_chains`: resume bit for bit, real kills, chunks, processes."""
 
-import contextlib
 import functools as ft
 import json
 import os
 import pathlib
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -31,17 +28,19 @@ from chains_worker import (
     outputs,
     run as run_workload,
 )
-from helpers import assert_trees_identical
+from helpers import (
+    assert_trees_identical,
+    counted_metropolis,
+    made_read_only,
+    mounted,
+    STEPS_RUN,
+)
 from multiprocess_launch import launch
 
 import eqx_batch as eb
 
 
 WORKER = pathlib.Path(__file__).with_name("chains_worker.py")
-
-
-# ------------------------------------------------------------------------------------
-# Checkpoints.
 
 
 def _progress(path: pathlib.Path) -> dict:
@@ -52,15 +51,6 @@ def _progress(path: pathlib.Path) -> dict:
 
 def _steps_done(path: pathlib.Path) -> int:
     return _progress(path)["steps_done"]
-
-
-_STEPS_RUN: list[int] = []
-
-
-def _counted_metropolis(state: dict, key: jax.Array) -> dict:
-    """`metropolis`, telling the host each time it runs (to see what was recomputed)."""
-    jax.debug.callback(lambda: _STEPS_RUN.append(1))
-    return metropolis(state, key)
 
 
 def _compilations(run: Any) -> int:
@@ -104,10 +94,10 @@ def test_checkpointed_run_equals_plain_run(tmp_path):
 def test_finished_checkpoint_is_read_back_without_recomputing(tmp_path):
     init = make_init(6)
     path = tmp_path / "run.ckpt"
-    first = eb.run_chains(_counted_metropolis, init, jr.key(0), 20, checkpoint=path)
-    _STEPS_RUN.clear()
-    again = eb.run_chains(_counted_metropolis, init, jr.key(0), 20, checkpoint=path)
-    assert not _STEPS_RUN
+    first = eb.run_chains(counted_metropolis, init, jr.key(0), 20, checkpoint=path)
+    STEPS_RUN.clear()
+    again = eb.run_chains(counted_metropolis, init, jr.key(0), 20, checkpoint=path)
+    assert not STEPS_RUN
     assert_trees_identical(outputs(again), outputs(first))
     assert_trees_identical(again.nonfinite.chains, first.nonfinite.chains)
 
@@ -120,18 +110,18 @@ def test_draw_files_of_a_thinned_run_read_back_exactly(tmp_path):
     run = ft.partial(
         eb.run_chains, thin=3, burn_in=4, checkpoint=path, checkpoint_every=7
     )
-    first = run(_counted_metropolis, init, jr.key(0), 40)
+    first = run(counted_metropolis, init, jr.key(0), 40)
     bounds = [[0, 1], [1, 4], [4, 6], [6, 8], [8, 11], [11, 12]]
     assert [entry[1:] for entry in _progress(path)["draws"]] == bounds
-    _STEPS_RUN.clear()
-    again = run(_counted_metropolis, init, jr.key(0), 40)
-    assert not _STEPS_RUN
+    STEPS_RUN.clear()
+    again = run(counted_metropolis, init, jr.key(0), 40)
+    assert not STEPS_RUN
     assert_trees_identical(outputs(again), outputs(first))
 
 
 def _moved(state: dict, key: jax.Array) -> tuple:
     """`metropolis`, with whether the step moved the chain as its output."""
-    new = _counted_metropolis(state, key)
+    new = counted_metropolis(state, key)
     moved = jnp.any(new["layer1"]["weights"] != state["layer1"]["weights"])
     return new, {"moved": moved}
 
@@ -151,9 +141,9 @@ def test_states_and_outputs_checkpoint_and_read_back(tmp_path):
         "[0]['layer2']['weights']",
         "[1]['moved']",
     ]
-    _STEPS_RUN.clear()
+    STEPS_RUN.clear()
     again = run(_moved, init, jr.key(0), 20, checkpoint=path, checkpoint_every=7)
-    assert not _STEPS_RUN
+    assert not STEPS_RUN
     assert_trees_identical(again.states, plain.states)
     assert_trees_identical(outputs(again), outputs(plain))
 
@@ -345,7 +335,7 @@ def test_mlp_run_resumes_in_another_process(tmp_path):
         check=True,
         timeout=300,
     )
-    _STEPS_RUN.clear()
+    STEPS_RUN.clear()
     here = run_workload("mlp", 3, 30, checkpoint=path, checkpoint_every=10)
     there = eb.load(out, outputs(here))
     assert_trees_identical(outputs(here), there)
@@ -448,38 +438,6 @@ def test_files_that_are_not_this_checkpoint_are_named_for_what_they_are(tmp_path
     assert "earlier checkpoint" not in str(info.value)
 
 
-@contextlib.contextmanager
-def _mounted(folder: pathlib.Path, *options: str) -> Any:
-    """`folder` with a filesystem mounted on it (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a filesystem needs root")
-    result = subprocess.run(["mount", *options, str(folder)], capture_output=True)
-    if result.returncode:
-        pytest.skip(f"cannot mount here: {result.stderr.decode().strip()}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
-
-
-@contextlib.contextmanager
-def _read_only(folder: pathlib.Path) -> Any:
-    """`folder` made read-only for real: permission bits, or a read-only bind mount
-    as root (whom permission bits do not stop)."""
-    if os.geteuid() != 0:
-        folder.chmod(0o555)
-        try:
-            yield folder
-        finally:
-            folder.chmod(0o755)
-        return
-    with _mounted(folder, "--bind", str(folder)):
-        subprocess.run(
-            ["mount", "-o", "remount,bind,ro", str(folder)], check=True, timeout=30
-        )
-        yield folder
-
-
 @pytest.mark.parametrize("every", [None, 5])
 def test_a_checkpoint_that_cannot_be_written_is_found_before_any_work(tmp_path, every):
     init = make_init(2)
@@ -492,12 +450,12 @@ def test_a_checkpoint_that_cannot_be_written_is_found_before_any_work(tmp_path, 
         (tmp_path, "is a folder"),
         (read_only / "run.ckpt", "Read-only file system|Permission denied"),
     ]
-    with _read_only(read_only):
+    with made_read_only(read_only):
         for path, match in cases:
-            _STEPS_RUN.clear()
+            STEPS_RUN.clear()
             with pytest.raises(eb.BatchError, match=match) as info:
                 eb.run_chains(
-                    _counted_metropolis,
+                    counted_metropolis,
                     init,
                     jr.key(0),
                     20,
@@ -505,7 +463,7 @@ def test_a_checkpoint_that_cannot_be_written_is_found_before_any_work(tmp_path, 
                     checkpoint_every=every,
                 )
             assert str(path) in str(info.value)
-            assert not _STEPS_RUN, "steps ran before the error"
+            assert not STEPS_RUN, "steps ran before the error"
 
 
 def test_a_full_disk_keeps_the_last_good_checkpoint(tmp_path):
@@ -525,7 +483,7 @@ def test_a_full_disk_keeps_the_last_good_checkpoint(tmp_path):
         checkpoint=path,
         checkpoint_every=20,
     )
-    with _mounted(folder, "-t", "tmpfs", "-o", "size=64k", "tmpfs"):
+    with mounted(folder, "-t", "tmpfs", "-o", "size=64k", "tmpfs"):
         with pytest.raises(eb.BatchError, match="No space left") as info:
             run()
         message = str(info.value)
@@ -621,14 +579,14 @@ def test_chunk_size_of_all_chains_is_the_unchunked_run(tmp_path):
     # Same files, same checkpoint: one call's checkpoint is read back by the other.
     init = make_init(6)
     path = tmp_path / "run.ckpt"
-    _STEPS_RUN.clear()
+    STEPS_RUN.clear()
     first = eb.run_chains(
-        _counted_metropolis, init, jr.key(0), 20, checkpoint=path, chunk_size=6
+        counted_metropolis, init, jr.key(0), 20, checkpoint=path, chunk_size=6
     )
     assert list(tmp_path.glob("*.chains-*")) == []
-    ran = len(_STEPS_RUN)
-    again = eb.run_chains(_counted_metropolis, init, jr.key(0), 20, checkpoint=path)
-    assert len(_STEPS_RUN) == ran
+    ran = len(STEPS_RUN)
+    again = eb.run_chains(counted_metropolis, init, jr.key(0), 20, checkpoint=path)
+    assert len(STEPS_RUN) == ran
     assert_trees_identical(outputs(again), outputs(first))
 
 
@@ -672,295 +630,3 @@ def test_chunked_run_in_two_processes(tmp_path):
         chunk_size=3,
     )
     assert_trees_identical(outputs(again), plain)
-
-
-# ------------------------------------------------------------------------------------
-# What users and attackers put at a checkpoint's paths.
-
-
-def test_a_link_at_the_lock_path_is_neither_followed_nor_written(tmp_path):
-    path = tmp_path / "c.eqx"
-    notes = tmp_path / "notes.txt"
-    notes.write_text("my notes\n")
-    lock = tmp_path / "c.eqx.lock"
-    lock.symlink_to(notes)
-    with pytest.raises(eb.BatchError, match="symbolic link") as info:
-        eb.run_chains(metropolis, make_init(2), jr.key(0), 5, checkpoint=path)
-    assert str(lock) in str(info.value)
-    assert notes.read_text() == "my notes\n"
-    # A dangling link creates nothing where it points.
-    lock.unlink()
-    elsewhere = tmp_path / "elsewhere"
-    lock.symlink_to(elsewhere)
-    with pytest.raises(eb.BatchError, match="symbolic link"):
-        eb.run_chains(metropolis, make_init(2), jr.key(0), 5, checkpoint=path)
-    assert not elsewhere.exists()
-    assert not path.exists()
-
-
-def test_a_fifo_or_a_foreign_file_at_the_lock_path_is_refused(tmp_path):
-    path = tmp_path / "c.eqx"
-    lock = tmp_path / "c.eqx.lock"
-    os.mkfifo(lock)
-    with pytest.raises(eb.BatchError, match="FIFO") as info:
-        eb.run_chains(metropolis, make_init(2), jr.key(0), 5, checkpoint=path)
-    assert str(lock) in str(info.value)
-    lock.unlink()
-    lock.write_text("not a process id")
-    with pytest.raises(eb.BatchError, match="not a lock of eqx_batch"):
-        eb.run_chains(metropolis, make_init(2), jr.key(0), 5, checkpoint=path)
-    assert lock.read_text() == "not a process id"
-    # A hard link to another file is another file's contents too.
-    lock.unlink()
-    other = tmp_path / "other"
-    other.write_text("")
-    os.link(other, lock)
-    with pytest.raises(eb.BatchError, match="not a lock of eqx_batch"):
-        eb.run_chains(metropolis, make_init(2), jr.key(0), 5, checkpoint=path)
-
-
-def test_a_lock_left_by_an_earlier_run_is_taken_again(tmp_path):
-    path = tmp_path / "c.eqx"
-    first = eb.run_chains(metropolis, make_init(2), jr.key(0), 5, checkpoint=path)
-    lock = tmp_path / "c.eqx.lock"
-    assert lock.read_text().strip().isdigit()
-    for file in tmp_path.iterdir():
-        if file != lock:
-            file.unlink()
-    again = eb.run_chains(metropolis, make_init(2), jr.key(0), 5, checkpoint=path)
-    assert_trees_identical(outputs(again), outputs(first))
-    assert path.exists()
-
-
-@pytest.mark.parametrize("chunk_size", [None, 2])
-def test_a_name_too_long_for_the_run_s_files_is_refused_before_any_work(
-    tmp_path, chunk_size
-):
-    # The checkpoint's own name fits; the names of its draw files (and their
-    # temporary files) would not.
-    path = tmp_path / ("c" * 215 + ".eqx")
-    _STEPS_RUN.clear()
-    with pytest.raises(eb.BatchError, match="Pass a shorter file name") as info:
-        eb.run_chains(
-            _counted_metropolis,
-            make_init(3),
-            jr.key(0),
-            20,
-            checkpoint=path,
-            checkpoint_every=5,
-            chunk_size=chunk_size,
-        )
-    assert "Free space" not in str(info.value)
-    assert not _STEPS_RUN, "steps ran before the error"
-    assert list(tmp_path.iterdir()) == []
-    # The longest name that fits runs to the end and reads back.
-    fits = tmp_path / ("c" * 150 + ".eqx")
-    result = eb.run_chains(
-        metropolis, make_init(3), jr.key(0), 20, checkpoint=fits, chunk_size=chunk_size
-    )
-    again = eb.run_chains(
-        metropolis, make_init(3), jr.key(0), 20, checkpoint=fits, chunk_size=chunk_size
-    )
-    assert_trees_identical(outputs(again), outputs(result))
-
-
-def _rewrite_progress(path: pathlib.Path, edit: Any) -> None:
-    """Rewrites a checkpoint with its progress record edited, and sound otherwise (as
-    a bug, or someone who knows the format, would write it)."""
-    from eqx_batch._file_format import read_metadata
-    from eqx_batch._serialise import write_tree
-
-    metadata = read_metadata(path)
-    like = {
-        "states": make_init(3),
-        "keys": np.zeros((3, 2), np.uint32),
-        "first_bad": np.zeros(3, np.int32),
-    }
-    state = eb.load(path, like)
-    metadata["run_chains.progress"] = edit(metadata["run_chains.progress"])
-    write_tree(path, state, metadata=metadata)
-
-
-@pytest.mark.parametrize(
-    "edit, match",
-    [
-        # Too few draw files: the draws of the last would read back as zeros.
-        (
-            lambda p: json.dumps(json.loads(p) | {"draws": json.loads(p)["draws"][:1]}),
-            "draw files for 5 draws, but 20 steps record 20",
-        ),
-        (lambda p: p.replace("draws-5-10", "draws-5-9"), "expected"),
-        (
-            lambda p: p.replace(json.loads(p)["draws"][1][0], "../../etc/passwd"),
-            "expected",
-        ),
-        (lambda p: p[:-3], "does not parse"),
-        (lambda p: json.dumps({"steps_done": "20", "draws": []}), "steps were done"),
-        (lambda p: json.dumps(["not", "a", "dict"]), "does not parse"),
-    ],
-)
-def test_a_damaged_progress_record_cannot_be_resumed(tmp_path, edit, match):
-    path = tmp_path / "run.ckpt"
-    eb.run_chains(
-        metropolis, make_init(3), jr.key(0), 20, checkpoint=path, checkpoint_every=5
-    )
-    _rewrite_progress(path, edit)
-    with pytest.raises(eb.BatchError, match="cannot be resumed") as info:
-        eb.run_chains(
-            metropolis, make_init(3), jr.key(0), 20, checkpoint=path, checkpoint_every=5
-        )
-    assert re.search(match, str(info.value)), str(info.value)
-
-
-@pytest.mark.parametrize("chunk_size", [None, 2])
-def test_a_finished_run_reads_back_from_read_only_storage(tmp_path, chunk_size):
-    folder = tmp_path / "archive"
-    folder.mkdir()
-    path = folder / "run.ckpt"
-    run = ft.partial(
-        eb.run_chains,
-        _counted_metropolis,
-        make_init(3),
-        jr.key(0),
-        20,
-        checkpoint=path,
-        checkpoint_every=5,
-        chunk_size=chunk_size,
-    )
-    first = run()
-    (folder / "run.ckpt.lock").unlink()
-    _STEPS_RUN.clear()
-    with _read_only(folder):
-        again = run()
-    assert not _STEPS_RUN
-    assert_trees_identical(outputs(again), outputs(first))
-
-
-def test_another_chunk_size_warns_of_the_checkpoints_it_does_not_read(tmp_path):
-    path = tmp_path / "run.ckpt"
-    run = ft.partial(
-        eb.run_chains, metropolis, make_init(6), jr.key(0), 20, checkpoint=path
-    )
-    chunked = run(chunk_size=2)
-    with pytest.warns(UserWarning, match=r"written with `chunk_size=2`.*computes"):
-        whole = run()
-    assert_trees_identical(outputs(whole), outputs(chunked))
-    with pytest.warns(UserWarning, match=r"and without `chunk_size`, which this"):
-        run(chunk_size=4)
-    # Chunks that coincide are read back, without a word (warnings are errors here).
-    _STEPS_RUN.clear()
-    other = ft.partial(
-        eb.run_chains,
-        _counted_metropolis,
-        make_init(6),
-        jr.key(0),
-        20,
-        checkpoint=tmp_path / "other.ckpt",
-        chunk_size=2,
-    )
-    first = other()
-    ran = len(_STEPS_RUN)
-    assert_trees_identical(outputs(other()), outputs(first))
-    assert len(_STEPS_RUN) == ran
-
-
-# ------------------------------------------------------------------------------------
-# A run's identity: what must not change between a kill and its resume.
-
-
-def test_another_prng_configuration_is_refused(tmp_path):
-    path = tmp_path / "run.ckpt"
-    now = jax.config.values["jax_threefry_partitionable"]
-    eb.run_chains(metropolis, make_init(2), jr.key(0), 5, checkpoint=path)
-    with jax.threefry_partitionable(not now):
-        with pytest.raises(eb.BatchError, match="random bits may differ") as info:
-            eb.run_chains(metropolis, make_init(2), jr.key(0), 5, checkpoint=path)
-    assert f"threefry_partitionable={now}" in str(info.value)
-
-
-def test_a_checkpoint_of_another_jax_is_refused():
-    from eqx_batch._chains._identity import RunIdentity
-
-    program = jax.make_jaxpr(metropolis)(make_init(1), jr.key(0))
-    init = make_init(2)
-    keys = jr.key_data(jr.split(jr.key(0), 2))
-    like = jax.ShapeDtypeStruct((2,), jr.key(0).dtype)
-    identity = RunIdentity.of(program, init, init, keys, like, {"num_steps": 5})
-    saved = dict(identity.fields) | {"jax": "0.4.30"}
-    (line,) = identity.differences(saved)
-    assert line.startswith("jax: the checkpoint was written with 0.4.30")
-    assert jax.__version__ in line
-
-
-def _callback_step(source: str) -> Any:
-    """A step calling `loglik` on the host, `loglik` defined by `source`: the same
-    name and the same program, whatever its body."""
-    namespace: dict = {"np": np}
-    exec(source, namespace)
-    loglik = namespace["loglik"]
-
-    def step(state: dict, key: jax.Array) -> dict:
-        x = state["layer1"]["weights"]
-        shift = jax.pure_callback(
-            loglik, jax.ShapeDtypeStruct(x.shape, x.dtype), x, vmap_method="sequential"
-        )
-        return jtu.tree_map(lambda w: w + 0.01 * shift, metropolis(state, key))
-
-    return step
-
-
-def test_an_edited_host_callback_does_not_resume_the_old_run(tmp_path):
-    path = tmp_path / "run.ckpt"
-    before = _callback_step("def loglik(x):\n    return np.sin(x)\n")
-    after = _callback_step("def loglik(x):\n    return np.cos(x)\n")
-    eb.run_chains(before, make_init(2), jr.key(0), 5, checkpoint=path)
-    with pytest.raises(eb.BatchError, match="host callback of `step` differs"):
-        eb.run_chains(after, make_init(2), jr.key(0), 5, checkpoint=path)
-    # The same code reads back.
-    eb.run_chains(before, make_init(2), jr.key(0), 5, checkpoint=path)
-
-
-def test_a_host_callback_closing_over_other_data_does_not_resume(tmp_path):
-    path = tmp_path / "run.ckpt"
-
-    def step_with(data: np.ndarray) -> Any:
-        def loglik(x: np.ndarray) -> np.ndarray:
-            return (x * data[0]).astype(x.dtype)
-
-        def step(state: dict, key: jax.Array) -> dict:
-            x = state["layer1"]["weights"]
-            out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-            shift = jax.pure_callback(loglik, out, x, vmap_method="sequential")
-            return jtu.tree_map(lambda w: w + 0.01 * shift, metropolis(state, key))
-
-        return step
-
-    eb.run_chains(step_with(np.ones(3)), make_init(2), jr.key(0), 5, checkpoint=path)
-    with pytest.raises(eb.BatchError, match="host callback of `step` differs"):
-        eb.run_chains(
-            step_with(np.full(3, 2.0)), make_init(2), jr.key(0), 5, checkpoint=path
-        )
-
-
-def test_a_host_callback_that_cannot_be_identified_is_refused(tmp_path):
-    class Opaque:
-        scale = 1.0
-
-    opaque = Opaque()
-
-    def loglik(x: np.ndarray) -> np.ndarray:
-        return x * opaque.scale
-
-    def step(state: dict, key: jax.Array) -> dict:
-        x = state["layer1"]["weights"]
-        shift = jax.pure_callback(
-            loglik, jax.ShapeDtypeStruct(x.shape, x.dtype), x, vmap_method="sequential"
-        )
-        return jtu.tree_map(lambda w: w + 0.01 * shift, metropolis(state, key))
-
-    with pytest.raises(eb.BatchError, match="cannot be identified") as info:
-        eb.run_chains(step, make_init(2), jr.key(0), 5, checkpoint=tmp_path / "c")
-    assert "pure_callback" in str(info.value)
-    assert not list(tmp_path.iterdir())
-    # Without a checkpoint, nothing needs identifying.
-    eb.run_chains(step, make_init(2), jr.key(0), 5)

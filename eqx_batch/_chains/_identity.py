@@ -2,8 +2,8 @@
 
 It is what decides the run's results: `init`'s structure and values, the chains' keys,
 the counts, what `step` computes (a digest of its traced program, the jaxpr, of the
-values of its constants and of the code and data of its host callbacks, never its name),
-and what decides JAX's random bits (the versions of JAX and jaxlib and its PRNG
+values of its constants and of the code and closures of its host callbacks, never its
+name), and what decides JAX's random bits (the versions of JAX and jaxlib and its PRNG
 configuration). Every checkpoint file records it, and a
 checkpoint of another run is refused, saying what differs.
 """
@@ -88,81 +88,70 @@ def _host_callbacks(jaxpr: jax.extend.core.Jaxpr) -> Iterator[tuple[str, Any]]:
             yield name, getattr(callback, "callback_func", callback)
 
 
-def _code_parts(x: Any, seen: set[int]) -> Iterator[bytes]:
-    """What identifies `x`, reached from a host callback: the code of functions (with
-    the functions and values they use, recursively), the values of arrays, numbers,
-    strings and containers of them, the name of modules and classes, and the repr of
-    other objects when it holds no memory address. Raises `_Unidentifiable` else."""
-    if id(x) in seen:
+def _value_parts(x: Any, walking: frozenset[int]) -> Iterator[bytes]:
+    """What identifies `x`, a host callback or a value it closes over: numbers,
+    strings and arrays by value, containers of them item by item, modules, classes
+    and builtins by name, and functions by their own code, closure cells and
+    defaults. `walking` holds the ids of the values `x` is inside, to stop at cycles.
+    Raises `_Unidentifiable` for any other value.
+
+    A function's globals are not walked: they reach the whole program (its modules,
+    their functions, their state), and a value there with no identity of its own
+    would refuse any callback that merely reads it.
+    """
+    if id(x) in walking:
+        yield b"(cycle)"
         return
-    seen.add(id(x))
+    walking |= {id(x)}
     if x is None or isinstance(x, bool | int | float | complex | str | bytes):
         yield repr(x).encode()
     elif is_array(x):
         data = np.ascontiguousarray(host_array(x))
         yield f"{data.dtype}{data.shape}".encode() + data.tobytes()
     elif isinstance(x, tuple | list | dict):
+        yield f"{type(x).__qualname__}[{len(x)}]".encode()
         items = x.items() if isinstance(x, dict) else enumerate(x)
         for key, value in items:
             yield repr(key).encode()
-            yield from _code_parts(value, seen)
+            yield from _value_parts(value, walking)
     elif isinstance(x, types.ModuleType):
         yield x.__name__.encode()
-    elif isinstance(x, ft.partial):
-        yield from _code_parts((x.func, x.args, x.keywords), seen)
-    elif isinstance(x, types.MethodType):
-        yield from _code_parts((x.__func__, x.__self__), seen)
-    elif isinstance(x, types.FunctionType):
-        yield from _function_parts(x, seen)
-    elif isinstance(x, type) or isinstance(x, types.BuiltinFunctionType | np.ufunc):
+    elif isinstance(x, type | types.BuiltinFunctionType | np.ufunc):
         # Compiled code: its name says what it is.
         yield (qualified_name(x) or repr(x)).encode()
-    elif " at 0x" not in repr(x):
-        yield f"{type(x).__qualname__}:{repr(x)}".encode()
+    elif isinstance(x, ft.partial):
+        yield from _value_parts((x.func, x.args, x.keywords), walking)
+    elif isinstance(x, types.MethodType):
+        yield from _value_parts((x.__func__, x.__self__), walking)
+    elif isinstance(x, types.FunctionType):
+        yield from _code_parts(x.__code__)
+        cells = [cell.cell_contents for cell in x.__closure__ or ()]
+        yield from _value_parts((cells, x.__defaults__, x.__kwdefaults__), walking)
     else:
         raise _Unidentifiable(f"{type(x).__qualname__} {_without_addresses(repr(x))}")
 
 
-def _function_parts(function: types.FunctionType, seen: set[int]) -> Iterator[bytes]:
-    code = function.__code__
-    yield from _code_object_parts(code)
-    for cell in function.__closure__ or ():
-        yield from _code_parts(cell.cell_contents, seen)
-    yield from _code_parts(function.__defaults__, seen)
-    for name in sorted(_global_names(code)):
-        if name in function.__globals__:
-            yield name.encode()
-            yield from _code_parts(function.__globals__[name], seen)
-
-
-def _code_object_parts(code: types.CodeType) -> Iterator[bytes]:
+def _code_parts(code: types.CodeType) -> Iterator[bytes]:
+    """A code object's bytecode, the names it looks up and its constants, the code
+    objects of the functions it defines included."""
     yield code.co_code
     yield repr(code.co_names).encode()
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
-            yield from _code_object_parts(constant)
+            yield from _code_parts(constant)
         else:
             yield repr(constant).encode()
 
 
-def _global_names(code: types.CodeType) -> set[str]:
-    """The names `code` (nested functions included) may look up as globals."""
-    names = set(code.co_names)
-    for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):
-            names |= _global_names(constant)
-    return names
-
-
 def _callbacks_digest(program: jax.extend.core.ClosedJaxpr) -> str | None:
-    """A digest of the code and data of the step's host callbacks; None if it has
+    """A digest of the code and closures of the step's host callbacks; None if it has
     none. The jaxpr names a callback by its function's name only, so an edited
     function would otherwise resume the run it no longer computes."""
     parts = []
     for primitive, function in _host_callbacks(program.jaxpr):
         parts.append(primitive.encode())
         try:
-            parts.extend(_code_parts(function, set()))
+            parts.extend(_value_parts(function, frozenset()))
         except _Unidentifiable as e:
             raise BatchError(
                 f"`step` calls `{primitive}` with "
