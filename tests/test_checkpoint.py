@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
-import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
@@ -146,36 +145,6 @@ def test_states_and_outputs_checkpoint_and_read_back(tmp_path):
     assert not STEPS_RUN
     assert_trees_identical(again.states, plain.states)
     assert_trees_identical(outputs(again), outputs(plain))
-
-
-def test_a_checkpoint_of_outputs_alone_is_refused(tmp_path):
-    # Before the states were recorded beside the outputs, a `with_output` run's files
-    # held the outputs alone, and its identity did not say what was recorded.
-    from eqx_batch._file_format import read_metadata
-    from eqx_batch._serialise import write_tree
-
-    path = tmp_path / "run.ckpt"
-    run = ft.partial(eb.run_chains, _moved, make_init(3), jr.key(0), 20, thin=2)
-    run(with_output=True, checkpoint=path, checkpoint_every=5)
-    metadata = read_metadata(path)
-    identity = json.loads(metadata["run_chains.run"])
-    assert identity.pop("recorded") == "states and outputs"
-    metadata["run_chains.run"] = json.dumps(identity)
-    like = {
-        "states": make_init(3),
-        "keys": np.zeros((3, 2), np.uint32),
-        "first_bad": np.zeros(3, np.int32),
-    }
-    write_tree(path, eb.load(path, like), metadata=metadata)
-    with pytest.raises(eb.BatchError) as info:
-        run(with_output=True, checkpoint=path, checkpoint_every=5)
-    assert "recorded: the checkpoint has (nothing), this call has states and " in str(
-        info.value
-    )
-    # Runs without outputs record what they always did, under the identity they had.
-    plain_path = tmp_path / "plain.ckpt"
-    eb.run_chains(metropolis, make_init(3), jr.key(0), 20, checkpoint=plain_path)
-    assert "recorded" not in json.loads(read_metadata(plain_path)["run_chains.run"])
 
 
 def test_reading_back_compiles_the_same_whatever_the_number_of_draw_files(tmp_path):

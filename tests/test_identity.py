@@ -1,6 +1,7 @@
 """A run's identity: what must not change between a kill and its resume."""
 
 import functools as ft
+import json
 from typing import Any
 
 import jax
@@ -25,17 +26,34 @@ def test_another_prng_configuration_is_refused(tmp_path):
 
 
 def test_a_checkpoint_of_another_jax_is_refused():
-    from eqx_batch._chains._identity import RunIdentity
+    from eqx_batch._chains._identity import RunIdentity, RunOptions
 
     program = jax.make_jaxpr(metropolis)(make_init(1), jr.key(0))
-    init = make_init(2)
-    keys = jr.key_data(jr.split(jr.key(0), 2))
-    like = jax.ShapeDtypeStruct((2,), jr.key(0).dtype)
-    identity = RunIdentity.of(program, init, init, keys, like, {"num_steps": 5})
+    options = RunOptions(5, 1, 0, False, True, False, False, None)
+    keys = jr.split(jr.key(0), 2)
+    identity = RunIdentity.of(program, make_init(2), keys, options)
     saved = dict(identity.fields) | {"jax": "0.4.30"}
     (line,) = identity.differences(saved)
     assert line.startswith("jax: the checkpoint was written with 0.4.30")
     assert jax.__version__ in line
+
+
+@pytest.mark.parametrize("with_output", [False, True])
+def test_every_run_records_every_option(tmp_path, with_output):
+    # One rule for every run: no field is left out to keep an older identity.
+    from eqx_batch._chains._identity import RunOptions
+    from eqx_batch._file_format import read_metadata
+
+    path = tmp_path / "run.ckpt"
+    step = (lambda s, k: (metropolis(s, k), {"n": 1})) if with_output else metropolis
+    eb.run_chains(
+        step, make_init(2), jr.key(0), 5, with_output=with_output, checkpoint=path
+    )
+    fields = json.loads(read_metadata(path)["run_chains.run"])
+    recorded = {name: fields[name] for name in RunOptions._fields}
+    assert recorded["with_output"] == str(with_output)
+    assert recorded["diagnostics"] == recorded["all_chains"] == "False"
+    assert recorded["until"] == "None"
 
 
 def _callback_step(source: str) -> Any:

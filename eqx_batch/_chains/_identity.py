@@ -91,9 +91,10 @@ def _host_callbacks(jaxpr: jax.extend.core.Jaxpr) -> Iterator[tuple[str, Any]]:
 def _value_parts(x: Any, walking: frozenset[int]) -> Iterator[bytes]:
     """What identifies `x`, a host callback or a value it closes over: numbers,
     strings and arrays by value, containers of them item by item, modules, classes
-    and builtins by name, and functions by their own code, closure cells and
-    defaults. `walking` holds the ids of the values `x` is inside, to stop at cycles.
-    Raises `_Unidentifiable` for any other value.
+    and builtins by name, functions by their own code, closure cells and defaults,
+    and other objects by their repr when it holds no memory address. `walking` holds
+    the ids of the values `x` is inside, to stop at cycles. Raises `_Unidentifiable`
+    for any other value.
 
     A function's globals are not walked: they reach the whole program (its modules,
     their functions, their state), and a value there with no identity of its own
@@ -127,6 +128,9 @@ def _value_parts(x: Any, walking: frozenset[int]) -> Iterator[bytes]:
         yield from _code_parts(x.__code__)
         cells = [cell.cell_contents for cell in x.__closure__ or ()]
         yield from _value_parts((cells, x.__defaults__, x.__kwdefaults__), walking)
+    elif " at 0x" not in repr(x):
+        # A value that prints itself (a dtype, a config dataclass): its repr is it.
+        yield f"{type(x).__qualname__}:{repr(x)}".encode()
     else:
         raise _Unidentifiable(f"{type(x).__qualname__} {_without_addresses(repr(x))}")
 
