@@ -386,7 +386,7 @@ class Checkpoint:
         emit = draws.most_in(stop - start)
         # The segment returns the `emit` draws from its first on, or, near the end of
         # the buffer, the last `emit` of the trace.
-        offset = first - min(first, draws.count - emit)
+        offset = first - min(first, draws.total - emit)
         return SegmentFiles(
             DrawFile(self.draws_name(first, end), first, end), emit, offset
         )
@@ -421,9 +421,9 @@ class Checkpoint:
             if snapshot.files is not None:
                 draw_file = snapshot.files.draw_file
                 offset = snapshot.files.offset
-                window = slice(offset, offset + draw_file.stop - draw_file.first)
+                in_file = slice(offset, offset + draw_file.stop - draw_file.first)
                 draws = jtu.tree_map(
-                    lambda x: host_array(x)[real, window], snapshot.draws
+                    lambda x: host_array(x)[real, in_file], snapshot.draws
                 )
                 write_tree(
                     self.path.with_name(draw_file.name),

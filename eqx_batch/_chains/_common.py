@@ -38,7 +38,7 @@ class OneChain(NamedTuple):
 
 
 class Draws(NamedTuple):
-    """Which steps the trace records: after `burn_in`, every `thin`-th, `count` in all.
+    """Which steps the trace records: after `burn_in`, every `thin`-th, `total` in all.
 
     The one answer to "is step `t` a draw?", for the host and inside the compiled
     loop. Steps are counted from 0: step `t` makes the state after `t + 1` steps,
@@ -47,7 +47,7 @@ class Draws(NamedTuple):
 
     burn_in: int
     thin: int
-    count: int  # the draws of the whole run
+    total: int  # the draws of the whole run
 
     @classmethod
     def of(cls, num_steps: int, burn_in: int, thin: int) -> "Draws":
@@ -75,7 +75,7 @@ class Draws(NamedTuple):
 
     def most_in(self, length: int) -> int:
         """The most draws that any `length` consecutive steps record."""
-        return min(-(-length // self.thin), self.count)
+        return min(-(-length // self.thin), self.total)
 
 
 def structs(tree: Any, *, drop: int = 0, add: tuple[int, ...] = ()) -> Any:

@@ -95,8 +95,8 @@ def add_draw(
         return None
     keep = draws.is_draw(t)
     draw = draws.slot(t)
-    half = draws.count // 2
-    which = (draw >= half).astype(jnp.int32) + (draw >= draws.count - half).astype(
+    half = draws.total // 2
+    which = (draw >= half).astype(jnp.int32) + (draw >= draws.total - half).astype(
         jnp.int32
     )
     count = lax.dynamic_index_in_dim(moments.count, which, 1, keepdims=False)

@@ -170,8 +170,9 @@ def _sharded_zeros(structs: tuple[jax.ShapeDtypeStruct, ...]) -> list[jax.Array]
 
 
 @eqx.filter_jit(donate="all-except-first")
-def put_draws(draws: Any, trace_buffer: Any) -> Any:
-    """`trace_buffer` with its first draws (along axis 1) replaced by `draws`."""
+def put_draws(draws: Any, trace: Any) -> Any:
+    """The trace buffer `trace` with its first draws (along axis 1) replaced by
+    `draws`."""
     return jtu.tree_map(
-        lambda b, d: lax.dynamic_update_slice_in_dim(b, d, 0, 1), trace_buffer, draws
+        lambda b, d: lax.dynamic_update_slice_in_dim(b, d, 0, 1), trace, draws
     )

@@ -79,7 +79,7 @@ class RunPlan:
         """The trace buffer's shape-dtype structs; None without a trace."""
         if not self.segment.keep_trace:
             return None
-        return self.prepared.trace_like(num_chains, self.draws.count)
+        return self.prepared.trace_like(num_chains, self.draws.total)
 
     def identity(self, chains: ChainState) -> RunIdentity:
         """The identity of the run of these chains (at their start)."""
@@ -122,15 +122,15 @@ def plan_run(
     prepared = prepared_run(step, init.whole, keys, legacy, with_output, traced)
     draws = Draws.of(counts.num_steps, counts.burn_in, counts.thin)
     if diagnostics:
-        check_diagnostics(prepared.one_chain.state, draws.count)
+        check_diagnostics(prepared.one_chain.state, draws.total)
     schedule = None
     if until is not None:
-        schedule = until.plan(counts.num_steps, superchains, num_chains)
+        schedule = until.schedule(counts.num_steps, superchains, num_chains)
     return RunPlan(
         step=step,
         shared=init.shared,
         prepared=prepared,
-        segment=SegmentPlan(0, draws, with_output, trace and draws.count > 0, legacy),
+        segment=SegmentPlan(0, draws, with_output, trace and draws.total > 0, legacy),
         options=RunOptions(
             num_steps=counts.num_steps,
             thin=counts.thin,

@@ -206,7 +206,7 @@ def _write_access(plan: RunPlan, path: pathlib.Path) -> WriteAccess:
     longest = longest_file_name(
         path,
         num_chains=plan.num_chains,
-        num_draws=plan.draws.count if plan.segment.keep_trace else 0,
+        num_draws=plan.draws.total if plan.segment.keep_trace else 0,
         chunked=chunked,
     )
     return WriteAccess(path, longest)

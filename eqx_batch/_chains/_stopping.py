@@ -59,7 +59,7 @@ class StoppingRule(eqx.Module):
     ess: float | None
     every: int | None
 
-    def plan(
+    def schedule(
         self, num_steps: int, superchains: int | None, num_chains: int
     ) -> "Schedule":
         """The criteria with their thresholds for this run, and the check interval."""
