@@ -123,6 +123,22 @@ def check_int(
     return number
 
 
+def check_bool(value: Any, name: str) -> bool:
+    """`value`, a flag of a public function, as a Python `bool`.
+
+    One rule everywhere: Python's and NumPy's bools (and 0-d bool arrays) are flags;
+    nothing else is, not even a string such as `"False"`, which Python counts as true.
+
+    **Raises:**
+
+    `BatchError` naming `name` if `value` is not a bool.
+    """
+    if not (is_bool(value) and getattr(value, "ndim", 0) == 0):
+        shown = describe(value) if getattr(value, "ndim", 0) else repr(value)
+        raise BatchError(f"`{name}` is {shown}; it must be True or False.")
+    return bool(value)
+
+
 def is_bool(x: Any) -> bool:
     """Whether `x` is a bool: Python's, NumPy's, or an array of bools."""
     return isinstance(x, (bool, np.bool_)) or getattr(x, "dtype", None) == np.bool_

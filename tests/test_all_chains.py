@@ -341,3 +341,12 @@ def test_an_all_chains_run_is_another_run_for_its_checkpoint(tmp_path):
         lambda: eb.run_chains(_disguised, make_init(8), jr.key(0), 5, checkpoint=path),
         "all_chains: the checkpoint has False, this call has True",
     )
+
+
+def test_a_per_chain_step_marked_all_chains_names_the_signature():
+    def step(state, key):
+        return state
+
+    with pytest.raises(eb.BatchError, match=r"step\(states, keys, count\)") as info:
+        eb.all_chains(step)
+    assert "step(state, key)" in str(info.value)

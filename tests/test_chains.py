@@ -639,3 +639,11 @@ def test_python_numbers_in_outputs_are_recorded_as_arrays():
 def test_key_data_of_the_wrong_shape_is_refused(shape):
     with pytest.raises(eb.BatchError, match=r"`key` is uint32\[.*not legacy key data"):
         eb.run_chains(metropolis, make_init(4), jnp.zeros(shape, jnp.uint32), 5)
+
+
+@pytest.mark.parametrize("flag", ["with_output", "trace", "progress", "diagnostics"])
+@pytest.mark.parametrize("value", ["False", "false", 0, None])
+def test_a_flag_that_is_not_a_bool_is_refused(flag, value):
+    # `trace="False"` is a string, which Python counts as true.
+    with pytest.raises(eb.BatchError, match=f"`{flag}` is .*; it must be True or False"):
+        eb.run_chains(metropolis, make_init(2), jr.key(0), 5, **{flag: value})

@@ -29,7 +29,7 @@ def test_a_checkpoint_of_another_jax_is_refused():
     from eqx_batch._chains._identity import RunIdentity, RunOptions
 
     program = jax.make_jaxpr(metropolis)(make_init(1), jr.key(0))
-    options = RunOptions(5, 1, 0, False, True, False, False, None)
+    options = RunOptions(5, 1, 0, False, True, False, False, None, None)
     keys = jr.split(jr.key(0), 2)
     identity = RunIdentity.of(program, make_init(2), keys, options)
     saved = dict(identity.fields) | {"jax": "0.4.30"}
@@ -53,7 +53,7 @@ def test_every_run_records_every_option(tmp_path, with_output):
     recorded = {name: fields[name] for name in RunOptions._fields}
     assert recorded["with_output"] == str(with_output)
     assert recorded["diagnostics"] == recorded["all_chains"] == "False"
-    assert recorded["until"] == "None"
+    assert recorded["until"] == recorded["superchains"] == "None"
 
 
 def _callback_step(source: str) -> Any:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -268,3 +269,100 @@ def test_the_progress_bar_shows_the_worst_statistics_with_their_leaf(capsys):
     )
     err = capsys.readouterr().err
     assert "R-hat" in err and "at ['w'][" in err
+
+
+def _poisoned(chain: int, element: slice | int) -> eb.AllChains:
+    """`fast` on every chain, but chain `chain`'s state turns NaN at `element` from
+    step 20 on."""
+
+    @eb.all_chains
+    def step(states: jax.Array, keys: jax.Array, count: jax.Array) -> jax.Array:
+        new = jax.vmap(fast)(states, keys)
+        poisoned = (count >= 20) & (jnp.arange(states.shape[0]) == chain)
+        return new.at[:, element].set(
+            jnp.where(
+                poisoned[:, None], jnp.nan, new[:, element].reshape(len(new), -1)
+            ).reshape(new[:, element].shape)
+        )
+
+    return step
+
+
+@pytest.mark.parametrize("element", [0, slice(None)], ids=["one element", "whole leaf"])
+def test_a_nan_chain_never_converges(element, capsys):
+    # Without the guard, the statistics skip the NaN chain and the run "converges".
+    result = _run(_poisoned(5, element), num_steps=400, progress=True)
+    stopped = _stopped(result)
+    assert result.steps_done == 400 and not stopped.converged
+    assert "1 chains are NaN or infinite (5)" in stopped.reason
+    assert list(result.nonfinite.chains) == [5]
+    assert "1 chains are NaN or infinite (5)" in capsys.readouterr().err
+
+
+def test_a_nan_chain_never_converges_under_classic_rhat():
+    result = eb.run_chains(
+        _poisoned(0, 1),
+        jnp.zeros((16, 2)),
+        jr.key(0),
+        300,
+        until=eb.converged(rhat=1.5, every=50),
+    )
+    assert result.steps_done == 300 and not _stopped(result).converged
+    assert "NaN or infinite (0)" in _stopped(result).reason
+
+
+@pytest.mark.parametrize("every", [-5, 0, True, 2.5])
+def test_a_rule_built_by_hand_is_checked_as_converged_checks_it(every):
+    with pytest.raises(eb.BatchError, match="`every` is"):
+        eb.StoppingRule(nested_rhat="default", rhat=None, ess=None, every=every)
+    with pytest.raises(eb.BatchError, match="no criterion"):
+        eb.StoppingRule(nested_rhat=None, rhat=None, ess=None, every=None)
+
+
+@pytest.mark.parametrize("until", [None, eb.converged(every=40)])
+def test_adding_or_removing_until_on_resume_names_the_difference(tmp_path, until):
+    path = tmp_path / "run.ckpt"
+    other = eb.converged(every=40) if until is None else None
+    _run(num_steps=80, until=until, diagnostics=True, checkpoint=path)
+    with pytest.raises(eb.BatchError, match="until: the checkpoint has") as info:
+        _run(num_steps=80, until=other, diagnostics=True, checkpoint=path)
+    assert "its run id" not in str(info.value)
+
+
+def test_superchains_are_part_of_the_run_identity(tmp_path):
+    # K = 2 starts repeated twice expand to the chains K = 4 runs from: the same
+    # chains, but another nested R-hat, so another stop.
+    path = tmp_path / "run.ckpt"
+    starts = jnp.concatenate([STARTS[:2], STARTS[:2]])
+    keys = KEYS[:64]
+    eb.run_chains(fast, starts[:2], keys, 100, superchains=2, checkpoint=path)
+    with pytest.raises(eb.BatchError, match="superchains: the checkpoint has 2"):
+        eb.run_chains(fast, starts, keys, 100, superchains=4, checkpoint=path)
+
+
+def test_a_record_that_disagrees_with_the_progress_is_refused(tmp_path):
+    # A stop at an earlier step than the state's, written as a sound file (as a bug,
+    # or someone who knows the format, would write it): read back, it would give the
+    # state of one step under the report of another.
+    from eqx_batch._chains._moments import Moments
+    from eqx_batch._serialise import read_tree, write_tree
+
+    path = tmp_path / "run.ckpt"
+    stop = _stopped(_run(checkpoint=path, checkpoint_every=50)).step
+    like = {
+        "states": np.zeros((128, 2), np.float32),
+        "keys": np.zeros((128, 2), np.uint32),
+        "first_bad": np.zeros(128, np.int32),
+        "moments": Moments(
+            np.zeros((128, 3), np.int32),
+            np.zeros((128, 3, 2), np.float32),
+            np.zeros((128, 3, 2), np.float32),
+        ),
+    }
+    state, metadata = read_tree(path, like, on_host=True)
+    progress = json.loads(metadata["run_chains.progress"])
+    progress["stopping"]["stopped"][0] = stop - 50
+    metadata["run_chains.progress"] = json.dumps(progress)
+    write_tree(path, state, metadata=metadata)
+    with pytest.raises(eb.BatchError, match=f"stopped at step {stop - 50}, but its"):
+        _run(checkpoint=path, checkpoint_every=50)

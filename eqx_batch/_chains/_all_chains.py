@@ -6,12 +6,13 @@ and mapped. Marking such a step, rather than adding a flag to `run_chains`, keep
 kind of step with the step: whatever runs it asks the step what it takes.
 """
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 
-from .._errors import BatchError, describe
+from .._errors import BatchError, describe, qualified_name
 from ._placement import chain_devices
 
 
@@ -71,7 +72,8 @@ def all_chains(step: Callable) -> AllChains:
 
     **Raises:**
 
-    `eb.BatchError` if `step` is not callable.
+    `eb.BatchError` if `step` is not callable, or cannot be called with three
+    arguments.
 
     The chains of an all-chains step are never padded: `run_chains` places them on
     the most devices that they divide over evenly (in a job of several processes, as
@@ -97,7 +99,27 @@ def all_chains(step: Callable) -> AllChains:
             f"`step` is {describe(step)}, not a function: `eb.all_chains` marks a "
             "function `step(states, keys, count)`."
         )
+    _check_signature(step)
     return AllChains(step)
+
+
+def _check_signature(step: Callable) -> None:
+    """Refuses a step that cannot be called as `step(states, keys, count)`, such as a
+    per-chain `step(state, key)` marked by mistake, before it is traced."""
+    try:
+        signature = inspect.signature(step)
+    except (TypeError, ValueError):
+        return  # no signature to read (some builtins): calling it will tell
+    try:
+        signature.bind(None, None, None)
+    except TypeError as e:
+        raise BatchError(
+            f"`step` is {qualified_name(step) or describe(step)}{signature}, but an "
+            "`eb.all_chains` step is called as `step(states, keys, count)` (every "
+            f"chain's state, one key per chain, the step number): {e}. Take the three "
+            "arguments (`count` may be ignored), or pass a per-chain "
+            "`step(state, key)` to `run_chains` without `eb.all_chains`."
+        ) from None
 
 
 def check_all_chains_run(num_chains: int, chunk_size: int | None) -> None:

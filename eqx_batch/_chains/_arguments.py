@@ -9,7 +9,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError, check_int, describe
+from .._errors import BatchError, check_bool, check_int, describe
 from .._tree import axis_sizes, common_size, is_array, is_key, is_numpy, mapped_leaves
 from ._stopping import StoppingRule
 
@@ -22,6 +22,17 @@ class Counts(NamedTuple):
     burn_in: int
     checkpoint_every: int | None
     chunk_size: int | None
+
+
+def checked_flags(**flags: Any) -> list[bool]:
+    """Each flag as a Python bool, in order.
+
+    **Raises:**
+
+    `BatchError` naming the first flag that is not a bool (`"False"` is a string,
+    which Python would count as true).
+    """
+    return [check_bool(value, name) for name, value in flags.items()]
 
 
 def checked_counts(

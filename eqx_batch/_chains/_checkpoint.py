@@ -231,6 +231,9 @@ class Checkpoint:
             num_steps=num_steps,
             num_draws=0 if trace_like is None else draws.before,
         )
+        problem = None if record is None else record.disagreement(steps_done)
+        if problem is not None:
+            raise self._damaged(problem)
         saved = self._read(self.path, as_key_data(chains_like._asdict()), "checkpoint")
         self.draw_files = draw_files
         self.steps_written = steps_done

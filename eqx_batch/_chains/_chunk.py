@@ -152,6 +152,10 @@ class ChunkRun:
         """The running moments of the real chains, whole on every process."""
         return self.placement.real_chains(self.chains.moments)
 
+    def first_bad(self) -> np.ndarray:
+        """The NaN report of the real chains (`ChainState.first_bad`), on the host."""
+        return np.asarray(self.placement.real_chains(self.chains.first_bad))
+
     def discard_moments(self) -> None:
         """Starts the moments afresh: a failed check's window is discarded."""
         self.chains = self.chains._replace(

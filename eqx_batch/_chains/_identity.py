@@ -229,6 +229,7 @@ class RunOptions(NamedTuple):
     trace: bool
     diagnostics: bool
     all_chains: bool  # whether `step` takes every chain at once
+    superchains: int | None  # what `until`'s nested R-hat and the diagnostics group
     until: str | None  # the stopping rule's criteria and interval, if any
 
 

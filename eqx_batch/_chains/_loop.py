@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 
 from ._chunk import ChunkJob, ChunkRun, RunContext
 from ._common import ChainState
@@ -39,7 +40,8 @@ def run_chunks(
             jax.block_until_ready(results[-1])
     if _shows_moments(context) and len(jobs) > 1 and not together:
         moments = [chains.moments for chains, _ in results]
-        _show(context, context.plan.num_steps * len(jobs), moments)
+        first_bad = [np.asarray(chains.first_bad) for chains, _ in results]
+        _show(context, context.plan.num_steps * len(jobs), moments, first_bad)
     return results, record
 
 
@@ -65,7 +67,8 @@ def _run_group(context: RunContext, chunks: list[ChunkRun], separate: bool) -> R
                 jax.block_until_ready(chunk.chains)
         if plan.until is None:
             if _shows_moments(context) and not separate:
-                _show(context, stop, [chunk.moments() for chunk in chunks])
+                moments = [chunk.moments() for chunk in chunks]
+                _show(context, stop, moments, [chunk.first_bad() for chunk in chunks])
         elif plan.until.is_check(stop, plan.num_steps) and not record.decided(stop):
             record = _decide(context, record, stop, chunks)
         for chunk in moving:
@@ -96,9 +99,10 @@ def _decide(
     diagnostics = diagnose(
         joined([chunk.moments() for chunk in chunks]), plan.superchains
     )
-    result = check(plan.until, diagnostics)
+    nonfinite = np.flatnonzero(np.concatenate([chunk.first_bad() for chunk in chunks]))
+    result = check(plan.until, diagnostics, nonfinite)
     if context.bar is not None:
-        context.bar.show(stop, postfix(diagnostics))
+        context.bar.show(stop, postfix(diagnostics, nonfinite))
     if at_cap and not result.passed:
         result = result._replace(
             reason=f"reached the cap, num_steps={stop}: {result.reason}"
@@ -118,9 +122,12 @@ def _shows_moments(context: RunContext) -> bool:
     return context.bar is not None and context.plan.options.diagnostics
 
 
-def _show(context: RunContext, done: int, moments: list[Any]) -> None:
+def _show(
+    context: RunContext, done: int, moments: list[Any], first_bad: list[np.ndarray]
+) -> None:
     """The bar at `done` steps, with the worst (nested) R-hat and smallest ESS of the
-    chunks' `moments`."""
+    chunks' `moments`, and the chains their `first_bad` reports non-finite."""
     assert context.bar is not None
     diagnostics = diagnose(joined(moments), context.plan.superchains)
-    context.bar.show(done, postfix(diagnostics))
+    nonfinite = np.flatnonzero(np.concatenate(first_bad))
+    context.bar.show(done, postfix(diagnostics, nonfinite))

@@ -139,6 +139,7 @@ def plan_run(
             trace=trace,
             diagnostics=diagnostics,
             all_chains=all_chains,
+            superchains=superchains,
             until=None if schedule is None else str(schedule),
         ),
         num_chains=num_chains,

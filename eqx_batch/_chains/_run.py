@@ -20,7 +20,7 @@ import numpy as np
 
 from .._progress import ProgressBar
 from .._select import take
-from ._arguments import chain_keys, checked_counts, split_init
+from ._arguments import chain_keys, checked_counts, checked_flags, split_init
 from ._checkpoint import chunk_path, longest_file_name, warn_of_other_chunkings
 from ._chunk import ChunkJob, RunContext
 from ._common import ChainState
@@ -118,11 +118,12 @@ def run_chains(
     `eb.BatchError`, naming the argument and leaf, if `step` changes the state's
     structure, a leaf's shape or dtype, or does not return a pair with
     `with_output=True`; if `key` or the leaves of `init` disagree on the number of
-    chains; if a count is out of range (a bool is no count); if `superchains`,
-    `diagnostics`, `until` or an `eb.all_chains` step cannot be met (see their
-    sections); and for `checkpoint`, before any step, if its folder cannot be
-    written, another live run holds it, or it holds another run's, a corrupt or a
-    foreign file; during the run, if writing fails (the last good checkpoint is kept).
+    chains; if a count is out of range (a bool is no count) or a flag is not a bool (a
+    string is no flag); if `superchains`, `diagnostics`, `until` or an `eb.all_chains`
+    step cannot be met (see their sections); and for `checkpoint`, before any step, if
+    its folder cannot be written, another live run holds it, or it holds another run's,
+    a corrupt or a foreign file; during the run, if writing fails (the last good
+    checkpoint is kept).
 
     !!! Example
 
@@ -154,6 +155,9 @@ def run_chains(
         chunk_size,
         checkpointed=checkpoint is not None,
         until=until,
+    )
+    with_output, trace, progress, diagnostics = checked_flags(
+        with_output=with_output, trace=trace, progress=progress, diagnostics=diagnostics
     )
     diagnostics = diagnostics or until is not None  # the rule reads them
     whole, superchain_ids = split_init(init), None

@@ -7,6 +7,7 @@ window's draws) and compares each criterion's worst element with its threshold. 
 between segments, never inside the compiled loop.
 """
 
+import functools as ft
 import math
 import operator
 from typing import Any, NamedTuple
@@ -34,6 +35,38 @@ CHECKS_PER_RUN = 10
 _NAMES = {"nested_rhat": "nested R-hat", "rhat": "R-hat", "ess": "ESS"}
 
 
+def _nested(value: Any) -> float | str | None:
+    if isinstance(value, str):
+        if value != "default":
+            raise BatchError(
+                f"`nested_rhat` is {value!r}; pass a number >= 1, 'default' or None."
+            )
+        return value
+    return _threshold(value, "nested_rhat", "R-hat")
+
+
+def _every(value: Any) -> int | None:
+    if value is None:
+        return None
+    return check_int(value, "every", minimum=1, hint="It is steps between checks.")
+
+
+def _threshold(value: Any, name: str, kind: str) -> float | None:
+    """`value`, a threshold of R-hat (`kind`) or ESS, as a float; None stays None."""
+    if value is None:
+        return None
+    try:
+        number = None if is_bool(value) else float(operator.index(value))
+    except TypeError:
+        number = float(value) if isinstance(value, float | np.floating) else None
+    low = 1.0 if kind == "R-hat" else 0.0
+    if number is None or not math.isfinite(number) or number < low or number == 0:
+        shown = describe(value) if getattr(value, "ndim", 0) else repr(value)
+        rule = "a number >= 1 (R-hat is 1 at best)" if low else "a number > 0"
+        raise BatchError(f"`{name}` is {shown}; the {kind} threshold must be {rule}.")
+    return number
+
+
 class StoppingRule(eqx.Module):
     """When [`eb.run_chains`][] may stop before `num_steps`: made by
     [`eb.converged`][], passed as `until`. Every criterion that is not `None` must hold.
@@ -46,6 +79,11 @@ class StoppingRule(eqx.Module):
     - `ess`: the smallest cross-chain ESS allowed, or `None`.
     - `every`: the steps between two checks; `None`: a tenth of `num_steps`.
 
+    **Raises:**
+
+    `eb.BatchError`, however the rule is built (by hand too), for the fields that
+    `eb.converged` refuses.
+
     !!! Example
 
         ```python
@@ -54,10 +92,23 @@ class StoppingRule(eqx.Module):
         ```
     """
 
-    nested_rhat: float | str | None
-    rhat: float | None
-    ess: float | None
-    every: int | None
+    # Checked and made floats and ints however the rule is built (`eb.converged`, or
+    # by hand): a rule that `run_chains` would loop on forever is refused here.
+    nested_rhat: float | str | None = eqx.field(converter=_nested)
+    rhat: float | None = eqx.field(
+        converter=ft.partial(_threshold, name="rhat", kind="R-hat")
+    )
+    ess: float | None = eqx.field(
+        converter=ft.partial(_threshold, name="ess", kind="ESS")
+    )
+    every: int | None = eqx.field(converter=_every)
+
+    def __check_init__(self) -> None:
+        if self.nested_rhat is None and self.rhat is None and self.ess is None:
+            raise BatchError(
+                "The stopping rule has no criterion (`nested_rhat`, `rhat` and `ess` "
+                "are all None): pass at least one."
+            )
 
     def schedule(
         self, num_steps: int, superchains: int | None, num_chains: int
@@ -153,43 +204,7 @@ def converged(
         result.stopped.reason  # which statistic passed, its worst value and leaf
         ```
     """
-    if isinstance(nested_rhat, str):
-        if nested_rhat != "default":
-            raise BatchError(
-                f"`nested_rhat` is {nested_rhat!r}; pass a number >= 1, 'default' or "
-                "None."
-            )
-    else:
-        nested_rhat = _threshold(nested_rhat, "nested_rhat", "R-hat")
-    rule = StoppingRule(
-        nested_rhat=nested_rhat,
-        rhat=_threshold(rhat, "rhat", "R-hat"),
-        ess=_threshold(ess, "ess", "ESS"),
-        every=None
-        if every is None
-        else check_int(every, "every", minimum=1, hint="It is steps between checks."),
-    )
-    if rule.nested_rhat is None and rule.rhat is None and rule.ess is None:
-        raise BatchError(
-            "`converged` was given no criterion (`nested_rhat`, `rhat` and `ess` are "
-            "all None): pass at least one."
-        )
-    return rule
-
-
-def _threshold(value: Any, name: str, kind: str) -> float | None:
-    if value is None:
-        return None
-    try:
-        number = None if is_bool(value) else float(operator.index(value))
-    except TypeError:
-        number = float(value) if isinstance(value, float | np.floating) else None
-    low = 1.0 if kind == "R-hat" else 0.0
-    if number is None or not math.isfinite(number) or number < low or number == 0:
-        shown = describe(value) if getattr(value, "ndim", 0) else repr(value)
-        rule = "a number >= 1 (R-hat is 1 at best)" if low else "a number > 0"
-        raise BatchError(f"`{name}` is {shown}; the {kind} threshold must be {rule}.")
-    return number
+    return StoppingRule(nested_rhat, rhat, ess, every)
 
 
 class Criterion(NamedTuple):
@@ -231,9 +246,17 @@ class Check(NamedTuple):
     reason: str
 
 
-def check(schedule: Schedule, diagnostics: Diagnostics) -> Check:
-    """Whether `diagnostics` meet every criterion, and why (the failing one first)."""
+def check(schedule: Schedule, diagnostics: Diagnostics, nonfinite: np.ndarray) -> Check:
+    """Whether `diagnostics` meet every criterion, and why (the failing one first).
+
+    A check never passes while a chain in `nonfinite` (the indices of the chains whose
+    state went NaN or infinite) is among those it covers: its statistics may skip
+    their NaNs and look converged.
+    """
     lines, passed, first = [], True, math.nan
+    if len(nonfinite):
+        lines.append(_nonfinite_text(nonfinite))
+        passed = False
     for index, criterion in enumerate(schedule.criteria):
         path, value = worst_of(diagnostics, criterion.statistic)
         holds = criterion.holds(value)
@@ -248,8 +271,13 @@ def check(schedule: Schedule, diagnostics: Diagnostics) -> Check:
             f"{_NAMES[criterion.statistic]} {value:.6g} at {path} {sign} "
             f"{criterion.threshold:.6g}"
         )
-        lines.insert(len(lines) if holds else 0, text)
+        lines.insert(len(lines) if holds else int(len(nonfinite) > 0), text)
     return Check(passed, first, "; ".join(lines))
+
+
+def _nonfinite_text(nonfinite: np.ndarray) -> str:
+    shown = ", ".join(map(str, nonfinite[:8])) + (", ..." if len(nonfinite) > 8 else "")
+    return f"{len(nonfinite)} chains are NaN or infinite ({shown})"
 
 
 def worst_of(diagnostics: Diagnostics, statistic: str) -> tuple[str, float]:
@@ -258,12 +286,14 @@ def worst_of(diagnostics: Diagnostics, statistic: str) -> tuple[str, float]:
     return path + "".join(f"[{i}]" for i in element), value
 
 
-def postfix(diagnostics: Diagnostics) -> str:
-    """What the progress bar shows: the worst (nested) R-hat and smallest ESS."""
+def postfix(diagnostics: Diagnostics, nonfinite: np.ndarray) -> str:
+    """What the progress bar shows: the worst (nested) R-hat and smallest ESS, and
+    the chains that went NaN or infinite, if any."""
     statistic = "rhat" if diagnostics.nested_rhat is None else "nested_rhat"
     rhat_at, rhat = worst_of(diagnostics, statistic)
     ess_at, ess = worst_of(diagnostics, "ess")
-    return f"{_NAMES[statistic]} {rhat:.4g} at {rhat_at}, ESS {ess:.4g} at {ess_at}"
+    text = f"{_NAMES[statistic]} {rhat:.4g} at {rhat_at}, ESS {ess:.4g} at {ess_at}"
+    return text if not len(nonfinite) else f"{text}; {_nonfinite_text(nonfinite)}"
 
 
 class Stopped(eqx.Module):
@@ -347,6 +377,24 @@ class Record(NamedTuple):
         if stopped is not None and stopped.step > step:
             stopped = None
         return Record(self.checks[:kept], self.worst[:kept], stopped)
+
+    def disagreement(self, steps_done: int) -> str | None:
+        """What in this record contradicts a progress of `steps_done` steps, if
+        anything: a check after them, checks out of order, or a stop elsewhere."""
+        if list(self.checks) != sorted(set(self.checks)):
+            return f"its record of `until`'s checks is out of order ({self.checks})"
+        if self.checks and self.checks[-1] > steps_done:
+            return (
+                f"its record of `until`'s checks has a check at step "
+                f"{self.checks[-1]}, but its progress says {steps_done} steps were done"
+            )
+        if self.stopped is not None and self.stopped.step != steps_done:
+            return (
+                f"its record of `until`'s checks says the run stopped at step "
+                f"{self.stopped.step}, but its progress says {steps_done} steps were "
+                "done"
+            )
+        return None
 
     def end(self, num_steps: int) -> int:
         """The step the run ends at: where it stopped, else `num_steps`."""
