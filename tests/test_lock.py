@@ -205,3 +205,17 @@ def test_another_chunk_size_warns_of_the_checkpoints_it_does_not_read(tmp_path):
     ran = len(STEPS_RUN)
     assert_trees_identical(outputs(other()), outputs(first))
     assert len(STEPS_RUN) == ran
+
+
+def test_a_checkpoint_path_that_is_a_link_is_refused_as_a_link(tmp_path):
+    # A link to another run's checkpoint (live or not): its draw files would be looked
+    # for beside the link, and the message must not advise deleting that run's files.
+    real, link = tmp_path / "real.ckpt", tmp_path / "link.ckpt"
+    eb.run_chains(metropolis, make_init(3), jr.key(0), 10, checkpoint=real)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    link.symlink_to(real)
+    with pytest.raises(eb.BatchError, match="is a symbolic link") as info:
+        eb.run_chains(metropolis, make_init(3), jr.key(0), 10, checkpoint=link)
+    assert "Delete" not in str(info.value) and str(real) in str(info.value)
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if not p.is_symlink()}
+    assert after == before

@@ -33,11 +33,21 @@ def is_writer() -> bool:
 
 
 def check_folder(path: pathlib.Path) -> None:
-    """Raises, naming `path`, unless it can be a file in an existing folder.
+    """Raises, naming `path`, unless it can be a file (not a link) in an existing
+    folder.
 
     Reads only, so that a finished run can be read back from read-only storage.
     """
     folder = path.parent
+    if path.is_symlink():
+        # The run's files are named after the path and written beside it: through a
+        # link, its draw files would be looked for (and written) beside the link, away
+        # from the checkpoint it points to, and a live run's files could be mixed up.
+        raise BatchError(
+            f"`checkpoint` ({path}) is a symbolic link (to {os.readlink(path)}), which "
+            "`run_chains` does not follow: a run's files are named after its path. "
+            "Pass the path it points to, or another path; nothing was read or written."
+        )
     if path.is_dir():
         raise BatchError(
             f"`checkpoint` ({path}) is a folder; pass the path of a file in it, "
