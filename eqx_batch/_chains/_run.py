@@ -117,7 +117,8 @@ def run_chains(
     - `thin`, `burn_in`: the trace keeps the state after steps `burn_in + 1`,
         `burn_in + 1 + thin`, ... : the uninterrupted trace `[:, burn_in::thin]`.
     - `with_output`: record `step`'s second output (its acceptance, divergence,
-        energy...) in `trace`, and the states beside it in `states`.
+        energy...) in `outputs`, beside the states in `trace` (which are the same
+        with or without it).
     - `trace`: whether to record a trace at all (memory: chains x draws x state, plus
         the output with `with_output=True`).
     - `progress`: show one tqdm bar for all chains, updated from inside the compiled
@@ -194,15 +195,15 @@ def run_chains(
 
     **Returns:**
 
-    A [`eb.Chains`][] with `final`, `trace` (`[chains, draws, ...]` per leaf),
-    `states` (with `with_output=True`), `keys` (to continue the run exactly) and
-    `nonfinite`, and `superchain` and `diagnostics` with those arguments;
-    `steps_done`, the steps run (`num_steps` without `until`), and with `until`,
-    `stopped` ([`eb.Stopped`][]: when and why), with `trace` and `states` holding
-    only the draws made and `final` and `keys` the chains after `steps_done` steps
-    (`diagnostics.split_rhat` is then `None`: its halves are those of the planned
-    draws). Its arrays stay split over the devices; in a job of several processes,
-    every process gets whole results.
+    A [`eb.Chains`][] with `final`, `trace` (the states, `[chains, draws, ...]` per
+    leaf), `outputs` (the step's, likewise, with `with_output=True`), `keys` (to
+    continue the run exactly) and `nonfinite`, and `superchain` and `diagnostics`
+    with those arguments; `steps_done`, the steps run (`num_steps` without `until`),
+    and with `until`, `stopped` ([`eb.Stopped`][]: when and why), with `trace` and
+    `outputs` holding only the draws made and `final` and `keys` the chains after
+    `steps_done` steps (`diagnostics.split_rhat` is then `None`: its halves are those
+    of the planned draws). Its arrays stay split over the devices; in a job of
+    several processes, every process gets whole results.
 
     **Raises:**
 
@@ -433,9 +434,10 @@ def run_chains(
         recorded = eqx.combine(
             as_keys_like(recorded, run.recorded), run.recorded_static
         )
-    states = outputs = None
+    outputs = None
     if recorded is not None and with_output:
-        states, outputs = recorded
+        # Recorded together, one pytree per draw: the states are the trace.
+        recorded, outputs = recorded
     # Typed, as the segments return them; legacy keys are their raw data.
     end_keys = jr.key_data(chains.keys) if legacy else chains.keys
     final = eqx.combine(as_keys_like(chains.states, one_chain.state), shared)
@@ -445,15 +447,14 @@ def run_chains(
     return assembled(
         Chains,
         final=final,
-        trace=outputs if with_output else recorded,
-        states=states,
+        trace=recorded,
+        outputs=outputs,
         keys=end_keys,
         nonfinite=assembled(
             NonFinite,
             chains=bad_chains.astype(np.int64),
             steps=nonfinite_steps[bad_chains].astype(np.int64),
         ),
-        with_output=with_output,
         superchain=superchain_ids,
         diagnostics=None
         if not diagnostics
