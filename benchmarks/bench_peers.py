@@ -312,7 +312,7 @@ def numpyro_vectorized(numpyro: ModuleType) -> None:
                 jr.split(key, NUMPYRO_CHAINS),
                 NUMPYRO_STEPS,
                 with_output=True,
-            ).trace
+            ).outputs
         )
 
     got, expected = ours(), theirs()

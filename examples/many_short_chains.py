@@ -369,11 +369,11 @@ def study(target: Target, key: jax.Array) -> dict:
     assert stopped.step + SAMPLING <= BUDGET, "the comparison needs an earlier stop"
 
     # Draw i of a run is the state after its step 1 + THIN * i.
-    window = draws_between(warmup.states, -(-stopped.window_start // THIN), None)
-    draws_after_stop = ft.partial(draws_between, continued.states, 0)
+    window = draws_between(warmup.trace, -(-stopped.window_start // THIN), None)
+    draws_after_stop = ft.partial(draws_between, continued.trace, 0)
     # The fixed budget keeps the states after steps BUDGET // 2 + 1 to BUDGET.
     budget_start = -(-(BUDGET // 2 - stopped.step) // THIN)
-    budget = draws_between(continued.states, budget_start, None)
+    budget = draws_between(continued.trace, budget_start, None)
 
     # The draws the passing check saw, and ArviZ's nested R-hat of them.
     arviz_nested = worst_nested_rhat(window, superchain_ids)
@@ -415,7 +415,7 @@ def study(target: Target, key: jax.Array) -> dict:
         f"{fresh_nested:.4f}, and its summary:"
     )
     print(summary.to_string())
-    acceptance = float(np.mean(np.asarray(continued.trace["acceptance"])))
+    acceptance = float(np.mean(np.asarray(continued.outputs["acceptance"])))
     print(f"mean acceptance probability: {acceptance:.2f}")
 
     return {

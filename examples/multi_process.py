@@ -109,7 +109,7 @@ def run_the_chains() -> dict[str, np.ndarray]:
     # Typed keys cannot go to NumPy; their data can.
     arrays = {
         "final": result.final,
-        "trace": result.trace,
+        "outputs": result.outputs,
         "keys": jr.key_data(result.keys),
     }
     leaves = jax.tree_util.tree_flatten_with_path(arrays)[0]
@@ -130,8 +130,8 @@ def checksum(results: dict[str, np.ndarray]) -> str:
 
 
 def report(results: dict[str, np.ndarray], where: str) -> None:
-    acceptance = results["trace.accepted"].mean(axis=1)
-    log_posterior = results["trace.log_posterior"].mean(axis=1)
+    acceptance = results["outputs.accepted"].mean(axis=1)
+    log_posterior = results["outputs.log_posterior"].mean(axis=1)
     print(f"[{where}] chain  acceptance  mean log posterior")
     for i, (rate, value) in enumerate(zip(acceptance, log_posterior, strict=True)):
         print(f"[{where}] {i:5d}  {rate:10.2f}  {value:18.1f}")
@@ -277,9 +277,9 @@ def launch(args: argparse.Namespace) -> None:
         "process_exit_codes": exit_codes,
         "bit_for_bit": bit_for_bit,
         "checksum": checksum(job_results),
-        "chains": int(job_results["trace.accepted"].shape[0]),
-        "draws": int(job_results["trace.accepted"].shape[1]),
-        "acceptance": job_results["trace.accepted"].mean(axis=1).tolist(),
+        "chains": int(job_results["outputs.accepted"].shape[0]),
+        "draws": int(job_results["outputs.accepted"].shape[1]),
+        "acceptance": job_results["outputs.accepted"].mean(axis=1).tolist(),
         "file": str(args.out / "multi_process.npz"),
     }
     print("RESULT " + json.dumps(summary))

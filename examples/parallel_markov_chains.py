@@ -148,8 +148,9 @@ def main() -> None:
         thin=THIN,
         with_output=True,
     )
-    trace = jax.tree.map(np.asarray, result.trace)
-    print(f"trace shapes: { {k: v.shape for k, v in trace.items()} }")
+    # What the step recorded per draw; `result.trace` holds the states (the weights).
+    outputs = jax.tree.map(np.asarray, result.outputs)
+    print(f"output shapes: { {k: v.shape for k, v in outputs.items()} }")
     print(f"chains that went NaN/inf: {result.nonfinite.chains.tolist()}\n")
 
     # --- Per-chain summaries ----------------------------------------------------------
@@ -158,18 +159,18 @@ def main() -> None:
     x_query = 0.5
     query = int(np.argmin(np.abs(np.asarray(grid) - x_query)))
     truth = float(np.sin(2 * grid[query]))
-    acceptance = trace["accepted"].mean(axis=1)
+    acceptance = outputs["accepted"].mean(axis=1)
     print("acceptance: the fraction of recorded steps whose proposal was accepted")
     print(f"chain  acceptance  mean log posterior  posterior mean f({x_query}) +- sd")
     for i in range(NUM_CHAINS):
-        draws = trace["prediction"][i, :, query]
+        draws = outputs["prediction"][i, :, query]
         print(
-            f"{i:5d}  {acceptance[i]:10.2f}  {trace['log_posterior'][i].mean():18.1f}"
+            f"{i:5d}  {acceptance[i]:10.2f}  {outputs['log_posterior'][i].mean():18.1f}"
             f"  {draws.mean():+.3f} +- {draws.std():.3f}"
         )
     print(f"truth: sin(2 * {grid[query]:.1f}) = {truth:+.3f}")
 
-    pooled = trace["prediction"].reshape(-1, grid.shape[0])
+    pooled = outputs["prediction"].reshape(-1, grid.shape[0])
     mean, sd = pooled.mean(axis=0), pooled.std(axis=0)
     inside = np.abs(np.asarray(grid)) <= 1.5
     rmse = float(np.sqrt(np.mean((mean[inside] - np.sin(2 * grid[inside])) ** 2)))
@@ -177,10 +178,10 @@ def main() -> None:
 
     # --- Trace plot -------------------------------------------------------------------
     fig, (ax_lp, ax_f, ax_fit) = plt.subplots(1, 3, figsize=(14, 4))
-    draw_steps = (BURN_IN + 1 + THIN * np.arange(trace["accepted"].shape[1])) / 1000
+    draw_steps = (BURN_IN + 1 + THIN * np.arange(outputs["accepted"].shape[1])) / 1000
     for i in range(NUM_CHAINS):
-        ax_lp.plot(draw_steps, trace["log_posterior"][i], lw=0.8, label=f"chain {i}")
-        ax_f.plot(draw_steps, trace["prediction"][i, :, query], lw=0.8)
+        ax_lp.plot(draw_steps, outputs["log_posterior"][i], lw=0.8, label=f"chain {i}")
+        ax_f.plot(draw_steps, outputs["prediction"][i, :, query], lw=0.8)
     ax_lp.set(title="log posterior", xlabel="step (thousands)")
     ax_f.axhline(truth, color="k", ls="--", label="truth")
     ax_f.set(title=f"prediction f({x_query})", xlabel="step (thousands)")
@@ -202,18 +203,18 @@ def main() -> None:
     # "sample_stats", as for BlackJAX and NumPyro, variables named by their paths. The
     # weights are not identifiable, so the outputs are what to diagnose.
     data = result.to_arviz()
-    outputs = ["['log_posterior']", "['prediction']"]
-    rhat = arviz_stats.rhat(data, group="sample_stats", var_names=outputs)
-    ess = arviz_stats.ess(data, group="sample_stats", var_names=outputs)
+    diagnosed = ["['log_posterior']", "['prediction']"]
+    rhat = arviz_stats.rhat(data, group="sample_stats", var_names=diagnosed)
+    ess = arviz_stats.ess(data, group="sample_stats", var_names=diagnosed)
     # Per variable, the worst of its entries (the prediction has one per grid point).
-    worst_rhat = {name: float(rhat[name].max()) for name in outputs}
-    least_ess = {name: float(ess[name].min()) for name in outputs}
+    worst_rhat = {name: float(rhat[name].max()) for name in diagnosed}
+    least_ess = {name: float(ess[name].min()) for name in diagnosed}
     total = int(
         data["sample_stats"].sizes["chain"] * data["sample_stats"].sizes["draw"]
     )
     print(f"\nArviZ's diagnostics, over all {total} draws:")
     print("variable             worst R-hat  least ESS (bulk)")
-    for name in outputs:
+    for name in diagnosed:
         print(f"{name:<19}  {worst_rhat[name]:11.3f}  {least_ess[name]:16.0f}")
     # R-hat compares the spread between chains with that within them; the usual bar
     # for trusting the pooled draws is below 1.01 for every variable.
@@ -236,7 +237,7 @@ def main() -> None:
         figure = plot(
             data,
             group="sample_stats",
-            var_names=outputs,
+            var_names=diagnosed,
             coords=at_query,
             backend="matplotlib",
             figure_kwargs={"figsize": (10, 4)},
@@ -249,9 +250,9 @@ def main() -> None:
 
     summary = {
         "chains": NUM_CHAINS,
-        "draws": int(trace["accepted"].shape[1]),
+        "draws": int(outputs["accepted"].shape[1]),
         "acceptance": acceptance.tolist(),
-        "posterior_mean_at_query": trace["prediction"][:, :, query]
+        "posterior_mean_at_query": outputs["prediction"][:, :, query]
         .mean(axis=1)
         .tolist(),
         "truth_at_query": truth,

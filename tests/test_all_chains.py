@@ -84,8 +84,8 @@ def test_outputs_in_disguise_give_the_same_bits():
         _disguised_with_output, init, jr.key(4), 12, with_output=True
     )
     assert_trees_identical(outputs(together), outputs(per_chain))
-    assert_trees_identical(together.states, per_chain.states)
-    assert together.trace["moved"].shape == (8, 12)
+    assert_trees_identical(together.outputs, per_chain.outputs)
+    assert together.outputs["moved"].shape == (8, 12)
 
 
 def test_the_step_gets_every_chain_and_keys_of_the_kind_passed():
@@ -162,8 +162,8 @@ def test_count_is_the_step_number_across_segments(tmp_path):
     )
     expected = np.broadcast_to(np.arange(23, dtype=np.int32), (4, 23))
     for result in (plain, segmented):
-        np.testing.assert_array_equal(result.trace, expected)
-        assert result.trace.dtype == np.int32
+        np.testing.assert_array_equal(result.outputs, expected)
+        assert result.outputs.dtype == np.int32
 
 
 def test_a_run_killed_mid_way_resumes_counting_bit_for_bit(tmp_path):

@@ -139,13 +139,13 @@ def test_outputs_are_sample_stats_beside_the_posterior(getkey):
     # The layout of BlackJAX and NumPyro: the states are the posterior, the step's
     # per-draw information its sample statistics.
     assert list(data.children) == ["posterior", "sample_stats"]
-    np.testing.assert_array_equal(data["posterior"]["state"].values, result.states)
+    np.testing.assert_array_equal(data["posterior"]["state"].values, result.trace)
     stats = data["sample_stats"]
     assert set(stats.data_vars) == {"['first']", "['norm']"}
     assert stats["['norm']"].dims == ("chain", "draw")
     assert stats["['first']"].dims == ("chain", "draw", "['first']_dim_0")
-    np.testing.assert_array_equal(stats["['norm']"].values, result.trace["norm"])
-    np.testing.assert_array_equal(stats["['first']"].values, result.trace["first"])
+    np.testing.assert_array_equal(stats["['norm']"].values, result.outputs["norm"])
+    np.testing.assert_array_equal(stats["['first']"].values, result.outputs["first"])
     # ArviZ's diagnostics read the group when told to.
     rhat = arviz_stats.rhat(data, group="sample_stats")
     assert rhat["['first']"].shape == (2,)

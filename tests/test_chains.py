@@ -182,7 +182,7 @@ def test_keys_of_another_implementation_continue_and_resume(tmp_path, options):
 @pytest.mark.parametrize("with_output", [False, True])
 def test_result_is_the_module_its_constructor_builds(with_output):
     # `run_chains` builds its result without calling the constructor: the same module,
-    # field for field, with the same structure (its static field included).
+    # field for field, with the same structure.
     step = _state_and_output if with_output else metropolis
     result = eb.run_chains(
         step, make_init(4), jr.key(3), 5, with_output=with_output, diagnostics=True
@@ -191,22 +191,35 @@ def test_result_is_the_module_its_constructor_builds(with_output):
     nonfinite = eb.NonFinite(result.nonfinite.chains, result.nonfinite.steps)
     built = eb.Chains(**{**fields, "nonfinite": nonfinite})
     assert type(result) is eb.Chains and type(result.nonfinite) is eb.NonFinite
-    assert result.with_output is with_output
+    assert (result.outputs is not None) is with_output
     assert jtu.tree_structure(result) == jtu.tree_structure(built)
     assert_trees_identical(result, built)
 
 
-def test_with_output_records_outputs():
+def test_with_output_records_outputs_beside_the_same_trace():
     result = eb.run_chains(
         _state_and_output, make_init(6), jr.key(8), 20, thin=4, with_output=True
     )
-    assert result.trace["moved"].shape == (6, 5)
-    assert result.trace["moved"].dtype == jnp.bool_
+    assert result.outputs["moved"].shape == (6, 5)
+    assert result.outputs["moved"].dtype == jnp.bool_
     plain = eb.run_chains(metropolis, make_init(6), jr.key(8), 20, thin=4)
     assert_trees_identical(result.final, plain.final)
-    # The states are recorded beside the outputs, as a run without them records them.
-    assert_trees_identical(result.states, plain.trace)
-    assert plain.states is None
+    # `trace` holds the states whatever `with_output` says: the very bits of a run
+    # without outputs.
+    assert_trees_identical(result.trace, plain.trace)
+    assert plain.outputs is None
+
+
+def test_outputs_are_those_of_the_steps_that_made_the_draws():
+    # Without thinning, draw t's output says whether step t moved the chain: whether
+    # draw t differs from the draw (or the start) before it.
+    init = make_init(4)
+    result = eb.run_chains(_state_and_output, init, jr.key(2), 30, with_output=True)
+    weights = result.trace["layer1"]["weights"]
+    before = jnp.concatenate([init["layer1"]["weights"][:, None], weights[:, :-1]], 1)
+    moved = jnp.any(weights != before, axis=(2, 3))
+    np.testing.assert_array_equal(result.outputs["moved"], moved)
+    assert jnp.any(moved) and not jnp.all(moved)
 
 
 def test_numpy_float64_init_runs_as_float32():
@@ -238,9 +251,13 @@ def test_data_passed_with_partial():
     assert not jnp.array_equal(with_partial.final, init)
 
 
-def test_no_trace():
-    result = eb.run_chains(metropolis, make_init(2), jr.key(0), 5, trace=False)
-    assert result.trace is None
+@pytest.mark.parametrize("with_output", [False, True])
+def test_no_trace(with_output):
+    step = _state_and_output if with_output else metropolis
+    result = eb.run_chains(
+        step, make_init(2), jr.key(0), 5, trace=False, with_output=with_output
+    )
+    assert result.trace is None and result.outputs is None
     assert result.final["layer1"]["weights"].shape == (2, 3, 3)
 
 
@@ -322,13 +339,12 @@ def test_static_leaves_are_the_callers_own_on_a_cached_step(with_output):
     for scale in [1, 1.0, True]:
         init = {"x": jnp.zeros((3, 2)), "scale": scale}
         result = eb.run_chains(step, init, jr.key(0), 4, with_output=with_output)
-        states = result.states if with_output else result.trace
-        for got in [result.final["scale"], states["scale"]]:
+        for got in [result.final["scale"], result.trace["scale"]]:
             assert got is scale
-        assert states["x"].shape == (3, 4, 2)
+        assert result.trace["x"].shape == (3, 4, 2)
         if with_output:
-            assert result.trace["tag"] == "output"
-            assert result.trace["sum"].shape == (3, 4)
+            assert result.outputs["tag"] == "output"
+            assert result.outputs["sum"].shape == (3, 4)
 
 
 def test_runs_in_threads_share_the_caches_and_equal_runs_alone():
@@ -446,7 +462,9 @@ def test_chunked_run_with_output_and_keys_in_the_state():
         step, init, keys, 20, with_output=True, thin=2, chunk_size=3
     )
     assert chunked.trace["k"].dtype == jr.key(0).dtype
+    assert chunked.outputs["k"].dtype == jr.key(0).dtype
     assert_trees_identical(chunked.trace, plain.trace)
+    assert_trees_identical(chunked.outputs, plain.outputs)
     assert_trees_identical(outputs(chunked)["final"], outputs(plain)["final"])
     assert_trees_identical(jr.key_data(chunked.keys), jr.key_data(plain.keys))
     # Legacy keys too: given and returned as `uint32` data.
@@ -629,10 +647,10 @@ def test_python_numbers_in_outputs_are_recorded_as_arrays():
         return x + 1.0, {"constant": 0.5, "total": jnp.sum(x), "name": "sum"}
 
     result = eb.run_chains(step, jnp.zeros((3, 2)), jr.key(0), 4, with_output=True)
-    assert result.trace["name"] == "sum"
-    assert result.trace["constant"].shape == (3, 4)
-    assert np.all(result.trace["constant"] == 0.5)
-    np.testing.assert_array_equal(result.trace["total"][0], [0.0, 2.0, 4.0, 6.0])
+    assert result.outputs["name"] == "sum"
+    assert result.outputs["constant"].shape == (3, 4)
+    assert np.all(result.outputs["constant"] == 0.5)
+    np.testing.assert_array_equal(result.outputs["total"][0], [0.0, 2.0, 4.0, 6.0])
 
 
 @pytest.mark.parametrize("shape", [(3,), (4, 3)])

@@ -237,19 +237,19 @@ def test_multi_process(tmp_path):
     # The commands a user would run by hand, one per process.
     assert "--process-id 0" in output and "--process-id 1" in output
 
-    # The run of parallel_markov_chains.py: its state, trace and keys, per chain.
+    # The run of parallel_markov_chains.py: its state, outputs and keys, per chain.
     with np.load(tmp_path / "multi_process.npz") as saved:
         job = dict(saved)
     assert {name: value.shape for name, value in job.items()} == {
         "final.layer1.weights": (8, 5, 2),
         "final.layer2.weights": (8, 1, 6),
-        "trace.accepted": (8, 200),
-        "trace.log_posterior": (8, 200),
-        "trace.prediction": (8, 200, 41),
+        "outputs.accepted": (8, 200),
+        "outputs.log_posterior": (8, 200),
+        "outputs.prediction": (8, 200, 41),
         "keys": (8, 2),
     }
     assert result["chains"] == 8 and result["draws"] == 200
-    acceptance = job["trace.accepted"].mean(axis=1)
+    acceptance = job["outputs.accepted"].mean(axis=1)
     np.testing.assert_array_equal(result["acceptance"], acceptance)
     # The chains moved, and differ from each other.
     assert np.all((acceptance > 0.05) & (acceptance < 0.8))

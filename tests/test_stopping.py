@@ -88,6 +88,20 @@ def test_stops_early_on_chains_that_mix():
     assert float(jnp.max(result.diagnostics.nested_rhat)) == stopped.worst[-1]
 
 
+def test_outputs_hold_the_draws_made_beside_the_same_trace():
+    def step(x, key):
+        new = fast(x, key)
+        return new, {"first": new[0]}
+
+    result = _run(step, burn_in=5, thin=3, with_output=True)
+    plain = _run(burn_in=5, thin=3)
+    assert result.steps_done == plain.steps_done < 2000
+    # The states are the trace of the run without outputs, bit for bit, and the
+    # outputs those of the same draws, the draws made.
+    assert_trees_identical(result.trace, plain.trace)
+    np.testing.assert_array_equal(result.outputs["first"], result.trace[..., 0])
+
+
 def test_runs_to_the_cap_on_chains_that_cannot_mix():
     result = _run(stuck, num_steps=120)
     stopped = _stopped(result)

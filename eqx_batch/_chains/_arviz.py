@@ -75,8 +75,9 @@ def trace_to_arviz(
     }
     if not groups:
         raise BatchError(
-            "`chains.trace` holds no array to convert: every leaf of the recorded "
-            "state (and output) is a PRNG key or a non-array (static) value."
+            "`chains.trace` (with `chains.outputs`) holds no array to convert: every "
+            "leaf of the recorded states (and outputs) is a PRNG key or a non-array "
+            "(static) value."
         )
     # One group at a time: ArviZ names dimensions by variable, and a state and an
     # output may hold leaves of one path and different shapes.

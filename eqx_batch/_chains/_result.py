@@ -53,20 +53,20 @@ class Chains(eqx.Module):
 
     - `final`: the chains' states after the last step (`steps_done`), stacked like
         `init`.
-    - `trace`: the recorded states (or the step's outputs with `with_output=True`),
-        each array leaf shaped `[chains, draws, ...]` (only the draws made, with
-        `until`); non-array leaves of the state (an MLP's activation) are kept as in
-        `init`. `None` with `trace=False`.
-    - `states`: with `with_output=True`, the recorded states (shaped as `trace`
-        would be without it), recorded beside the outputs; `None` otherwise, where
-        `trace` holds them.
+    - `trace`: the recorded states, each array leaf shaped `[chains, draws, ...]`
+        (only the draws made, with `until`), the same with or without
+        `with_output`; non-array leaves of the state (an MLP's activation) are kept
+        as in `init`. `None` with `trace=False`.
+    - `outputs`: with `with_output=True`, the step's recorded outputs (its
+        acceptance, divergence, energy...), each array leaf shaped as `trace`'s
+        (`[chains, draws, ...]`, the same draws); non-array leaves of the output are
+        kept as the step returned them. `None` without `with_output` or with
+        `trace=False`.
     - `keys`: each chain's PRNG key after the run, in the form it was given (typed or
         legacy). Passing `final` and `keys` to `run_chains` continues the chains
         exactly where they stopped.
     - `nonfinite`: an [`eb.NonFinite`][] report of the chains whose state went NaN or
         infinite.
-    - `with_output`: whether `trace` holds the step's outputs (`with_output=True`)
-        rather than the states.
     - `superchain`: with `superchains=K`, each chain's superchain, `c // M` for chain
         `c` (NumPy `int64[chains]`); `None` without superchains.
     - `diagnostics`: with `diagnostics=True`, an [`eb.Diagnostics`][] of the chains
@@ -85,6 +85,14 @@ class Chains(eqx.Module):
         result = eb.run_chains(lambda x, key: x + 1.0, jnp.zeros(3), jr.key(0), 4)
         result.final  # [4., 4., 4.]
         result.trace.shape  # (3, 4)
+
+        def step(x, key):  # a step that also says how far it moved
+            new = x + jr.normal(key, x.shape)
+            return new, {"jump": jnp.abs(new - x)}
+
+        result = eb.run_chains(step, jnp.zeros(3), jr.key(0), 4, with_output=True)
+        result.trace.shape  # (3, 4): the states, as without `with_output`
+        result.outputs["jump"].shape  # (3, 4)
         ```
     """
 
@@ -107,27 +115,28 @@ class Chains(eqx.Module):
         `arviz_plots.plot_rank`) from this conversion. It needs the optional extra:
         `pip install 'eqx_batch[arviz]'`.
 
-        The layout is the one BlackJAX and NumPyro users get: the recorded states go
-        in the group `posterior`, where ArviZ's functions look by default, and with
-        `with_output=True` the step's outputs (its acceptance, divergence, energy...)
-        go in the group `sample_stats`, so `arviz_stats.summary(data)` summarises the
-        posterior alone. Every array leaf becomes one variable, named by its
-        `jax.tree_util.keystr` path (`['layer1']['weights']`, `.layers[0].weight`; a
-        state that is one array is named `state`, an output that is one array
-        `output`), with dimensions `chain`, `draw`, then one per axis of the leaf,
-        named as ArviZ names them (`['layer1']['weights']_dim_0`, ...). Floats
-        narrower than float32 (bfloat16, float16), which NumPy and ArviZ cannot
-        compute in, become float32, exactly. Non-array leaves and typed PRNG keys
-        (`jr.key`) are left out; legacy keys (`jr.PRNGKey`, `uint32` data) cannot be
-        told from data and become variables: keep keys in the state typed. With
-        `superchains`, the `chain` dimension has a coordinate `superchain` holding each
-        chain's superchain, for `arviz_stats.rhat_nested(data,
+        The layout is the one BlackJAX and NumPyro users get: the recorded states
+        (`trace`) go in the group `posterior`, where ArviZ's functions look by default,
+        and the step's outputs (`outputs`, with `with_output=True`: its acceptance,
+        divergence, energy...) go in the group `sample_stats`, so
+        `arviz_stats.summary(data)` summarises the posterior alone. Every array leaf
+        becomes one variable, named by its `jax.tree_util.keystr` path
+        (`['layer1']['weights']`, `.layers[0].weight`; a state that is one array is
+        named `state`, an output that is one array `output`), with dimensions `chain`,
+        `draw`, then one per axis of the leaf, named as ArviZ names them
+        (`['layer1']['weights']_dim_0`, ...). Floats narrower than float32 (bfloat16,
+        float16), which NumPy and ArviZ cannot compute in, become float32, exactly.
+        Non-array leaves and typed PRNG keys (`jr.key`) are left out; legacy keys
+        (`jr.PRNGKey`, `uint32` data) cannot be told from data and become variables:
+        keep keys in the state typed. With `superchains`, the `chain` dimension has a
+        coordinate `superchain` holding each chain's superchain, for
+        `arviz_stats.rhat_nested(data,
         superchain_ids=data.posterior.superchain.values)`.
 
         **Returns:**
 
-        An `xarray.DataTree` with the group `posterior` and, with
-        `with_output=True`, `sample_stats`, each only if it holds an array: the data
+        An `xarray.DataTree` with the group `posterior` and, with `outputs`
+        (`with_output=True`), `sample_stats`, each only if it holds an array: the data
         structure of ArviZ (`arviz-base`), in its 0.8 series (Python 3.11) and 1.x
         alike.
 
@@ -155,10 +164,7 @@ class Chains(eqx.Module):
             arviz_stats.summary(data)  # state[0], state[1], state[2]: not converged
             ```
         """
-        ids = self.superchain
-        if self.outputs is not None:
-            return trace_to_arviz(self.trace, self.outputs, superchain_ids=ids)
-        return trace_to_arviz(self.trace, superchain_ids=ids)
+        return trace_to_arviz(self.trace, self.outputs, superchain_ids=self.superchain)
 
 
 def assembled(cls: type[eqx.Module], **fields: Any) -> Any:
@@ -170,23 +176,20 @@ def assembled(cls: type[eqx.Module], **fields: Any) -> Any:
     its loop; these modules have no `__init__`, converter or `__check_init__` of their
     own for it to skip.
     """
-    dynamic = _dynamic_fields(cls)
-    static = tuple((name, v) for name, v in fields.items() if name not in dynamic)
-    return jtu.tree_unflatten(
-        _structure(cls, static), [fields[name] for name in dynamic]
-    )
+    names, structure = _layout(cls)
+    leaves = [fields.pop(name) for name in names]
+    if fields:
+        # As the constructor would: a field it does not have is a mistake, not dropped.
+        raise TypeError(f"{cls.__name__} has no field {', '.join(fields)}")
+    return jtu.tree_unflatten(structure, leaves)
 
 
 @ft.cache
-def _dynamic_fields(cls: type[eqx.Module]) -> list[str]:
-    # A module whose every field is its own name: its leaves are the names of the
-    # fields that are not static, in the order of its leaves.
+def _layout(cls: type[eqx.Module]) -> tuple[list[str], Any]:
+    # A module whose every field is its own name: its leaves are the fields' names in
+    # the order of its leaves. With no static field (whose value would be part of the
+    # structure), its structure is that of every instance.
     names = [f.name for f in dataclasses.fields(cls)]
-    return jtu.tree_leaves(cls(**{name: name for name in names}))
-
-
-@ft.cache
-def _structure(cls: type[eqx.Module], static: tuple) -> Any:
-    # The static fields' values are part of the structure.
-    dynamic = _dynamic_fields(cls)
-    return jtu.tree_structure(cls(**{name: name for name in dynamic}, **dict(static)))
+    leaves, structure = jtu.tree_flatten(cls(**{name: name for name in names}))
+    assert sorted(leaves) == sorted(names), f"{cls.__name__} has a static field"
+    return leaves, structure
