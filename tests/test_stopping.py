@@ -380,3 +380,8 @@ def test_a_record_that_disagrees_with_the_progress_is_refused(tmp_path):
     write_tree(path, state, metadata=metadata)
     with pytest.raises(eb.BatchError, match=f"stopped at step {stop - 50}, but its"):
         _run(checkpoint=path, checkpoint_every=50)
+
+
+def test_until_on_a_run_of_no_draws_says_until_asked():
+    with pytest.raises(eb.BatchError, match="`until` reads the chains' diagnostics"):
+        _run(num_steps=0)

@@ -51,20 +51,22 @@ def moments_dtype(dtype: Any) -> np.dtype:
     return dtype if dtype.itemsize >= 4 else np.dtype(np.float32)
 
 
-def check_diagnostics(states: Any, num_draws: int) -> None:
-    """Refuses `diagnostics=True` for a run with nothing to diagnose.
+def check_diagnostics(states: Any, num_draws: int, asked_by: str) -> None:
+    """Refuses diagnostics for a run with nothing to diagnose.
 
-    `states` is one chain's state as shape-dtype structs.
+    `states` is one chain's state as shape-dtype structs; `asked_by` the argument
+    that asked for them, for the message (`diagnostics=True`, or `until`, which reads
+    them).
     """
     if num_draws == 0:
         raise BatchError(
-            "`diagnostics=True`, but the run records no draw (`burn_in` is "
-            "`num_steps`): lower `burn_in` or run more steps."
+            f"{asked_by}, but the run records no draw (`burn_in` is `num_steps`): "
+            "lower `burn_in` or run more steps."
         )
     if not any(has_moments(x) for x in jtu.tree_leaves(states)):
         raise BatchError(
-            "`diagnostics=True`, but `init` has no floating-point array leaf to "
-            "diagnose (integers, bools and PRNG keys have no R-hat)."
+            f"{asked_by}, but `init` has no floating-point array leaf to diagnose "
+            "(integers, bools and PRNG keys have no R-hat)."
         )
 
 

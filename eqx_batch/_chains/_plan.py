@@ -122,7 +122,10 @@ def plan_run(
     prepared = prepared_run(step, init.whole, keys, legacy, with_output, traced)
     draws = Draws.of(counts.num_steps, counts.burn_in, counts.thin)
     if diagnostics:
-        check_diagnostics(prepared.one_chain.state, draws.total)
+        asked_by = "`diagnostics=True`"
+        if until is not None:
+            asked_by = "`until` reads the chains' diagnostics"
+        check_diagnostics(prepared.one_chain.state, draws.total, asked_by)
     schedule = None
     if until is not None:
         schedule = until.schedule(counts.num_steps, superchains, num_chains)
