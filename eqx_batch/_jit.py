@@ -260,6 +260,10 @@ def filter_jit(
         - `"warn"`, `"warn-except-first"`: as those, keeping the warnings;
         - `"none"` (the default): none.
 
+        An array passed at two places of a call (`f(x, x)`, or tied weights
+        `{"a": x, "b": x}`), one of them donated, is donated once: its other donated
+        places get a copy (a buffer donated twice would crash the program).
+
     **Returns:**
 
     The compiled function. Its `.lower(*args, **kwargs)` lowers it ahead of time for
