@@ -15,6 +15,7 @@ are its programs compiled ahead of time.
 
 import dataclasses
 import inspect
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -40,18 +41,28 @@ class StaticPart:
 
     Hashable, so it can be a `jax.jit` static argument; and a pytree with no leaves, so
     it passes as is through `jax.jit`'s outputs, `jax.vmap` and `lax.scan`, which carry
-    arrays only. Its hash is computed once: `jax.jit` hashes its static arguments on
-    every call.
+    arrays only. Two are equal when their treedefs are and their leaves are of the
+    same types and equal, floats bit for bit (`_static_key`). Its key and hash are
+    computed once: `jax.jit` hashes its static arguments on every call.
     """
 
     treedef: Any
     leaves: tuple[Any, ...]
 
+    def key(self) -> tuple[Any, ...]:
+        """What this static part is compared and hashed by."""
+        try:
+            return self.__dict__["_key"]
+        except KeyError:
+            value = (self.treedef, *map(_static_key, self.leaves))
+            object.__setattr__(self, "_key", value)
+            return value
+
     def __hash__(self) -> int:
         try:
             return self.__dict__["_hash"]
         except KeyError:
-            value = hash((self.treedef, self.leaves))
+            value = hash(self.key())
             object.__setattr__(self, "_hash", value)
             return value
 
@@ -60,7 +71,23 @@ class StaticPart:
             return True
         if not isinstance(other, StaticPart):
             return NotImplemented
-        return self.treedef == other.treedef and self.leaves == other.leaves
+        return self.key() == other.key()
+
+
+def _static_key(leaf: Any) -> tuple[Any, ...]:
+    """A static leaf as the identity of a compiled program sees it: its type and value,
+    a float's (or complex's) value by its bits.
+
+    `1 == 1.0 == True` and `0.0 == -0.0`, but they are traced to programs with other
+    dtypes or other constants: `jax.jit` with any of them as a static argument compiles
+    its own program. And `nan != nan`, which would compile anew on every call, where
+    two NaNs of the same bits are one program.
+    """
+    if isinstance(leaf, float):
+        return type(leaf), struct.pack("<d", leaf)
+    if isinstance(leaf, complex):
+        return type(leaf), struct.pack("<dd", leaf.real, leaf.imag)
+    return type(leaf), leaf
 
 
 def partition(

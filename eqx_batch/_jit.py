@@ -231,12 +231,18 @@ def filter_jit(
 
     Every JAX and NumPy array (`eqx.is_array`) in the arguments, and in `fun` itself,
     is traced; everything else, Python numbers included, is static: a new value
-    compiles anew. Works as a decorator bare or with arguments, on functions, on
-    methods (through `__get__`, the instance being the first argument), and on
-    callable Modules; nests inside and around `jax.jit`, `eqx.filter_grad` and
-    `eqx.filter_vmap`.
+    compiles anew. A value is new if its type differs, or for a float its bits:
+    `1`, `1.0` and `True` give three programs (int32, float32 and bool, as `jax.jit`
+    types them as static arguments), `0.0` and `-0.0` two, and two NaNs of the same
+    bits one. (`eqx.filter_jit` reuses `1`'s program for `1.0` and `True`, and
+    `0.0`'s for `-0.0`, and compiles anew for every NaN.)
 
-    It differs from `eqx.filter_jit` in what a call costs, not in what it computes:
+    Works as a decorator bare or with arguments, on functions, on methods (through
+    `__get__`, the instance being the first argument), and on callable Modules; nests
+    inside and around `jax.jit`, `eqx.filter_grad` and `eqx.filter_vmap`.
+
+    Those statics aside, it differs from `eqx.filter_jit` in what a call costs, not in
+    what it computes:
 
     - A call returns as soon as the work is queued, as `jax.jit`'s does;
         `eqx.filter_jit` waits for every call to finish. Programs that call back to

@@ -1,6 +1,7 @@
 """`eb.filter_jit`: `eqx.filter_jit`'s results, donation, methods, ahead-of-time
 compilation, runtime checks, and errors that name the argument."""
 
+import math
 import subprocess
 import sys
 import warnings
@@ -58,6 +59,34 @@ def test_python_scalars_are_static_and_arrays_traced():
     scale(jnp.zeros(2), jnp.asarray(4.0))
     scale(jnp.zeros(2), jnp.asarray(5.0))
     assert len(traces) == 3
+
+
+@pytest.mark.parametrize("first, second", [(1, 1.0), (1, True), (0.0, -0.0)])
+def test_an_equal_static_of_another_type_or_sign_compiles_anew(first, second):
+    def as_array(value):
+        return jnp.asarray(value)
+
+    ours = eb.filter_jit(as_array)
+    for value in (first, second):
+        # A fresh function for each value: `jax.jit` shares one cache between the
+        # wrappers of a function, in which -0.0 would find 0.0's program.
+        fresh = jax.jit(lambda value: as_array(value), static_argnums=0)
+        assert_trees_identical(ours(value), fresh(value))
+
+
+def test_a_float_static_is_keyed_on_its_bits():
+    traces = []
+
+    @eb.filter_jit
+    def as_array(value):
+        traces.append(value)
+        return jnp.asarray(value)
+
+    as_array(float("nan"))
+    as_array(float("nan"))  # another object, the same bits: the same program
+    assert len(traces) == 1
+    as_array(math.copysign(math.nan, -1.0))  # a sign bit apart
+    assert len(traces) == 2
 
 
 def test_keywords_bind_to_positions_as_eqx_does():
