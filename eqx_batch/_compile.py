@@ -180,13 +180,22 @@ class AsyncJit:
         for its outputs (the caller must not use them afterwards). An array passed
         again elsewhere in the same call is donated once, its other places getting a
         copy (`donated_once`).
+    - `jit_kwargs`: passed on to `jax.jit` (`inline`, `keep_unused`, ...); not those
+        saying which arguments are static or donated, which are decided here.
 
     **Raises:**
 
-    `TypeError` if `donate` names something that is not a parameter of `fun`.
+    `TypeError` if `donate` names something that is not a parameter of `fun`, or
+    `jax.jit` refuses `jit_kwargs`.
     """
 
-    def __init__(self, fun: Callable[..., Any], *, donate: Sequence[str] = ()):
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        *,
+        donate: Sequence[str] = (),
+        **jit_kwargs: Any,
+    ):
         self.fun = fun
         parameters = list(inspect.signature(fun).parameters)
         unknown = [name for name in donate if name not in parameters]
@@ -206,6 +215,7 @@ class AsyncJit:
             run,
             static_argnums=0,
             donate_argnums=tuple(1 + i for i in self.donated),
+            **jit_kwargs,
         )
         self._by_identity = BoundedCache(_PLANS_BY_IDENTITY)
         self._by_statics: dict[tuple[StaticPart, ...], CallPlan] = {}

@@ -24,9 +24,11 @@ from ._compile import (
     AsyncJit,
     CallAdapter,
     CallPlan,
+    hold,
     Lowered,
 )
 from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
+from ._memo import BoundedCache
 from ._tree import is_array, is_tracer
 
 
@@ -43,19 +45,56 @@ def _call_fun(first: tuple[Any, ...], rest: tuple[Any, tuple, dict]) -> Any:
     return fun(*first, *rest_args, **kwargs)
 
 
-# One program per donation pattern, shared by every wrapper, so that equal functions
-# (a new `eqx.filter_grad(f)` each call, say) share their compilations.
-_KEEP = AsyncJit(_call_fun)
-_DONATE_ALL = AsyncJit(_call_fun, donate=("first", "rest"))
-_DONATE_REST = AsyncJit(_call_fun, donate=("rest",))
-_PROGRAMS = {
-    "all": _DONATE_ALL,
-    "warn": _DONATE_ALL,
-    "all-except-first": _DONATE_REST,
-    "warn-except-first": _DONATE_REST,
-    "none": _KEEP,
+# Which parameters of `_call_fun` each value of `donate` donates.
+_DONATED = {
+    "all": ("first", "rest"),
+    "warn": ("first", "rest"),
+    "all-except-first": ("rest",),
+    "warn-except-first": ("rest",),
+    "none": (),
 }
 _QUIET = ("all", "all-except-first")
+# `jax.jit`'s keywords for which arguments are static, donated or placed where: the
+# wrapper decides those from the arguments themselves, as `eqx.filter_jit` does.
+_DECIDED_HERE = (
+    "static_argnums",
+    "static_argnames",
+    "donate_argnums",
+    "donate_argnames",
+    "in_shardings",
+    "out_shardings",
+)
+# One program per donation pattern and `jax.jit` keywords, shared by every wrapper
+# that has them, so that equal functions (a new `eqx.filter_grad(f)` each call, say)
+# share their compilations.
+_PROGRAMS = BoundedCache(64)
+
+
+def _program(donate: str, jit_kwargs: dict[str, Any]) -> AsyncJit:
+    """The program of `_call_fun` for `donate` and `jax.jit`'s `jit_kwargs`."""
+    for name in _DECIDED_HERE:
+        if name in jit_kwargs:
+            raise BatchError(
+                f"`{name}` is not passed on to `jax.jit`: `eb.filter_jit` traces every "
+                "array and holds everything else static, and donates by `donate=`. "
+                "Drop it; pass a value as a non-array to make it static."
+            )
+    for (name, *path), leaf in jtu.tree_flatten_with_path(jit_kwargs)[0]:
+        try:
+            hash(leaf)
+        except TypeError:
+            raise BatchError(
+                f"`{leaf_name(name.key, tuple(path))}` is {describe(leaf)}, passed on "
+                "to `jax.jit` as part of the compiled program's identity, and so must "
+                f"be hashable; {type(leaf).__name__} is not. Pass a tuple rather than "
+                "a list, a frozenset rather than a set."
+            ) from None
+    key = (donate, hold(jit_kwargs))
+    return _PROGRAMS.get_or_make(
+        key, lambda: AsyncJit(_call_fun, donate=_DONATED[donate], **jit_kwargs)
+    )
+
+
 _EQUINOX_ERROR = "_EquinoxRuntimeError: "
 
 
@@ -63,6 +102,7 @@ class _JitWrapper(eqx.Module):
     _fun: Callable[..., Any]
     _signature: inspect.Signature = eqx.field(static=True, repr=False)
     _donate: str = eqx.field(static=True)
+    _program: AsyncJit = eqx.field(static=True, repr=False)
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:
@@ -77,7 +117,7 @@ class _JitWrapper(eqx.Module):
         `.compile()` on the result gives a callable taking the same arguments.
         """
         inputs = _inputs(self, args, kwargs)
-        return Lowered.of(_PROGRAMS[self._donate], (), inputs, _JitCall(self))
+        return Lowered.of(self._program, (), inputs, _JitCall(self))
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         del owner
@@ -101,7 +141,7 @@ def _inputs(
 
 def _call(wrapper: _JitWrapper, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     inputs = _inputs(wrapper, args, kwargs)
-    program = _PROGRAMS[wrapper._donate]
+    program = wrapper._program
     leaves, treedef = jtu.tree_flatten(inputs)
     plan = program.plan(leaves, treedef, inputs, ft.partial(_leaf_name, wrapper))
     arrays = plan.arrays(leaves)
@@ -213,18 +253,21 @@ class _JitCall(CallAdapter):
 
 @overload
 def filter_jit(
-    *, donate: Donate = "none"
+    *, donate: Donate = "none", **jit_kwargs: Any
 ) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
 
 
 @overload
 def filter_jit(
-    fun: Callable[_P, _T], *, donate: Donate = "none"
+    fun: Callable[_P, _T], *, donate: Donate = "none", **jit_kwargs: Any
 ) -> Callable[_P, _T]: ...
 
 
 def filter_jit(
-    fun: Callable[..., Any] | None = None, *, donate: Donate = "none"
+    fun: Callable[..., Any] | None = None,
+    *,
+    donate: Donate = "none",
+    **jit_kwargs: Any,
 ) -> Any:
     """`eqx.filter_jit` at `jax.jit`'s speed: a drop-in with the same arguments and
     results.
@@ -269,6 +312,10 @@ def filter_jit(
         An array passed at two places of a call (`f(x, x)`, or tied weights
         `{"a": x, "b": x}`), one of them donated, is donated once: its other donated
         places get a copy (a buffer donated twice would crash the program).
+    - `**jit_kwargs`: any other keyword is passed on to `jax.jit`, as
+        `eqx.filter_jit` passes it (`inline=True`, `keep_unused=True`, ...): not
+        those saying which arguments are static, donated or placed where, which
+        `filter_jit` decides. Wrappers with equal keywords share their compilations.
 
     **Returns:**
 
@@ -277,12 +324,16 @@ def filter_jit(
 
     **Raises:**
 
-    - `eb.BatchError` (when wrapping) if `donate` is not one of the five above.
+    - `eb.BatchError` (when wrapping) if `donate` is not one of the five above, if
+        a keyword is one `filter_jit` decides (`static_argnums`, `static_argnames`,
+        `donate_argnums`, `donate_argnames`, `in_shardings`, `out_shardings`), or if
+        a keyword's value is not hashable.
     - `eb.BatchError` (when called) if a non-array leaf of an argument is not hashable
         (naming the argument and the leaf's path); (when calling a compiled function)
         if its non-array arguments differ from those it was lowered with, or its
         arrays have other shapes or dtypes, naming each such array.
-    - `TypeError` if a call does not fit `fun`'s signature, as calling `fun` would.
+    - `TypeError` (when wrapping) if `jax.jit` does not take a keyword; (when
+        called) if a call does not fit `fun`'s signature, as calling `fun` would.
     - `eqx.EquinoxRuntimeError` (when called) if an `eqx.error_if` check fails.
 
     !!! Example
@@ -300,13 +351,20 @@ def filter_jit(
         assert jnp.array_equal(compiled(model, x, 2.0), predict(model, x, 2.0))
         ```
     """
-    if donate not in _PROGRAMS:
+    if donate not in _DONATED:
         raise BatchError(
             f"donate={donate!r} is not one of 'all', 'all-except-first', 'warn', "
             "'warn-except-first' and 'none'. Use 'all' to donate every array's "
             "buffer, 'none' to donate nothing."
         )
+    # Made before `fun` is known, so that a bad keyword is refused where it is written.
+    program = _program(donate, jit_kwargs)
     if fun is None:
-        return ft.partial(filter_jit, donate=donate)
-    wrapper = _JitWrapper(_fun=fun, _signature=inspect.signature(fun), _donate=donate)
+        return ft.partial(filter_jit, donate=donate, **jit_kwargs)
+    wrapper = _JitWrapper(
+        _fun=fun,
+        _signature=inspect.signature(fun),
+        _donate=donate,
+        _program=program,
+    )
     return eqx.module_update_wrapper(wrapper)

@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -238,6 +239,40 @@ def test_an_unhashable_static_leaf_is_named_by_argument_and_path():
         "`config['layers'][1]`",
         "set",
     )
+
+
+def _calls_a_nested_program(fun):
+    """Whether `jax.jit(fun)`, lowered, calls a program of its own for a nested one
+    rather than holding its operations inline."""
+    lowered = jax.jit(fun).lower(jnp.asarray(1.0))
+    return "call @" in lowered.as_text()
+
+
+def test_other_keywords_are_passed_on_to_jax_jit():
+    @eb.filter_jit(inline=True)
+    def double(x):
+        return x * 2
+
+    assert double(jnp.asarray(3.0)) == 6.0
+    compiled = double.lower(jnp.asarray(3.0)).compile()  # pyright: ignore
+    assert compiled(jnp.asarray(3.0)) == 6.0
+    assert not _calls_a_nested_program(lambda x: double(x))
+    assert _calls_a_nested_program(lambda x: eb.filter_jit(lambda y: y * 2)(x))
+    with pytest.raises(TypeError, match="not_a_keyword"):
+        eb.filter_jit(not_a_keyword=True)
+
+
+@pytest.mark.parametrize(
+    "keyword", ["static_argnums", "donate_argnums", "in_shardings"]
+)
+def test_keywords_that_filter_jit_decides_are_refused(keyword):
+    jit_kwargs: dict[str, Any] = {keyword: 0}
+    raises(keyword, lambda: eb.filter_jit(lambda x: x, **jit_kwargs))
+
+
+def test_an_unhashable_keyword_for_jax_jit_is_refused():
+    options = {"xla_flag": {1, 2}}
+    raises("must be hashable", lambda: eb.filter_jit(compiler_options=options), "set")
 
 
 def test_a_bad_donate_is_refused():
