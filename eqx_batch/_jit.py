@@ -10,6 +10,7 @@ checks do, so that their failures are still raised at the call.
 
 import functools as ft
 import inspect
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal, overload, ParamSpec, TypeVar
@@ -95,7 +96,12 @@ def _program(donate: str, jit_kwargs: dict[str, Any]) -> AsyncJit:
     )
 
 
-_EQUINOX_ERROR = "_EquinoxRuntimeError: "
+# How JAX's error text names the exception by which a failed `eqx.error_if` check
+# leaves its host callback (Equinox's own `filter_jit` looks for the same name).
+_EQUINOX_ERROR_TYPE = "_EquinoxRuntimeError"
+_EQUINOX_ERROR = f"{_EQUINOX_ERROR_TYPE}: "
+# The logger on which JAX logs, with its traceback, a host callback that failed.
+_CALLBACK_LOGGER = "jax._src.callback"
 
 
 class _JitWrapper(eqx.Module):
@@ -146,7 +152,7 @@ def _call(wrapper: _JitWrapper, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     plan = program.plan(leaves, treedef, inputs, ft.partial(_leaf_name, wrapper))
     arrays = plan.arrays(leaves)
     checks = program.has_checks(plan, arrays)
-    return _returned(wrapper, lambda: _run(program, plan, arrays, checks))
+    return _returned(wrapper, lambda: _run(program, plan, arrays, checks), checks)
 
 
 def _run(
@@ -160,10 +166,12 @@ def _run(
     return AsyncJit.finish((out_arrays, out_static))
 
 
-def _returned(wrapper: _JitWrapper, run: Callable[[], Any]) -> Any:
+def _returned(wrapper: _JitWrapper, run: Callable[[], Any], checks: bool) -> Any:
     """`run()`, with the warnings about donated buffers silenced if the wrapper
-    donates quietly, and `eqx.error_if`'s failures raised as `eqx.EquinoxRuntimeError`.
-    """
+    donates quietly, and `eqx.error_if`'s failures raised as `eqx.EquinoxRuntimeError`
+    (and, if the program holds `checks`, not logged)."""
+    if checks:
+        run = ft.partial(_checks_unlogged, run)
     try:
         if wrapper._donate not in _QUIET:
             return run()
@@ -178,6 +186,34 @@ def _returned(wrapper: _JitWrapper, run: Callable[[], Any]) -> Any:
             raise
         message = text.split(_EQUINOX_ERROR, 1)[1].split("\n\n\n", 1)[0].strip()
         raise eqx.EquinoxRuntimeError(message) from None
+
+
+class _FailedCheckFilter(logging.Filter):
+    """Drops JAX's log of a host callback that failed an `eqx.error_if` check."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return type(error).__name__ != _EQUINOX_ERROR_TYPE
+
+
+def _checks_unlogged(run: Callable[[], Any]) -> Any:
+    """`run()`, with JAX's log of a failed `eqx.error_if` check filtered out.
+
+    JAX logs a failed callback at ERROR, with a traceback that carries Equinox's
+    banner: "you do not appear to be using `equinox.filter_jit` ... Please wrap your
+    program with `equinox.filter_jit`". The call raises the error itself, so the log
+    is noise, and its advice would undo `eb.filter_jit`; `eqx.filter_jit` filters it
+    too. Other callbacks' failures are still logged.
+    """
+    logger = logging.getLogger(_CALLBACK_LOGGER)
+    # A filter of its own per call: calls may overlap (in threads, or nested), and
+    # each removes only its own.
+    own = _FailedCheckFilter()
+    logger.addFilter(own)
+    try:
+        return run()
+    finally:
+        logger.removeFilter(own)
 
 
 def _leaf_name(wrapper: _JitWrapper, path: KeyPath) -> str:
@@ -248,7 +284,8 @@ class _JitCall(CallAdapter):
         )
 
     def returned(self, run: Callable[[], Any]) -> Any:
-        return _returned(self.wrapper, run)
+        # Whether the program holds checks is not known here: filter as if it does.
+        return _returned(self.wrapper, run, checks=True)
 
 
 @overload
@@ -290,8 +327,10 @@ def filter_jit(
     - A call returns as soon as the work is queued, as `jax.jit`'s does;
         `eqx.filter_jit` waits for every call to finish. Programs that call back to
         the host (`eqx.error_if`'s checks, `jax.debug.print`) are waited for, so a
-        failed check is still raised at the call, as `eqx.EquinoxRuntimeError`. Any
-        other runtime failure surfaces when a result is first used.
+        failed check is still raised at the call, as `eqx.EquinoxRuntimeError`;
+        as `eqx.filter_jit` does, it filters out JAX's ERROR log of the failed
+        check, whose advice is to use `eqx.filter_jit`. Any other runtime failure
+        surfaces when a result is first used.
     - A call flattens its arguments once and finds its compiled program by their tree
         structure and the identity of their non-array leaves; only arguments not seen
         before are partitioned and hashed, as `eqx.filter_jit` does on every call.

@@ -1,6 +1,7 @@
 """`eb.filter_jit`: `eqx.filter_jit`'s results, donation, methods, ahead-of-time
 compilation, runtime checks, and errors that name the argument."""
 
+import logging
 import math
 import subprocess
 import sys
@@ -287,6 +288,32 @@ def test_error_if_is_raised_at_the_call():
     assert positive(jnp.asarray(1.0)) == 1.0
     with pytest.raises(eqx.EquinoxRuntimeError, match="x must be positive"):
         positive(jnp.asarray(-1.0))
+
+
+def test_a_failed_check_logs_no_advice_to_use_eqx_filter_jit(caplog):
+    @eb.filter_jit
+    def positive(x):
+        return eqx.error_if(x, x <= 0, "x must be positive")
+
+    compiled = positive.lower(jnp.asarray(1.0)).compile()  # pyright: ignore
+    for call in (positive, compiled):
+        with pytest.raises(eqx.EquinoxRuntimeError, match="x must be positive"):
+            call(jnp.asarray(-1.0))
+    assert "equinox.filter_jit" not in caplog.text
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_a_failing_callback_of_ones_own_is_still_logged(caplog):
+    def fail(x):
+        raise RuntimeError("the callback's own failure")
+
+    @eb.filter_jit
+    def call_back(x):
+        return jax.pure_callback(fail, jax.ShapeDtypeStruct((), jnp.float32), x)
+
+    with pytest.raises(jax.errors.JaxRuntimeError):
+        call_back(jnp.asarray(1.0))
+    assert "the callback's own failure" in caplog.text
 
 
 def test_a_fresh_wrapper_of_an_equal_function_reuses_the_compilation():
