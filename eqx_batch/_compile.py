@@ -15,6 +15,7 @@ are its programs compiled ahead of time.
 
 import dataclasses
 import inspect
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from ._errors import BatchError, describe, KeyPath, leaf_name
 from ._memo import BoundedCache
-from ._tree import is_array
+from ._tree import is_array, is_tracer
 
 
 # Marks where a dynamic leaf was taken out of a `StaticPart`.
@@ -40,18 +41,28 @@ class StaticPart:
 
     Hashable, so it can be a `jax.jit` static argument; and a pytree with no leaves, so
     it passes as is through `jax.jit`'s outputs, `jax.vmap` and `lax.scan`, which carry
-    arrays only. Its hash is computed once: `jax.jit` hashes its static arguments on
-    every call.
+    arrays only. Two are equal when their treedefs are and their leaves are of the
+    same types and equal, floats bit for bit (`_static_key`). Its key and hash are
+    computed once: `jax.jit` hashes its static arguments on every call.
     """
 
     treedef: Any
     leaves: tuple[Any, ...]
 
+    def key(self) -> tuple[Any, ...]:
+        """What this static part is compared and hashed by."""
+        try:
+            return self.__dict__["_key"]
+        except KeyError:
+            value = (self.treedef, *map(_static_key, self.leaves))
+            object.__setattr__(self, "_key", value)
+            return value
+
     def __hash__(self) -> int:
         try:
             return self.__dict__["_hash"]
         except KeyError:
-            value = hash((self.treedef, self.leaves))
+            value = hash(self.key())
             object.__setattr__(self, "_hash", value)
             return value
 
@@ -60,7 +71,23 @@ class StaticPart:
             return True
         if not isinstance(other, StaticPart):
             return NotImplemented
-        return self.treedef == other.treedef and self.leaves == other.leaves
+        return self.key() == other.key()
+
+
+def _static_key(leaf: Any) -> tuple[Any, ...]:
+    """A static leaf as the identity of a compiled program sees it: its type and value,
+    a float's (or complex's) value by its bits.
+
+    `1 == 1.0 == True` and `0.0 == -0.0`, but they are traced to programs with other
+    dtypes or other constants: `jax.jit` with any of them as a static argument compiles
+    its own program. And `nan != nan`, which would compile anew on every call, where
+    two NaNs of the same bits are one program.
+    """
+    if isinstance(leaf, float):
+        return type(leaf), struct.pack("<d", leaf)
+    if isinstance(leaf, complex):
+        return type(leaf), struct.pack("<dd", leaf.real, leaf.imag)
+    return type(leaf), leaf
 
 
 def partition(
@@ -150,14 +177,25 @@ class AsyncJit:
 
     - `fun`: any function of pytrees returning a pytree.
     - `donate`: the names of the parameters whose arrays the computation may reuse
-        for its outputs (the caller must not use them afterwards).
+        for its outputs (the caller must not use them afterwards). An array passed
+        again elsewhere in the same call is donated once, its other places getting a
+        copy (`donated_once`).
+    - `jit_kwargs`: passed on to `jax.jit` (`inline`, `keep_unused`, ...); not those
+        saying which arguments are static or donated, which are decided here.
 
     **Raises:**
 
-    `TypeError` if `donate` names something that is not a parameter of `fun`.
+    `TypeError` if `donate` names something that is not a parameter of `fun`, or
+    `jax.jit` refuses `jit_kwargs`.
     """
 
-    def __init__(self, fun: Callable[..., Any], *, donate: Sequence[str] = ()):
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        *,
+        donate: Sequence[str] = (),
+        **jit_kwargs: Any,
+    ):
         self.fun = fun
         parameters = list(inspect.signature(fun).parameters)
         unknown = [name for name in donate if name not in parameters]
@@ -171,9 +209,14 @@ class AsyncJit:
             args = [combine(a, s) for a, s in zip(arrays, statics, strict=True)]
             return partition(fun(*args))
 
+        self.donated = tuple(parameters.index(name) for name in donate)
         # Argument 0 of `run` is the static parts; `fun`'s arrays follow.
-        donated = tuple(1 + parameters.index(name) for name in donate)
-        self._jitted = jax.jit(run, static_argnums=0, donate_argnums=donated)
+        self._jitted = jax.jit(
+            run,
+            static_argnums=0,
+            donate_argnums=tuple(1 + i for i in self.donated),
+            **jit_kwargs,
+        )
         self._by_identity = BoundedCache(_PLANS_BY_IDENTITY)
         self._by_statics: dict[tuple[StaticPart, ...], CallPlan] = {}
         self._array_types: dict[type, bool] = {}
@@ -188,7 +231,7 @@ class AsyncJit:
     ) -> tuple[list[Any], StaticPart]:
         """Queues the program of `plan` on each argument's arrays; `finish` makes what
         it returns the function's output."""
-        return self._jitted(plan.statics, *arrays)
+        return self._jitted(plan.statics, *donated_once(arrays, self.donated))
 
     def plan(
         self,
@@ -301,6 +344,53 @@ def _check_hashable(
             ) from None
 
 
+def donated_once(arguments: list[list[Any]], donated: Sequence[int]) -> list[list[Any]]:
+    """Each argument's arrays, with no buffer both donated and passed again.
+
+    XLA refuses a call that donates a buffer it also reads elsewhere in the same call
+    (the same array passed twice, or one array at two leaves, as tied weights are),
+    and on some versions the process dies of it. So an array of a donated argument
+    whose buffer was already passed, in an argument that is not donated or earlier
+    in a donated one, is replaced by a copy: the call computes what it would without
+    donation, and each buffer is donated at most once.
+
+    **Arguments:**
+
+    - `arguments`: the arrays of each argument of a program, in order.
+    - `donated`: the indices of the arguments whose buffers the program donates.
+
+    **Returns:**
+
+    `arguments` itself if no array is passed twice (the usual case), else new lists.
+    """
+    if not donated:
+        return arguments
+    ids = [id(x) for argument in arguments for x in argument]
+    if len(set(ids)) == len(ids):
+        return arguments
+    seen = {
+        id(x)
+        for i, argument in enumerate(arguments)
+        if i not in donated
+        for x in argument
+    }
+
+    def once(x: Any) -> Any:
+        # Tracers donate nothing (the outer program decides), and other arrays are
+        # copied onto the devices anyway, each into its own buffer.
+        if not isinstance(x, jax.Array) or is_tracer(x):
+            return x
+        if id(x) in seen:
+            return x.copy()
+        seen.add(id(x))
+        return x
+
+    return [
+        [once(x) for x in argument] if i in donated else argument
+        for i, argument in enumerate(arguments)
+    ]
+
+
 # The primitives of JAX's host callbacks (`jax.pure_callback`, `jax.debug.callback`,
 # `io_callback`), by which `eqx.error_if` and its kin raise at run time.
 _CALLBACKS = frozenset({"pure_callback", "debug_callback", "io_callback"})
@@ -381,6 +471,7 @@ class Lowered(eqx.Module):
     lowered: jax.stages.Lowered = eqx.field(static=True)
     statics: tuple[StaticPart, ...] = eqx.field(static=True)
     types: ArrayTypes = eqx.field(static=True)
+    donated: tuple[int, ...] = eqx.field(static=True)
     fixed: tuple[list[Any], ...]
     adapter: CallAdapter
 
@@ -398,7 +489,9 @@ class Lowered(eqx.Module):
         _, fixed_arrays = AsyncJit.split_args(fixed)
         types = array_types([a for argument in arrays for a in argument])
         lowered = program.lower(*fixed, *args)
-        return cls(lowered, statics, types, tuple(fixed_arrays), adapter)
+        return cls(
+            lowered, statics, types, program.donated, tuple(fixed_arrays), adapter
+        )
 
     def as_text(self) -> str:
         """The lowered program (StableHLO) as text."""
@@ -412,6 +505,7 @@ class Lowered(eqx.Module):
             self.lowered.compile(compiler_options=compiler_options),
             self.statics,
             self.types,
+            self.donated,
             self.fixed,
             self.adapter,
         )
@@ -429,6 +523,7 @@ class Compiled(eqx.Module):
     compiled: jax.stages.Compiled = eqx.field(static=True)
     statics: tuple[StaticPart, ...] = eqx.field(static=True)
     types: ArrayTypes = eqx.field(static=True)
+    donated: tuple[int, ...] = eqx.field(static=True)
     fixed: tuple[list[Any], ...]
     adapter: CallAdapter
 
@@ -445,5 +540,6 @@ class Compiled(eqx.Module):
             raise BatchError(adapter.other_static())
         if array_types([a for argument in arrays for a in argument]) != self.types:
             raise BatchError(adapter.other_types(args, kwargs, self.types))
+        arguments = donated_once([*self.fixed, *arrays], self.donated)
         compiled = self.compiled
-        return adapter.returned(lambda: AsyncJit.finish(compiled(*self.fixed, *arrays)))
+        return adapter.returned(lambda: AsyncJit.finish(compiled(*arguments)))

@@ -10,6 +10,7 @@ checks do, so that their failures are still raised at the call.
 
 import functools as ft
 import inspect
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal, overload, ParamSpec, TypeVar
@@ -24,9 +25,11 @@ from ._compile import (
     AsyncJit,
     CallAdapter,
     CallPlan,
+    hold,
     Lowered,
 )
 from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
+from ._memo import BoundedCache
 from ._tree import is_array, is_tracer
 
 
@@ -43,26 +46,69 @@ def _call_fun(first: tuple[Any, ...], rest: tuple[Any, tuple, dict]) -> Any:
     return fun(*first, *rest_args, **kwargs)
 
 
-# One program per donation pattern, shared by every wrapper, so that equal functions
-# (a new `eqx.filter_grad(f)` each call, say) share their compilations.
-_KEEP = AsyncJit(_call_fun)
-_DONATE_ALL = AsyncJit(_call_fun, donate=("first", "rest"))
-_DONATE_REST = AsyncJit(_call_fun, donate=("rest",))
-_PROGRAMS = {
-    "all": _DONATE_ALL,
-    "warn": _DONATE_ALL,
-    "all-except-first": _DONATE_REST,
-    "warn-except-first": _DONATE_REST,
-    "none": _KEEP,
+# Which parameters of `_call_fun` each value of `donate` donates.
+_DONATED = {
+    "all": ("first", "rest"),
+    "warn": ("first", "rest"),
+    "all-except-first": ("rest",),
+    "warn-except-first": ("rest",),
+    "none": (),
 }
 _QUIET = ("all", "all-except-first")
-_EQUINOX_ERROR = "_EquinoxRuntimeError: "
+# `jax.jit`'s keywords for which arguments are static, donated or placed where: the
+# wrapper decides those from the arguments themselves, as `eqx.filter_jit` does.
+_DECIDED_HERE = (
+    "static_argnums",
+    "static_argnames",
+    "donate_argnums",
+    "donate_argnames",
+    "in_shardings",
+    "out_shardings",
+)
+# One program per donation pattern and `jax.jit` keywords, shared by every wrapper
+# that has them, so that equal functions (a new `eqx.filter_grad(f)` each call, say)
+# share their compilations.
+_PROGRAMS = BoundedCache(64)
+
+
+def _program(donate: str, jit_kwargs: dict[str, Any]) -> AsyncJit:
+    """The program of `_call_fun` for `donate` and `jax.jit`'s `jit_kwargs`."""
+    for name in _DECIDED_HERE:
+        if name in jit_kwargs:
+            raise BatchError(
+                f"`{name}` is not passed on to `jax.jit`: `eb.filter_jit` traces every "
+                "array and holds everything else static, and donates by `donate=`. "
+                "Drop it; pass a value as a non-array to make it static."
+            )
+    for (name, *path), leaf in jtu.tree_flatten_with_path(jit_kwargs)[0]:
+        try:
+            hash(leaf)
+        except TypeError:
+            raise BatchError(
+                f"`{leaf_name(name.key, tuple(path))}` is {describe(leaf)}, passed on "
+                "to `jax.jit` as part of the compiled program's identity, and so must "
+                f"be hashable; {type(leaf).__name__} is not. Pass a tuple rather than "
+                "a list, a frozenset rather than a set."
+            ) from None
+    key = (donate, hold(jit_kwargs))
+    return _PROGRAMS.get_or_make(
+        key, lambda: AsyncJit(_call_fun, donate=_DONATED[donate], **jit_kwargs)
+    )
+
+
+# How JAX's error text names the exception by which a failed `eqx.error_if` check
+# leaves its host callback (Equinox's own `filter_jit` looks for the same name).
+_EQUINOX_ERROR_TYPE = "_EquinoxRuntimeError"
+_EQUINOX_ERROR = f"{_EQUINOX_ERROR_TYPE}: "
+# The logger on which JAX logs, with its traceback, a host callback that failed.
+_CALLBACK_LOGGER = "jax._src.callback"
 
 
 class _JitWrapper(eqx.Module):
     _fun: Callable[..., Any]
     _signature: inspect.Signature = eqx.field(static=True, repr=False)
     _donate: str = eqx.field(static=True)
+    _program: AsyncJit = eqx.field(static=True, repr=False)
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:
@@ -77,7 +123,7 @@ class _JitWrapper(eqx.Module):
         `.compile()` on the result gives a callable taking the same arguments.
         """
         inputs = _inputs(self, args, kwargs)
-        return Lowered.of(_PROGRAMS[self._donate], (), inputs, _JitCall(self))
+        return Lowered.of(self._program, (), inputs, _JitCall(self))
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         del owner
@@ -101,12 +147,12 @@ def _inputs(
 
 def _call(wrapper: _JitWrapper, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     inputs = _inputs(wrapper, args, kwargs)
-    program = _PROGRAMS[wrapper._donate]
+    program = wrapper._program
     leaves, treedef = jtu.tree_flatten(inputs)
     plan = program.plan(leaves, treedef, inputs, ft.partial(_leaf_name, wrapper))
     arrays = plan.arrays(leaves)
     checks = program.has_checks(plan, arrays)
-    return _returned(wrapper, lambda: _run(program, plan, arrays, checks))
+    return _returned(wrapper, lambda: _run(program, plan, arrays, checks), checks)
 
 
 def _run(
@@ -120,10 +166,12 @@ def _run(
     return AsyncJit.finish((out_arrays, out_static))
 
 
-def _returned(wrapper: _JitWrapper, run: Callable[[], Any]) -> Any:
+def _returned(wrapper: _JitWrapper, run: Callable[[], Any], checks: bool) -> Any:
     """`run()`, with the warnings about donated buffers silenced if the wrapper
-    donates quietly, and `eqx.error_if`'s failures raised as `eqx.EquinoxRuntimeError`.
-    """
+    donates quietly, and `eqx.error_if`'s failures raised as `eqx.EquinoxRuntimeError`
+    (and, if the program holds `checks`, not logged)."""
+    if checks:
+        run = ft.partial(_checks_unlogged, run)
     try:
         if wrapper._donate not in _QUIET:
             return run()
@@ -138,6 +186,34 @@ def _returned(wrapper: _JitWrapper, run: Callable[[], Any]) -> Any:
             raise
         message = text.split(_EQUINOX_ERROR, 1)[1].split("\n\n\n", 1)[0].strip()
         raise eqx.EquinoxRuntimeError(message) from None
+
+
+class _FailedCheckFilter(logging.Filter):
+    """Drops JAX's log of a host callback that failed an `eqx.error_if` check."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return type(error).__name__ != _EQUINOX_ERROR_TYPE
+
+
+def _checks_unlogged(run: Callable[[], Any]) -> Any:
+    """`run()`, with JAX's log of a failed `eqx.error_if` check filtered out.
+
+    JAX logs a failed callback at ERROR, with a traceback that carries Equinox's
+    banner: "you do not appear to be using `equinox.filter_jit` ... Please wrap your
+    program with `equinox.filter_jit`". The call raises the error itself, so the log
+    is noise, and its advice would undo `eb.filter_jit`; `eqx.filter_jit` filters it
+    too. Other callbacks' failures are still logged.
+    """
+    logger = logging.getLogger(_CALLBACK_LOGGER)
+    # A filter of its own per call: calls may overlap (in threads, or nested), and
+    # each removes only its own.
+    own = _FailedCheckFilter()
+    logger.addFilter(own)
+    try:
+        return run()
+    finally:
+        logger.removeFilter(own)
 
 
 def _leaf_name(wrapper: _JitWrapper, path: KeyPath) -> str:
@@ -208,41 +284,53 @@ class _JitCall(CallAdapter):
         )
 
     def returned(self, run: Callable[[], Any]) -> Any:
-        return _returned(self.wrapper, run)
+        # Whether the program holds checks is not known here: filter as if it does.
+        return _returned(self.wrapper, run, checks=True)
 
 
 @overload
 def filter_jit(
-    *, donate: Donate = "none"
+    *, donate: Donate = "none", **jit_kwargs: Any
 ) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
 
 
 @overload
 def filter_jit(
-    fun: Callable[_P, _T], *, donate: Donate = "none"
+    fun: Callable[_P, _T], *, donate: Donate = "none", **jit_kwargs: Any
 ) -> Callable[_P, _T]: ...
 
 
 def filter_jit(
-    fun: Callable[..., Any] | None = None, *, donate: Donate = "none"
+    fun: Callable[..., Any] | None = None,
+    *,
+    donate: Donate = "none",
+    **jit_kwargs: Any,
 ) -> Any:
     """`eqx.filter_jit` at `jax.jit`'s speed: a drop-in with the same arguments and
     results.
 
     Every JAX and NumPy array (`eqx.is_array`) in the arguments, and in `fun` itself,
     is traced; everything else, Python numbers included, is static: a new value
-    compiles anew. Works as a decorator bare or with arguments, on functions, on
-    methods (through `__get__`, the instance being the first argument), and on
-    callable Modules; nests inside and around `jax.jit`, `eqx.filter_grad` and
-    `eqx.filter_vmap`.
+    compiles anew. A value is new if its type differs, or for a float its bits:
+    `1`, `1.0` and `True` give three programs (int32, float32 and bool, as `jax.jit`
+    types them as static arguments), `0.0` and `-0.0` two, and two NaNs of the same
+    bits one. (`eqx.filter_jit` reuses `1`'s program for `1.0` and `True`, and
+    `0.0`'s for `-0.0`, and compiles anew for every NaN.)
 
-    It differs from `eqx.filter_jit` in what a call costs, not in what it computes:
+    Works as a decorator bare or with arguments, on functions, on methods (through
+    `__get__`, the instance being the first argument), and on callable Modules; nests
+    inside and around `jax.jit`, `eqx.filter_grad` and `eqx.filter_vmap`.
+
+    Those statics aside, it differs from `eqx.filter_jit` in what a call costs, not in
+    what it computes:
 
     - A call returns as soon as the work is queued, as `jax.jit`'s does;
         `eqx.filter_jit` waits for every call to finish. Programs that call back to
         the host (`eqx.error_if`'s checks, `jax.debug.print`) are waited for, so a
-        failed check is still raised at the call, as `eqx.EquinoxRuntimeError`. Any
-        other runtime failure surfaces when a result is first used.
+        failed check is still raised at the call, as `eqx.EquinoxRuntimeError`;
+        as `eqx.filter_jit` does, it filters out JAX's ERROR log of the failed
+        check, whose advice is to use `eqx.filter_jit`. Any other runtime failure
+        surfaces when a result is first used.
     - A call flattens its arguments once and finds its compiled program by their tree
         structure and the identity of their non-array leaves; only arguments not seen
         before are partitioned and hashed, as `eqx.filter_jit` does on every call.
@@ -260,6 +348,14 @@ def filter_jit(
         - `"warn"`, `"warn-except-first"`: as those, keeping the warnings;
         - `"none"` (the default): none.
 
+        An array passed at two places of a call (`f(x, x)`, or tied weights
+        `{"a": x, "b": x}`), one of them donated, is donated once: its other donated
+        places get a copy (a buffer donated twice would crash the program).
+    - `**jit_kwargs`: any other keyword is passed on to `jax.jit`, as
+        `eqx.filter_jit` passes it (`inline=True`, `keep_unused=True`, ...): not
+        those saying which arguments are static, donated or placed where, which
+        `filter_jit` decides. Wrappers with equal keywords share their compilations.
+
     **Returns:**
 
     The compiled function. Its `.lower(*args, **kwargs)` lowers it ahead of time for
@@ -267,12 +363,16 @@ def filter_jit(
 
     **Raises:**
 
-    - `eb.BatchError` (when wrapping) if `donate` is not one of the five above.
+    - `eb.BatchError` (when wrapping) if `donate` is not one of the five above, if
+        a keyword is one `filter_jit` decides (`static_argnums`, `static_argnames`,
+        `donate_argnums`, `donate_argnames`, `in_shardings`, `out_shardings`), or if
+        a keyword's value is not hashable.
     - `eb.BatchError` (when called) if a non-array leaf of an argument is not hashable
         (naming the argument and the leaf's path); (when calling a compiled function)
         if its non-array arguments differ from those it was lowered with, or its
         arrays have other shapes or dtypes, naming each such array.
-    - `TypeError` if a call does not fit `fun`'s signature, as calling `fun` would.
+    - `TypeError` (when wrapping) if `jax.jit` does not take a keyword; (when
+        called) if a call does not fit `fun`'s signature, as calling `fun` would.
     - `eqx.EquinoxRuntimeError` (when called) if an `eqx.error_if` check fails.
 
     !!! Example
@@ -290,13 +390,20 @@ def filter_jit(
         assert jnp.array_equal(compiled(model, x, 2.0), predict(model, x, 2.0))
         ```
     """
-    if donate not in _PROGRAMS:
+    if donate not in _DONATED:
         raise BatchError(
             f"donate={donate!r} is not one of 'all', 'all-except-first', 'warn', "
             "'warn-except-first' and 'none'. Use 'all' to donate every array's "
             "buffer, 'none' to donate nothing."
         )
+    # Made before `fun` is known, so that a bad keyword is refused where it is written.
+    program = _program(donate, jit_kwargs)
     if fun is None:
-        return ft.partial(filter_jit, donate=donate)
-    wrapper = _JitWrapper(_fun=fun, _signature=inspect.signature(fun), _donate=donate)
+        return ft.partial(filter_jit, donate=donate, **jit_kwargs)
+    wrapper = _JitWrapper(
+        _fun=fun,
+        _signature=inspect.signature(fun),
+        _donate=donate,
+        _program=program,
+    )
     return eqx.module_update_wrapper(wrapper)

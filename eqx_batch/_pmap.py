@@ -244,25 +244,8 @@ def _prepare(
         axis_size=wrapper._axis_size,
         mesh=member_mesh(wrapper._devices),
     )
-    if wrapper._donate == "none":
-        return _PROGRAM, mapping, (wrapper._fun, args, kwargs)
-    return _PROGRAM_DONATING, mapping, _donated_once((wrapper._fun, args, kwargs))
-
-
-def _donated_once(inputs: Any) -> Any:
-    """`inputs` with each array that appears again after its first place replaced by
-    a copy, so that no buffer is donated twice (XLA crashes on one that is)."""
-    seen = set()
-
-    def once(leaf: Any) -> Any:
-        if not isinstance(leaf, jax.Array) or is_tracer(leaf):
-            return leaf
-        if id(leaf) in seen:
-            return leaf.copy()
-        seen.add(id(leaf))
-        return leaf
-
-    return jtu.tree_map(once, inputs)
+    program = _PROGRAM if wrapper._donate == "none" else _PROGRAM_DONATING
+    return program, mapping, (wrapper._fun, args, kwargs)
 
 
 def _run(wrapper: _PmapWrapper, program: Callable[[], Any]) -> Any:
@@ -285,8 +268,7 @@ class _PmapCall(CallAdapter):
         self.wrapper = wrapper
 
     def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
-        inputs = (self.wrapper._fun, args, kwargs)
-        return (inputs if self.wrapper._donate == "none" else _donated_once(inputs),)
+        return ((self.wrapper._fun, args, kwargs),)
 
     def other_static(self) -> str:
         return (

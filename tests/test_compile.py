@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import pytest
 
-from eqx_batch._compile import AsyncJit, combine, hold, partition
+from eqx_batch._compile import AsyncJit, combine, donated_once, hold, partition
 
 
 def test_partition_takes_out_arrays_and_combine_puts_them_back():
@@ -48,3 +48,13 @@ def test_async_jit_donates_by_parameter_name():
 def test_async_jit_refuses_an_unknown_name():
     with pytest.raises(TypeError, match="buffers"):
         AsyncJit(lambda buffer: buffer, donate=("buffers",))
+
+
+def test_donated_once_copies_a_donated_array_passed_elsewhere():
+    x, y = jnp.ones(2), jnp.zeros(2)
+    kept, donated = donated_once([[x], [x, y, y]], donated=(1,))
+    assert kept[0] is x and donated[1] is y
+    assert donated[0] is not x and donated[2] is not y
+    assert jnp.array_equal(donated[0], x) and jnp.array_equal(donated[2], y)
+    for arguments, donating in ([[x], [y]], (0, 1)), ([[x], [x]], ()):
+        assert donated_once(arguments, donated=donating) is arguments

@@ -1,7 +1,12 @@
 """`eb.filter_jit`: `eqx.filter_jit`'s results, donation, methods, ahead-of-time
 compilation, runtime checks, and errors that name the argument."""
 
+import logging
+import math
+import subprocess
+import sys
 import warnings
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -58,6 +63,34 @@ def test_python_scalars_are_static_and_arrays_traced():
     assert len(traces) == 3
 
 
+@pytest.mark.parametrize("first, second", [(1, 1.0), (1, True), (0.0, -0.0)])
+def test_an_equal_static_of_another_type_or_sign_compiles_anew(first, second):
+    def as_array(value):
+        return jnp.asarray(value)
+
+    ours = eb.filter_jit(as_array)
+    for value in (first, second):
+        # A fresh function for each value: `jax.jit` shares one cache between the
+        # wrappers of a function, in which -0.0 would find 0.0's program.
+        fresh = jax.jit(lambda value: as_array(value), static_argnums=0)
+        assert_trees_identical(ours(value), fresh(value))
+
+
+def test_a_float_static_is_keyed_on_its_bits():
+    traces = []
+
+    @eb.filter_jit
+    def as_array(value):
+        traces.append(value)
+        return jnp.asarray(value)
+
+    as_array(float("nan"))
+    as_array(float("nan"))  # another object, the same bits: the same program
+    assert len(traces) == 1
+    as_array(math.copysign(math.nan, -1.0))  # a sign bit apart
+    assert len(traces) == 2
+
+
 def test_keywords_bind_to_positions_as_eqx_does():
     traces = 0
 
@@ -105,6 +138,49 @@ def test_donate_all_reuses_buffers_quietly():
         warnings.simplefilter("error")
         out = add_one(x, unusable)
     assert x.is_deleted() and out.unsafe_buffer_pointer() == pointer
+
+
+# A buffer passed at two places of a donating call, over the suite's 4 devices. XLA
+# refuses a buffer donated twice, and on some versions the process dies of it, so each
+# pattern runs in its own process: a crash fails the test rather than ending pytest.
+_SHARDED_X = """
+import jax.numpy as jnp
+import eqx_batch as eb
+
+def check(out, expected):
+    assert jnp.array_equal(out, expected), (out, expected)
+
+values = jnp.arange(8.0)
+x = eb.shard(values)
+assert len(x.sharding.device_set) == 4
+"""
+_DONATED_TWICE = {
+    "all": """
+add = eb.filter_jit(lambda a, b: a + b, donate="all")
+check(add(x, x), 2 * values)
+y = eb.shard(values)
+check(add.lower(y, y).compile()(y, y), 2 * values)
+""",
+    "all-except-first": """
+add = eb.filter_jit(lambda a, b, c: a + b + c, donate="all-except-first")
+check(add(x, x, x), 3 * values)
+check(x, values)  # the first argument is not donated: still usable
+""",
+    "tied weights": """
+tied = eb.filter_jit(lambda tree: tree["a"] * tree["b"], donate="all")
+check(tied({"a": x, "b": x}), values**2)
+""",
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(_DONATED_TWICE))
+def test_a_buffer_passed_twice_to_a_donating_call_is_donated_once(pattern):
+    script = _SHARDED_X + _DONATED_TWICE[pattern] + 'print("ok")\n'
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
 
 
 def test_donate_warn_keeps_the_warning():
@@ -166,6 +242,40 @@ def test_an_unhashable_static_leaf_is_named_by_argument_and_path():
     )
 
 
+def _calls_a_nested_program(fun):
+    """Whether `jax.jit(fun)`, lowered, calls a program of its own for a nested one
+    rather than holding its operations inline."""
+    lowered = jax.jit(fun).lower(jnp.asarray(1.0))
+    return "call @" in lowered.as_text()
+
+
+def test_other_keywords_are_passed_on_to_jax_jit():
+    @eb.filter_jit(inline=True)
+    def double(x):
+        return x * 2
+
+    assert double(jnp.asarray(3.0)) == 6.0
+    compiled = double.lower(jnp.asarray(3.0)).compile()  # pyright: ignore
+    assert compiled(jnp.asarray(3.0)) == 6.0
+    assert not _calls_a_nested_program(lambda x: double(x))
+    assert _calls_a_nested_program(lambda x: eb.filter_jit(lambda y: y * 2)(x))
+    with pytest.raises(TypeError, match="not_a_keyword"):
+        eb.filter_jit(not_a_keyword=True)
+
+
+@pytest.mark.parametrize(
+    "keyword", ["static_argnums", "donate_argnums", "in_shardings"]
+)
+def test_keywords_that_filter_jit_decides_are_refused(keyword):
+    jit_kwargs: dict[str, Any] = {keyword: 0}
+    raises(keyword, lambda: eb.filter_jit(lambda x: x, **jit_kwargs))
+
+
+def test_an_unhashable_keyword_for_jax_jit_is_refused():
+    options = {"xla_flag": {1, 2}}
+    raises("must be hashable", lambda: eb.filter_jit(compiler_options=options), "set")
+
+
 def test_a_bad_donate_is_refused():
     raises("donate='some'", lambda: eb.filter_jit(lambda x: x, donate="some"))  # type: ignore[arg-type]
 
@@ -178,6 +288,32 @@ def test_error_if_is_raised_at_the_call():
     assert positive(jnp.asarray(1.0)) == 1.0
     with pytest.raises(eqx.EquinoxRuntimeError, match="x must be positive"):
         positive(jnp.asarray(-1.0))
+
+
+def test_a_failed_check_logs_no_advice_to_use_eqx_filter_jit(caplog):
+    @eb.filter_jit
+    def positive(x):
+        return eqx.error_if(x, x <= 0, "x must be positive")
+
+    compiled = positive.lower(jnp.asarray(1.0)).compile()  # pyright: ignore
+    for call in (positive, compiled):
+        with pytest.raises(eqx.EquinoxRuntimeError, match="x must be positive"):
+            call(jnp.asarray(-1.0))
+    assert "equinox.filter_jit" not in caplog.text
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_a_failing_callback_of_ones_own_is_still_logged(caplog):
+    def fail(x):
+        raise RuntimeError("the callback's own failure")
+
+    @eb.filter_jit
+    def call_back(x):
+        return jax.pure_callback(fail, jax.ShapeDtypeStruct((), jnp.float32), x)
+
+    with pytest.raises(jax.errors.JaxRuntimeError):
+        call_back(jnp.asarray(1.0))
+    assert "the callback's own failure" in caplog.text
 
 
 def test_a_fresh_wrapper_of_an_equal_function_reuses_the_compilation():
