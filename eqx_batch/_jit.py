@@ -100,8 +100,6 @@ def _program(donate: str, jit_kwargs: dict[str, Any]) -> AsyncJit:
 # leaves its host callback (Equinox's own `filter_jit` looks for the same name).
 _EQUINOX_ERROR_TYPE = "_EquinoxRuntimeError"
 _EQUINOX_ERROR = f"{_EQUINOX_ERROR_TYPE}: "
-# The logger on which JAX logs, with its traceback, a host callback that failed.
-_CALLBACK_LOGGER = "jax._src.callback"
 
 
 class _JitWrapper(eqx.Module):
@@ -205,15 +203,37 @@ def _checks_unlogged(run: Callable[[], Any]) -> Any:
     is noise, and its advice would undo `eb.filter_jit`; `eqx.filter_jit` filters it
     too. Other callbacks' failures are still logged.
     """
-    logger = logging.getLogger(_CALLBACK_LOGGER)
+    loggers = _callback_loggers()
     # A filter of its own per call: calls may overlap (in threads, or nested), and
     # each removes only its own.
     own = _FailedCheckFilter()
-    logger.addFilter(own)
+    for logger in loggers:
+        logger.addFilter(own)
     try:
         return run()
     finally:
-        logger.removeFilter(own)
+        for logger in loggers:
+            logger.removeFilter(own)
+
+
+def _callback_loggers() -> list[logging.Logger]:
+    """The loggers on which JAX logs, with its traceback, a host callback that failed.
+
+    No public API names them: JAX logs from a module of its own, on a logger named
+    after it (`...callback` in the `jax` namespace). They are found among the loggers
+    JAX has made, so that a JAX that names them otherwise gets no filter (its log is
+    then shown, and nothing else changes) rather than an error.
+    """
+    if not _CALLBACK_LOGGERS:
+        _CALLBACK_LOGGERS.extend(
+            logging.getLogger(name)
+            for name in list(logging.root.manager.loggerDict)
+            if name.startswith("jax.") and name.endswith(".callback")
+        )
+    return _CALLBACK_LOGGERS
+
+
+_CALLBACK_LOGGERS: list[logging.Logger] = []
 
 
 def _leaf_name(wrapper: _JitWrapper, path: KeyPath) -> str:
