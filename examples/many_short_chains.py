@@ -226,8 +226,8 @@ def eight_schools(key: jax.Array) -> Target:
         mean=mean,
         var=var,
         shown={
-            "var_names": ["['mu']", "['log_tau']", "['theta_tilde']"],
-            "coords": {"['theta_tilde']_dim_0": [0, 7]},
+            "var_names": ["mu", "log_tau", "theta_tilde"],
+            "coords": {"theta_tilde_dim_0": [0, 7]},
         },
     )
 

@@ -203,7 +203,7 @@ def main() -> None:
     # "sample_stats", as for BlackJAX and NumPyro, variables named by their paths. The
     # weights are not identifiable, so the outputs are what to diagnose.
     data = result.to_arviz()
-    diagnosed = ["['log_posterior']", "['prediction']"]
+    diagnosed = ["log_posterior", "prediction"]
     rhat = arviz_stats.rhat(data, group="sample_stats", var_names=diagnosed)
     ess = arviz_stats.ess(data, group="sample_stats", var_names=diagnosed)
     # Per variable, the worst of its entries (the prediction has one per grid point).
@@ -230,7 +230,7 @@ def main() -> None:
             "not yet to be trusted. Run longer,\nor use a gradient-based sampler."
         )
 
-    at_query = {"['prediction']_dim_0": [query]}
+    at_query = {"prediction_dim_0": [query]}
     arviz_pngs = []
     plots = {"trace": arviz_plots.plot_trace, "rank": arviz_plots.plot_rank}
     for kind, plot in plots.items():

@@ -2,15 +2,19 @@
 
 import functools as ft
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from typing import NamedTuple
 
+import arviz_plots
 import arviz_stats
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import xarray as xr
@@ -44,11 +48,11 @@ def test_matches_a_hand_built_datatree(getkey):
     layer1 = np.asarray(result.trace["w"]["layer1"])
     b = np.asarray(result.trace["b"])
     assert layer1.shape == (4, 6, 3, 2) and b.shape == (4, 6)
-    d0, d1 = "['w']['layer1']_dim_0", "['w']['layer1']_dim_1"
+    d0, d1 = "w.layer1_dim_0", "w.layer1_dim_1"
     posterior = xr.Dataset(
         {
-            "['b']": (("chain", "draw"), b),
-            "['w']['layer1']": (("chain", "draw", d0, d1), layer1),
+            "b": (("chain", "draw"), b),
+            "w.layer1": (("chain", "draw", d0, d1), layer1),
         },
         coords={
             "chain": np.arange(4),
@@ -61,35 +65,64 @@ def test_matches_a_hand_built_datatree(getkey):
     # Equal: the same groups, variables, dims, coords and values (not timestamps).
     xr.testing.assert_equal(data, expected)
     assert list(data.children) == ["posterior"]
-    assert data["posterior"]["['w']['layer1']"].dtype == np.float32
-    assert data["posterior"]["['w']['layer1']"].dims == ("chain", "draw", d0, d1)
+    assert data["posterior"]["w.layer1"].dtype == np.float32
+    assert data["posterior"]["w.layer1"].dims == ("chain", "draw", d0, d1)
 
 
-def test_variables_are_named_by_keystr_paths(getkey):
+def test_a_module_s_variables_are_named_by_dotted_paths(getkey):
     # An Equinox MLP: its activation functions are not arrays and are left out.
     mlp = eb.ensemble(
         eqx.nn.MLP, 3, in_size=2, out_size=1, width_size=4, depth=1, key=getkey()
     )
     result = eb.run_chains(noisy, mlp, getkey(), 5)
     data = result.to_arviz()
+    # `.layers[0].weight` and so on, as PyTorch's `state_dict` names them.
     leaves = {
-        jax.tree_util.keystr(path): leaf
-        for path, leaf in jax.tree_util.tree_flatten_with_path(
-            eqx.filter(result.trace, eqx.is_array)
-        )[0]
+        "layers.0.weight": result.trace.layers[0].weight,
+        "layers.0.bias": result.trace.layers[0].bias,
+        "layers.1.weight": result.trace.layers[1].weight,
+        "layers.1.bias": result.trace.layers[1].bias,
     }
-    assert list(leaves) == [
-        ".layers[0].weight",
-        ".layers[0].bias",
-        ".layers[1].weight",
-        ".layers[1].bias",
-    ]
-    assert set(data["posterior"].data_vars) == set(leaves)
+    assert list(data["posterior"].data_vars) == list(leaves)
     for name, leaf in leaves.items():
         variable = data["posterior"][name]
         axes = tuple(f"{name}_dim_{axis}" for axis in range(leaf.ndim - 2))
         assert variable.dims == ("chain", "draw", *axes)
         np.testing.assert_array_equal(variable.values, leaf)
+    assert data["posterior"]["layers.0.weight"].dims == (
+        "chain",
+        "draw",
+        "layers.0.weight_dim_0",
+        "layers.0.weight_dim_1",
+    )
+
+
+class Pair(NamedTuple):
+    first: jax.Array
+    second: jax.Array
+
+
+def test_dict_list_and_nested_paths_are_joined_with_dots(getkey):
+    init = {
+        "layer1": {"weights": jnp.zeros((2, 3, 4)), "bias": jnp.zeros((2, 4))},
+        "blocks": [jnp.zeros((2, 5)), Pair(jnp.zeros(2), jnp.zeros((2, 1)))],
+        "heads": {7: jnp.zeros(2)},
+    }
+    result = eb.run_chains(noisy, init, getkey(), 3)
+    posterior = result.to_arviz()["posterior"].to_dataset()
+    dims = {name: variable.dims[2:] for name, variable in posterior.data_vars.items()}
+    # Dict keys, attributes and indices, each written plainly (the int key too).
+    assert dims == {
+        "blocks.0": ("blocks.0_dim_0",),
+        "blocks.1.first": (),
+        "blocks.1.second": ("blocks.1.second_dim_0",),
+        "heads.7": (),
+        "layer1.bias": ("layer1.bias_dim_0",),
+        "layer1.weights": ("layer1.weights_dim_0", "layer1.weights_dim_1"),
+    }
+    np.testing.assert_array_equal(
+        posterior["blocks.1.second"].values, result.trace["blocks"][1].second
+    )
 
 
 def test_one_array_is_named_state(getkey):
@@ -112,7 +145,7 @@ def test_prng_keys_in_the_state_are_left_out(getkey):
 
     init = {"x": jnp.zeros(3), "key": jr.split(getkey(), 3)}
     data = eb.run_chains(step, init, getkey(), 4).to_arviz()
-    assert list(data["posterior"].data_vars) == ["['x']"]
+    assert list(data["posterior"].data_vars) == ["x"]
 
 
 def test_legacy_keys_in_the_state_are_data_like_any_other(getkey):
@@ -124,8 +157,8 @@ def test_legacy_keys_in_the_state_are_data_like_any_other(getkey):
 
     init = {"x": jnp.zeros(3), "key": jr.key_data(jr.split(getkey(), 3))}
     data = eb.run_chains(step, init, getkey(), 4).to_arviz()
-    assert list(data["posterior"].data_vars) == ["['key']", "['x']"]
-    assert data["posterior"]["['key']"].dtype == np.uint32
+    assert list(data["posterior"].data_vars) == ["key", "x"]
+    assert data["posterior"]["key"].dtype == np.uint32
 
 
 def test_outputs_are_sample_stats_beside_the_posterior(getkey):
@@ -141,14 +174,14 @@ def test_outputs_are_sample_stats_beside_the_posterior(getkey):
     assert list(data.children) == ["posterior", "sample_stats"]
     np.testing.assert_array_equal(data["posterior"]["state"].values, result.trace)
     stats = data["sample_stats"]
-    assert set(stats.data_vars) == {"['first']", "['norm']"}
-    assert stats["['norm']"].dims == ("chain", "draw")
-    assert stats["['first']"].dims == ("chain", "draw", "['first']_dim_0")
-    np.testing.assert_array_equal(stats["['norm']"].values, result.outputs["norm"])
-    np.testing.assert_array_equal(stats["['first']"].values, result.outputs["first"])
+    assert set(stats.data_vars) == {"first", "norm"}
+    assert stats["norm"].dims == ("chain", "draw")
+    assert stats["first"].dims == ("chain", "draw", "first_dim_0")
+    np.testing.assert_array_equal(stats["norm"].values, result.outputs["norm"])
+    np.testing.assert_array_equal(stats["first"].values, result.outputs["first"])
     # ArviZ's diagnostics read the group when told to.
     rhat = arviz_stats.rhat(data, group="sample_stats")
-    assert rhat["['first']"].shape == (2,)
+    assert rhat["first"].shape == (2,)
 
     scalar = eb.run_chains(
         lambda x, key: (x, jnp.sum(x)), jnp.ones((2, 3)), getkey(), 3, with_output=True
@@ -158,16 +191,174 @@ def test_outputs_are_sample_stats_beside_the_posterior(getkey):
     np.testing.assert_array_equal(output.values, np.full((2, 3), 3.0))
 
 
-def test_a_state_and_an_output_may_share_a_path(getkey):
-    # A scalar state and a vector output, both at `['x']`.
+def test_a_state_and_an_output_may_share_a_name(getkey):
+    # A scalar state and a vector output, both named `x` (and a state `x_dim_0` beside
+    # the output's axis `x_dim_0`): each group has its own names.
     def step(state, key):
-        new = {"x": state["x"] + jr.normal(key)}
+        new = {"x": state["x"] + jr.normal(key), "x_dim_0": state["x_dim_0"]}
         return new, {"x": new["x"] * jnp.arange(3.0)}
 
-    init = {"x": jnp.zeros(2)}
+    init = {"x": jnp.zeros(2), "x_dim_0": jnp.ones(2)}
     data = eb.run_chains(step, init, getkey(), 4, with_output=True).to_arviz()
-    assert data["posterior"]["['x']"].dims == ("chain", "draw")
-    assert data["sample_stats"]["['x']"].dims == ("chain", "draw", "['x']_dim_0")
+    assert data["posterior"]["x"].dims == ("chain", "draw")
+    assert data["posterior"]["x_dim_0"].dims == ("chain", "draw")
+    assert data["sample_stats"]["x"].dims == ("chain", "draw", "x_dim_0")
+
+
+@pytest.mark.parametrize(
+    "init, paths, name",
+    [
+        # A key with a dot, beside the nested keys that join to it.
+        (
+            {"a.b": jnp.zeros(2), "a": {"b": jnp.zeros(2)}},
+            ["chains.trace['a.b']", "chains.trace['a']['b']"],
+            "a.b",
+        ),
+        # An index and a dict key written alike.
+        (
+            {"a": [jnp.zeros(2)], "a.0": jnp.zeros(2)},
+            ["chains.trace['a.0']", "chains.trace['a'][0]"],
+            "a.0",
+        ),
+        # A leaf named as another leaf's axis.
+        (
+            {"a": jnp.zeros((2, 3)), "a_dim_0": jnp.zeros(2)},
+            ["chains.trace['a_dim_0']", "a dimension of `chains.trace['a']`"],
+            "a_dim_0",
+        ),
+        # ArviZ's own dimensions.
+        ({"draw": jnp.zeros(2)}, ["chains.trace['draw']", "dimension `draw`"], "draw"),
+        (
+            {"chain": jnp.zeros((2, 3))},
+            ["chains.trace['chain']", "dimension `chain`"],
+            "chain",
+        ),
+    ],
+)
+def test_two_leaves_of_one_name_are_refused(getkey, init, paths, name):
+    result = eb.run_chains(noisy, init, getkey(), 3)
+    with pytest.raises(eb.BatchError) as error:
+        result.to_arviz()
+    message = str(error.value)
+    for path in paths:
+        assert path in message
+    assert f"both be named `{name}` in the group `posterior`" in message
+    assert "rename a dict key or field" in message
+
+
+def test_two_outputs_of_one_name_are_refused(getkey):
+    def step(x, key):
+        new = x + jr.normal(key, x.shape)
+        return new, {"accept": {"rate": jnp.mean(new)}, "accept.rate": jnp.sum(new)}
+
+    result = eb.run_chains(step, jnp.zeros((2, 3)), getkey(), 3, with_output=True)
+    message = (
+        "`chains.outputs['accept.rate']` and `chains.outputs['accept']['rate']` would "
+        "both be named `accept.rate` in the group `sample_stats`"
+    )
+    with pytest.raises(eb.BatchError, match=re.escape(message)):
+        result.to_arviz()
+
+
+def test_a_leaf_named_superchain_is_refused_with_superchains(getkey):
+    init = {"superchain": jnp.zeros(2)}
+    grouped = eb.run_chains(noisy, init, jr.split(getkey(), 4), 3, superchains=2)
+    with pytest.raises(eb.BatchError, match="coordinate `superchain`"):
+        grouped.to_arviz()
+    # Without superchains there is no such coordinate, and the name is free.
+    plain = eb.run_chains(noisy, {"superchain": jnp.zeros(4)}, getkey(), 3)
+    assert list(plain.to_arviz()["posterior"].data_vars) == ["superchain"]
+
+
+def test_a_name_with_a_slash_is_refused(getkey):
+    # xarray's DataTree reads `/` as a path between groups.
+    result = eb.run_chains(noisy, {"a/b": jnp.zeros(2)}, getkey(), 3)
+    with pytest.raises(eb.BatchError, match=r"`chains.trace\['a/b'\]` .* with `/`"):
+        result.to_arviz()
+
+
+def test_arviz_selects_variables_by_the_names_users_type(getkey):
+    init = {"layer1": {"weights": jr.normal(getkey(), (4, 2))}, "layer2": jnp.zeros(4)}
+    result = eb.run_chains(noisy, init, getkey(), 20)
+    data = result.to_arviz()
+    summary = arviz_stats.summary(data, var_names=["layer1.weights"])
+    assert list(summary.index) == ["layer1.weights[0]", "layer1.weights[1]"]
+    rhat = arviz_stats.rhat(data, var_names="layer1.weights")
+    assert list(rhat.data_vars) == ["layer1.weights"]
+    second = data["posterior"]["layer1.weights"].sel({"layer1.weights_dim_0": 1})
+    np.testing.assert_array_equal(
+        second.values, result.trace["layer1"]["weights"][..., 1]
+    )
+
+
+def hmc_like_step(x, key):
+    """A random-walk Metropolis step whose outputs are named as ArviZ names a
+    sampler's statistics (as docs/chains.md maps BlackJAX's HMCInfo)."""
+    proposal_key, accept_key = jr.split(key)
+    proposal = x + 2.0 * jr.normal(proposal_key, x.shape)
+    log_ratio = 0.5 * (jnp.sum(x**2) - jnp.sum(proposal**2))
+    accept = jnp.log(jr.uniform(accept_key)) < log_ratio
+    new = jnp.where(accept, proposal, x)
+    energy = 0.5 * jnp.sum(new**2)
+    return new, {
+        "diverging": log_ratio < -5.0,
+        "energy": energy,
+        "lp": -energy,
+        "acceptance_rate": jnp.minimum(1.0, jnp.exp(log_ratio)),
+    }
+
+
+def hmc_like_run(getkey) -> eb.Chains:
+    def step(state, key):
+        new, stats = hmc_like_step(state["layer1"]["weights"], key)
+        return {"layer1": {"weights": new}}, stats
+
+    init = {"layer1": {"weights": jnp.zeros((4, 2))}}
+    return eb.run_chains(step, init, getkey(), 50, with_output=True)
+
+
+def test_energy_is_found_where_arviz_looks(getkey):
+    result = hmc_like_run(getkey)
+    energy = np.asarray(result.outputs["energy"])
+    # Betancourt's E-BFMI of each chain, which ArviZ computes from `energy` in
+    # `sample_stats` unless told otherwise.
+    deviations = energy - energy.mean(axis=1, keepdims=True)
+    by_hand = np.sum(np.diff(energy, axis=1) ** 2, axis=1) / np.sum(
+        deviations**2, axis=1
+    )
+    bfmi = arviz_stats.bfmi(result.to_arviz())
+    np.testing.assert_allclose(bfmi["energy"].values, by_hand, rtol=1e-5)
+
+
+@pytest.mark.skipif(
+    not hasattr(arviz_stats, "diagnose"), reason="arviz-stats 1.0 added `diagnose`"
+)
+def test_diagnose_counts_the_divergences(getkey):
+    result = hmc_like_run(getkey)
+    divergences = int(jnp.sum(result.outputs["diverging"]))
+    assert 0 < divergences < result.outputs["diverging"].size
+    # arviz-stats 0.8 (Python 3.11, where pyright runs) has no `diagnose`.
+    _, found = arviz_stats.diagnose(  # pyright: ignore[reportAttributeAccessIssue]
+        result.to_arviz(), show_diagnostics=False, return_diagnostics=True
+    )
+    assert found["divergent"]["n_divergent"] == divergences
+    assert found["bfmi"]["bfmi_values"].shape == (4,)
+
+
+def test_a_trace_plot_marks_the_divergences_and_titles_the_typed_name(getkey):
+    result = hmc_like_run(getkey)
+    assert bool(jnp.any(result.outputs["diverging"]))
+    plots = arviz_plots.plot_trace(
+        result.to_arviz(), coords={"layer1.weights_dim_0": [0]}, backend="matplotlib"
+    )
+    try:
+        assert "divergence" in plots.viz.children
+        titles = np.ravel(plots.viz["title"].to_dataset()["layer1.weights"].values)
+        assert [title.get_text().splitlines()[0] for title in titles] == [
+            "layer1.weights"
+        ]
+    finally:
+        plt.close("all")
 
 
 def test_summary_reads_the_posterior_without_the_step_information(getkey):
@@ -201,7 +392,7 @@ def test_narrow_floats_become_float32_exactly(getkey):
     }
     result = eb.run_chains(step, init, getkey(), 40)
     data = result.to_arviz()
-    for name, leaf in [("['b']", result.trace["b"]), ("['h']", result.trace["h"])]:
+    for name, leaf in [("b", result.trace["b"]), ("h", result.trace["h"])]:
         variable = data["posterior"][name]
         assert variable.dtype == np.float32
         # Every value kept: back in the narrow dtype, the very same bits.
@@ -211,7 +402,7 @@ def test_narrow_floats_become_float32_exactly(getkey):
             np.asarray(jax.lax.bitcast_convert_type(leaf, jnp.uint16)),
         )
     summary = arviz_stats.summary(data)
-    assert list(summary.index) == ["['b'][0]", "['b'][1]", "['b'][2]", "['h']"]
+    assert list(summary.index) == ["b[0]", "b[1]", "b[2]", "h"]
     assert np.all(np.isfinite(np.asarray(summary["r_hat"], dtype=float)))
 
 

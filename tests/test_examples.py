@@ -127,14 +127,14 @@ def test_parallel_markov_chains(tmp_path):
     assert "acceptance" in output and "posterior mean" in output
 
     # ArviZ's R-hat and ESS per recorded output, and its trace and rank plots.
-    names = {"['log_posterior']", "['prediction']"}
+    names = {"log_posterior", "prediction"}
     assert set(result["rhat"]) == set(result["ess"]) == names
     assert result["total_draws"] == chains * result["draws"]
     assert all(np.isfinite(r) and r > 0.99 for r in result["rhat"].values())
     assert all(0 < ess <= result["total_draws"] for ess in result["ess"].values())
     assert result["converged"] == (max(result["rhat"].values()) < 1.01)
     # The chains' mean log posteriors differ (the table above); R-hat sees it.
-    assert result["rhat"]["['log_posterior']"] > 1.05 and not result["converged"]
+    assert result["rhat"]["log_posterior"] > 1.05 and not result["converged"]
     assert "worst R-hat" in output and "the chains have not mixed" in output
     assert result["arviz_pngs"] == [
         str(tmp_path / "chains_arviz_trace.png"),

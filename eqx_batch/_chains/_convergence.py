@@ -95,10 +95,11 @@ class Diagnostics(eqx.Module):
 
         **Returns:**
 
-        A dict from each leaf's `jax.tree_util.keystr` path (as `Chains.to_arviz`
-        names its variables; a state that is one array is `"state"`) to its worst
-        element's `Worst(value, element)`, ordered from the worst leaf to the best
-        (NaN leaves last): `next(iter(d.items()))` is the worst element of the state.
+        A dict from each leaf's `jax.tree_util.keystr` path (`"['layer1']['weights']"`,
+        which `Chains.to_arviz` names `layer1.weights`; a state that is one array is
+        `"state"`) to its worst element's `Worst(value, element)`, ordered from the
+        worst leaf to the best (NaN leaves last): `next(iter(d.items()))` is the worst
+        element of the state.
 
         **Raises:**
 

@@ -119,18 +119,28 @@ class Chains(eqx.Module):
         (`trace`) go in the group `posterior`, where ArviZ's functions look by default,
         and the step's outputs (`outputs`, with `with_output=True`: its acceptance,
         divergence, energy...) go in the group `sample_stats`, so
-        `arviz_stats.summary(data)` summarises the posterior alone. Every array leaf
-        becomes one variable, named by its `jax.tree_util.keystr` path
-        (`['layer1']['weights']`, `.layers[0].weight`; a state that is one array is
-        named `state`, an output that is one array `output`), with dimensions `chain`,
+        `arviz_stats.summary(data)` summarises the posterior alone.
+
+        Every array leaf becomes one variable, named by its path with each entry (dict
+        key, attribute, index) written plainly and joined with dots, as PyTorch's
+        `state_dict` and Flax name parameters, so that `var_names=`, summary tables and
+        plot titles carry names users can type: `{"layer1": {"weights": w}}` gives
+        `layer1.weights`, an MLP's `.layers[0].weight` gives `layers.0.weight`, an
+        output `{"accept": a}` gives `accept`. A state that is one array is named
+        `state`, an output that is one array `output`. The dimensions are `chain`,
         `draw`, then one per axis of the leaf, named as ArviZ names them
-        (`['layer1']['weights']_dim_0`, ...). Floats narrower than float32 (bfloat16,
-        float16), which NumPy and ArviZ cannot compute in, become float32, exactly.
-        Non-array leaves and typed PRNG keys (`jr.key`) are left out; legacy keys
-        (`jr.PRNGKey`, `uint32` data) cannot be told from data and become variables:
-        keep keys in the state typed. With `superchains`, the `chain` dimension has a
-        coordinate `superchain` holding each chain's superchain, for
-        `arviz_stats.rhat_nested(data,
+        (`layer1.weights_dim_0`, ...). A state and an output may share a name: they
+        are in different groups. Outputs named as ArviZ names a sampler's statistics
+        (`diverging`, `energy`, `lp`, `acceptance_rate`) are found where its checks and
+        plots look for them; see [Naming outputs for
+        ArviZ](../chains.md#naming-outputs-for-arviz), which maps BlackJAX's `info`.
+
+        Floats narrower than float32 (bfloat16, float16), which NumPy and ArviZ cannot
+        compute in, become float32, exactly. Non-array leaves and typed PRNG keys
+        (`jr.key`) are left out; legacy keys (`jr.PRNGKey`, `uint32` data) cannot be
+        told from data and become variables: keep keys in the state typed. With
+        `superchains`, the `chain` dimension has a coordinate `superchain` holding each
+        chain's superchain, for `arviz_stats.rhat_nested(data,
         superchain_ids=data.posterior.superchain.values)`.
 
         **Returns:**
@@ -145,6 +155,11 @@ class Chains(eqx.Module):
         - `ImportError` if ArviZ is not installed, naming the extra to install.
         - `eb.BatchError` if there is no trace (the chains ran with `trace=False`) or it
             holds no array.
+        - `eb.BatchError` if two leaves of one group would get one name (`{"a.b": x,
+            "a": {"b": y}}`, or a leaf `a_dim_0` beside a vector `a`, whose axis is
+            named so), or a leaf would take a name ArviZ gives itself (`chain`,
+            `draw`, and `superchain` with superchains) or cannot hold (one with `/`).
+            The message names both paths and the name: rename a dict key or field.
 
         !!! Example
 
@@ -160,7 +175,7 @@ class Chains(eqx.Module):
             )
             data = result.to_arviz()
             data["posterior"]["state"].dims  # ('chain', 'draw', 'state_dim_0')
-            data["sample_stats"]["['size']"].dims  # ('chain', 'draw')
+            data["sample_stats"]["size"].dims  # ('chain', 'draw')
             arviz_stats.summary(data)  # state[0], state[1], state[2]: not converged
             ```
         """
