@@ -1,6 +1,7 @@
 """`Chains.to_arviz`: chains as ArviZ data, and ArviZ's diagnostics on them."""
 
 import functools as ft
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -330,15 +331,17 @@ def test_energy_is_found_where_arviz_looks(getkey):
     np.testing.assert_allclose(bfmi["energy"].values, by_hand, rtol=1e-5)
 
 
-@pytest.mark.skipif(
-    not hasattr(arviz_stats, "diagnose"), reason="arviz-stats 1.0 added `diagnose`"
-)
 def test_diagnose_counts_the_divergences(getkey):
     result = hmc_like_run(getkey)
     divergences = int(jnp.sum(result.outputs["diverging"]))
     assert 0 < divergences < result.outputs["diverging"].size
-    # arviz-stats 0.8 (Python 3.11, where pyright runs) has no `diagnose`.
-    _, found = arviz_stats.diagnose(  # pyright: ignore[reportAttributeAccessIssue]
+    diagnose = getattr(arviz_stats, "diagnose", None)
+    if diagnose is None:
+        # arviz-stats 0.8, the last on Python 3.11, predates `diagnose`; the trace
+        # plot's divergence marks test the same name there.
+        assert importlib.metadata.version("arviz-stats").startswith("0.")
+        return
+    _, found = diagnose(
         result.to_arviz(), show_diagnostics=False, return_diagnostics=True
     )
     assert found["divergent"]["n_divergent"] == divergences
