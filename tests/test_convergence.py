@@ -56,7 +56,7 @@ def _arviz_statistics(result: eb.Chains, superchains: bool) -> dict:
             data, superchain_ids=data.posterior.superchain.values, method="identity"
         )
     return {
-        name: {leaf: np.asarray(values[f"['{leaf}']"]) for leaf in ("x", "y")}
+        name: {leaf: np.asarray(values[leaf]) for leaf in ("x", "y")}
         for name, values in found.items()
     }
 
@@ -132,7 +132,7 @@ def test_ess_estimate_is_near_arviz_bulk_ess_for_stationary_chains():
     result = eb.run_chains(ar1, init, jr.key(4), 300, diagnostics=True)
     assert result.diagnostics is not None
     ours = np.asarray(result.diagnostics.ess["x"])
-    bulk = np.asarray(arviz_stats.ess(result.to_arviz())["['x']"])
+    bulk = np.asarray(arviz_stats.ess(result.to_arviz())["x"])
     np.testing.assert_allclose(ours, bulk, rtol=0.25)
     np.testing.assert_allclose(ours, 256 * 300 / 9, rtol=0.25)
 

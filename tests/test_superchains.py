@@ -64,7 +64,7 @@ def test_to_arviz_names_each_chain_s_superchain_for_rhat_nested():
     )
     assert result.diagnostics is not None
     np.testing.assert_allclose(
-        result.diagnostics.nested_rhat["b"], nested["['b']"], rtol=2e-5
+        result.diagnostics.nested_rhat["b"], nested["b"], rtol=2e-5
     )
 
 
