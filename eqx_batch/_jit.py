@@ -216,24 +216,21 @@ def _checks_unlogged(run: Callable[[], Any]) -> Any:
             logger.removeFilter(own)
 
 
-def _callback_loggers() -> list[logging.Logger]:
+@ft.cache
+def _callback_loggers() -> tuple[logging.Logger, ...]:
     """The loggers on which JAX logs, with its traceback, a host callback that failed.
 
     No public API names them: JAX logs from a module of its own, on a logger named
     after it (`...callback` in the `jax` namespace). They are found among the loggers
-    JAX has made, so that a JAX that names them otherwise gets no filter (its log is
-    then shown, and nothing else changes) rather than an error.
+    JAX has made (once: JAX makes them when it is imported), so that a JAX that names
+    them otherwise gets no filter (its log is then shown, and nothing else changes)
+    rather than an error.
     """
-    if not _CALLBACK_LOGGERS:
-        _CALLBACK_LOGGERS.extend(
-            logging.getLogger(name)
-            for name in list(logging.root.manager.loggerDict)
-            if name.startswith("jax.") and name.endswith(".callback")
-        )
-    return _CALLBACK_LOGGERS
-
-
-_CALLBACK_LOGGERS: list[logging.Logger] = []
+    return tuple(
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith("jax.") and name.endswith(".callback")
+    )
 
 
 def _leaf_name(wrapper: _JitWrapper, path: KeyPath) -> str:

@@ -40,8 +40,8 @@ def run_chunks(
             jax.block_until_ready(results[-1])
     if _shows_moments(context) and len(jobs) > 1 and not together:
         moments = [chains.moments for chains, _ in results]
-        first_bad = [np.asarray(chains.first_bad) for chains, _ in results]
-        _show(context, context.plan.num_steps * len(jobs), moments, first_bad)
+        nonfinite = _nonfinite([chains.first_bad for chains, _ in results])
+        _show(context, context.plan.num_steps * len(jobs), moments, nonfinite)
     return results, record
 
 
@@ -68,7 +68,7 @@ def _run_group(context: RunContext, chunks: list[ChunkRun], separate: bool) -> R
         if plan.until is None:
             if _shows_moments(context) and not separate:
                 moments = [chunk.moments() for chunk in chunks]
-                _show(context, stop, moments, [chunk.first_bad() for chunk in chunks])
+                _show(context, stop, moments, _nonfinite(_first_bad(chunks)))
         elif plan.until.is_check(stop, plan.num_steps) and not record.decided(stop):
             record = _decide(context, record, stop, chunks)
         for chunk in moving:
@@ -99,7 +99,7 @@ def _decide(
     diagnostics = diagnose(
         joined([chunk.moments() for chunk in chunks]), plan.superchains
     )
-    nonfinite = np.flatnonzero(np.concatenate([chunk.first_bad() for chunk in chunks]))
+    nonfinite = _nonfinite(_first_bad(chunks))
     result = check(plan.until, diagnostics, nonfinite)
     if context.bar is not None:
         context.bar.show(stop, postfix(diagnostics, nonfinite))
@@ -123,11 +123,20 @@ def _shows_moments(context: RunContext) -> bool:
 
 
 def _show(
-    context: RunContext, done: int, moments: list[Any], first_bad: list[np.ndarray]
+    context: RunContext, done: int, moments: list[Any], nonfinite: np.ndarray
 ) -> None:
     """The bar at `done` steps, with the worst (nested) R-hat and smallest ESS of the
-    chunks' `moments`, and the chains their `first_bad` reports non-finite."""
+    chunks' `moments`, and the `nonfinite` chains."""
     assert context.bar is not None
     diagnostics = diagnose(joined(moments), context.plan.superchains)
-    nonfinite = np.flatnonzero(np.concatenate(first_bad))
     context.bar.show(done, postfix(diagnostics, nonfinite))
+
+
+def _nonfinite(first_bad: list[Any]) -> np.ndarray:
+    """The indices of the chains gone NaN or infinite, from each chunk's NaN report
+    (`ChainState.first_bad`), the chunks in the order of their chains."""
+    return np.flatnonzero(np.concatenate([np.asarray(x) for x in first_bad]))
+
+
+def _first_bad(chunks: list[ChunkRun]) -> list[np.ndarray]:
+    return [chunk.first_bad() for chunk in chunks]
