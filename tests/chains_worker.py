@@ -13,7 +13,8 @@ that sees every chain (`stretch`), whose state records the step count it was giv
 The test suite runs the script with a checkpoint and SIGKILLs it mid-run, runs it with
 another device count (set through `XLA_FLAGS` by the caller) to compare bits, and runs
 it as a job of several processes (`multiprocess_launch`, with `--job` first), where
-each process saves the results it got to `OUT.<process id>`.
+each process gathers the results (`Chains.gathered`) and saves them to
+`OUT.<process id>`.
 """
 
 import sys
@@ -228,6 +229,9 @@ def main(argv: list[str]) -> None:
         checkpoint_every=int(rest[1]) if rest else None,
         thin=int(rest[2]) if len(rest) > 2 else 1,
     )
+    if job:
+        # Each process holds only its own chains' rows; every process gathers them all.
+        result = result.gathered()
     eb.save(f"{out}.{process_id}" if job else out, outputs(result))
     if job:
         jax.distributed.shutdown()

@@ -26,8 +26,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from .._errors import BatchError
 from .._memo import BoundedCache
 from .._select import take
-from .._shard import Device, member_mesh
-from .._tree import as_keys_like, host_array, is_array
+from .._shard import Device, member_mesh, named_mesh
+from .._tree import as_keys_like, host_array, is_array, is_tracer
 
 
 class Placement:
@@ -241,6 +241,40 @@ def joined_chains(trees: list[Any]) -> Any:
         joined_tree = _put_rows(joined_tree, tree, start, sharding)
         start += count
     return joined_tree
+
+
+def without_copies(tree: Any) -> Any:
+    """`tree` with the arrays that `chain_layout` lays out over groups of one
+    process's devices kept on the first device of each group only: the other copies
+    of their rows are let go (nothing moves, nothing is computed).
+
+    Results then sit on `chain_devices`, each process holding one copy of its own
+    chains' rows, as an unpadded run leaves them. Groups that span processes (when
+    the processes do not divide the chains) keep their copies: each process needs
+    its own.
+    """
+
+    def one_copy(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or is_tracer(x):
+            return x
+        sharding = x.sharding
+        if not (
+            isinstance(sharding, NamedSharding)
+            and sharding.mesh.axis_names == ("chains", "copies")
+            and sharding.mesh.shape["copies"] > 1
+        ):
+            return x
+        groups = np.asarray(sharding.mesh.devices)
+        if any(len({d.process_index for d in group}) > 1 for group in groups):
+            return x
+        firsts = tuple(groups[:, 0])
+        kept = NamedSharding(named_mesh(firsts, "chains"), PartitionSpec("chains"))
+        shards = [s.data for s in x.addressable_shards if s.device in firsts]
+        return jax.make_array_from_single_device_arrays(x.shape, kept, shards)
+
+    if jax.process_count() == 1:
+        return tree  # `chain_layout` is for jobs only
+    return jtu.tree_map(one_copy, tree)
 
 
 def whole_here(tree: Any) -> Any:

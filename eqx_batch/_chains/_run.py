@@ -28,7 +28,7 @@ from ._convergence import diagnose, Diagnostics
 from ._lock import check_folder, refuse_if_in_use, WriteAccess
 from ._loop import run_chunks
 from ._moments import zeros
-from ._placement import joined_chains, whole_here
+from ._placement import joined_chains, whole_here, without_copies
 from ._plan import plan_run, RunPlan
 from ._result import assembled, Chains, NonFinite
 from ._step import pytree_step
@@ -267,13 +267,16 @@ def _result(
         states = eqx.combine(states, plan.shared)
     # Legacy keys are returned as they were given: raw data.
     keys = jr.key_data(chains.keys) if plan.segment.legacy else chains.keys
+    final, states, outputs, keys = without_copies(
+        (eqx.combine(chains.states, plan.shared), states, outputs, keys)
+    )
     # Read last, as it waits for the loop: the work above is done while it runs.
     # In a job, the one part of the results gathered: the report is one int per chain.
     nonfinite_steps = np.asarray(whole_here(chains.first_bad))
     bad_chains = np.flatnonzero(nonfinite_steps)
     return assembled(
         Chains,
-        final=eqx.combine(chains.states, plan.shared),
+        final=final,
         trace=states,
         outputs=outputs,
         keys=keys,
