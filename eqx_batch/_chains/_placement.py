@@ -27,7 +27,7 @@ from .._errors import BatchError
 from .._memo import BoundedCache
 from .._select import take
 from .._shard import Device, member_mesh, named_mesh
-from .._tree import as_keys_like, host_array, is_array, is_tracer
+from .._tree import as_keys_like, host_array, is_array
 
 
 class Placement:
@@ -177,8 +177,9 @@ def chain_layout(num_chains: int) -> NamedSharding:
     Every device of the job is in a group, so results and the run's arrays share one
     set of devices (one program can take both). When the processes divide the chains,
     the groups are `chain_devices`' devices, each with the process's other devices
-    (each process holds only its own chains); else the devices, in order, in
-    `gcd(num_chains, device count)` groups (an odd count is whole everywhere).
+    (each process holds only its own chains, which `without_copies` then keeps once).
+    Else the devices, in order, in `gcd(num_chains, device count)` groups, some of
+    which span processes: 5 chains on 4 devices are one group, whole everywhere.
     """
     per_process = _devices_per_process(num_chains)
     if per_process:
@@ -235,7 +236,13 @@ def joined_chains(trees: list[Any]) -> Any:
     # Written chunk by chunk into the joined arrays: a program that concatenates
     # chunks laid out on different groups of devices would gather all of them on
     # every device first (XLA's partitioner cannot move such rows otherwise).
-    joined_tree = _sharded_zeros_like(trees[0], sum(counts), sharding)
+    structs = [
+        jax.ShapeDtypeStruct((sum(counts), *x.shape[1:]), x.dtype, sharding=sharding)
+        for x in jtu.tree_leaves(trees[0])
+    ]
+    joined_tree = jtu.tree_unflatten(
+        jtu.tree_structure(trees[0]), _sharded_zeros(tuple(structs))
+    )
     start = 0
     for tree, count in zip(trees, counts, strict=True):
         joined_tree = _put_rows(joined_tree, tree, start, sharding)
@@ -255,7 +262,7 @@ def without_copies(tree: Any) -> Any:
     """
 
     def one_copy(x: Any) -> Any:
-        if not isinstance(x, jax.Array) or is_tracer(x):
+        if not isinstance(x, jax.Array):
             return x
         sharding = x.sharding
         if not (
@@ -316,16 +323,6 @@ def _replicated_like(x: jax.Array) -> NamedSharding:
 def _laid_out(tree: Any, num_chains: int, sharding: NamedSharding) -> Any:
     return jtu.tree_map(
         lambda x: lax.with_sharding_constraint(x[:num_chains], sharding), tree
-    )
-
-
-@ft.partial(jax.jit, static_argnums=(1, 2))
-def _sharded_zeros_like(tree: Any, num_chains: int, sharding: NamedSharding) -> Any:
-    return jtu.tree_map(
-        lambda x: lax.with_sharding_constraint(
-            jnp.zeros((num_chains, *x.shape[1:]), x.dtype), sharding
-        ),
-        tree,
     )
 
 

@@ -230,11 +230,12 @@ def _refuse_partial(fields: dict[str, Any]) -> None:
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             name = leaf_name(f"chains.{path[0].key}", path[1:])
             raise BatchError(
-                f"`{name}` is split over the {jax.process_count()} processes of this "
-                "job: each process holds only its own chains' rows "
-                f"({_rows_here(leaf)} of {leaf.shape[0]}), and `to_arviz` does not "
-                "gather them silently. Call `result.gathered().to_arviz()` on every "
-                "process (gathering is a collective: all must call it)."
+                f"`{name}` is a global array over the devices of the "
+                f"{jax.process_count()} processes of this job, of which this process "
+                f"holds {_rows_here(leaf)} of its {leaf.shape[0]} rows (its own "
+                "chains'), and `to_arviz` does not gather them silently. Call "
+                "`result.gathered().to_arviz()` on every process (gathering is a "
+                "collective: all must call it)."
             )
 
 
