@@ -118,6 +118,13 @@ def test_two_processes_give_the_same_bits(tmp_path):
         assert_trees_identical(eb.load(f"{out}.{process_id}", four), four)
 
 
+def test_gathered_in_one_process_is_the_result_itself():
+    # In one process every array is whole already: nothing to gather or copy.
+    result = eb.run_chains(metropolis, make_init(6), jr.key(0), 5, diagnostics=True)
+    assert result.trace["layer1"]["weights"].is_fully_addressable
+    assert result.gathered() is result
+
+
 def test_matmul_step_is_allclose_to_running_alone():
     # XLA may sum a matmul in another order for another batch size: allclose, not bits.
     weights = jr.normal(jr.key(3), (4, 4)) / 4
