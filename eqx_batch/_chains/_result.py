@@ -241,9 +241,9 @@ def _refuse_partial(fields: dict[str, Any]) -> None:
 
 def _rows_here(x: jax.Array) -> int:
     """How many distinct rows (axis 0) of `x` this process holds."""
-    rows = set()
+    rows: set[int] = set()
     for shard in x.addressable_shards:
-        rows.update(range(*shard.index[0].indices(x.shape[0])) if shard.index else ())
+        rows.update(range(*shard.index[0].indices(x.shape[0])))
     return len(rows)
 
 

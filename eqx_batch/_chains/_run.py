@@ -114,8 +114,9 @@ def run_chains(
     stay split over the devices. In a job of several processes, `final`, `trace`,
     `outputs` and `keys` are global arrays split by chain: each process holds only its
     own chains' rows ([What each process
-    holds](../multi.md#what-each-process-holds)); [`eb.Chains.gathered`][] makes them
-    whole. `nonfinite` and `diagnostics` are of every chain, in every process.
+    holds](../multi.md#what-each-process-holds));
+    [`Chains.gathered`][eqx_batch.Chains.gathered] makes them whole. `nonfinite` and
+    `diagnostics` are of every chain, in every process.
 
     **Raises:**
 
@@ -271,7 +272,7 @@ def _result(
         (eqx.combine(chains.states, plan.shared), states, outputs, keys)
     )
     # Read last, as it waits for the loop: the work above is done while it runs.
-    # In a job, the one part of the results gathered: the report is one int per chain.
+    # In a job, gathered, as the moments are: small statistics, one row per chain.
     nonfinite_steps = np.asarray(whole_here(chains.first_bad))
     bad_chains = np.flatnonzero(nonfinite_steps)
     return assembled(
