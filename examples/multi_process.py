@@ -8,9 +8,12 @@ JAX's multi-process model: every process runs the same program, calls
 `jax.distributed.initialize(...)` first, and then sees the devices of ALL processes
 (`jax.devices()`), of which it drives its own (`jax.local_devices()`). After that,
 nothing changes: every process calls `eb.run_chains` with the same step, the same
-initial states and the same key, the chains are spread over every device of every
-process, and every process gets the whole result. The processes' CPUs talk to each
-other through gloo. Only process 0 prints and saves.
+initial states and the same key, and the chains are spread over every device of every
+process. The results stay where they were computed: each process holds only its own
+chains' rows (JAX's convention for a compiled program's outputs), so no host holds
+more than its share. Where one process needs every chain, every process calls
+`result.gathered()` (a collective) and gets them all. The processes' CPUs talk to
+each other through gloo. Only process 0 prints and saves.
 
 Here the "cluster" is this machine: 2 processes with 2 CPU devices each, talking
 over 127.0.0.1, running the chains of `parallel_markov_chains.py` (its model and
@@ -106,6 +109,23 @@ def run_the_chains() -> dict[str, np.ndarray]:
         thin=THIN,
         with_output=True,
     )
+    if jax.process_count() > 1:
+        # In a job, each process holds its own chains' rows of every array...
+        rows = sorted(
+            {
+                row
+                for shard in result.keys.addressable_shards
+                for row in range(*shard.index[0].indices(NUM_CHAINS))
+            }
+        )
+        print(
+            f"[process {jax.process_index()}] holds chains {rows[0]} to {rows[-1]} "
+            f"of {NUM_CHAINS}",
+            flush=True,
+        )
+    # ... and gathers all of them here: a collective, which every process calls
+    # (in one process, the result itself).
+    result = result.gathered()
     # Typed keys cannot go to NumPy; their data can.
     arrays = {
         "final": result.final,

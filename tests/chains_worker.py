@@ -10,12 +10,17 @@ The workloads (`WORKLOADS`) are random-walk Metropolis on a dict of weights
 (`metropolis`, the default), a state that carries its own typed PRNG keys (`keys`), an
 Equinox MLP whose activation is a function (`mlp`), and the emcee stretch move, a step
 that sees every chain (`stretch`), whose state records the step count it was given.
-The test suite runs the script with a checkpoint and SIGKILLs it mid-run, runs it with
+With `--job --held OUT`, it makes the runs of `held_runs` and saves what each process
+holds of them and their gathered results. The test suite runs the script with a
+checkpoint and SIGKILLs it mid-run, runs it with
 another device count (set through `XLA_FLAGS` by the caller) to compare bits, and runs
 it as a job of several processes (`multiprocess_launch`, with `--job` first), where
-each process saves the results it got to `OUT.<process id>`.
+each process gathers the results (`Chains.gathered`) and saves them to
+`OUT.<process id>`.
 """
 
+import json
+import pathlib
 import sys
 from collections.abc import Callable
 
@@ -208,6 +213,70 @@ def stopping_run(
     )
 
 
+def held_runs() -> dict[str, eb.Chains]:
+    """The runs whose layout a job's test inspects: 6 chains, which 4 devices split
+    only with padding, one of them infinite from the start, with diagnostics; and 8
+    chains in chunks of 3, checked by `until`."""
+    init = make_init(6)
+    init["layer1"]["weights"] = init["layer1"]["weights"].at[4].set(jnp.inf)
+    return {
+        "padded": eb.run_chains(metropolis, init, jr.key(0), 20, diagnostics=True),
+        "chunked": eb.run_chains(
+            metropolis,
+            make_init(8),
+            jr.key(1),
+            40,
+            chunk_size=3,
+            until=eb.converged(every=10),
+        ),
+    }
+
+
+def everything(result: eb.Chains) -> dict:
+    """What the layout test compares, bit for bit, with one process's run."""
+    return {
+        **outputs(result),
+        "nonfinite": result.nonfinite,
+        "diagnostics": result.diagnostics,
+        "steps_done": np.int64(result.steps_done),
+    }
+
+
+def held_here(result: eb.Chains) -> dict:
+    """What this process holds of `final`, `trace` and `keys`: each array's distinct
+    rows and the bytes on its devices, beside the whole array's."""
+    arrays = {
+        "final": result.final["layer1"]["weights"],
+        "trace": result.trace["layer1"]["weights"],
+        "keys": result.keys,
+    }
+    held = {}
+    for name, x in arrays.items():
+        rows: set[int] = set()
+        nbytes = 0
+        for shard in x.addressable_shards:
+            rows.update(range(*shard.index[0].indices(x.shape[0])))
+            data = shard.data
+            nbytes += (
+                jr.key_data(data)
+                if jnp.issubdtype(data.dtype, jax.dtypes.prng_key)
+                else data
+            ).nbytes
+        whole = jax.eval_shape(jr.key_data, x) if name == "keys" else x
+        held[name] = {
+            "rows": sorted(rows),
+            "bytes": nbytes,
+            "whole_bytes": int(np.prod(whole.shape)) * whole.dtype.itemsize,
+            "fully_addressable": x.is_fully_addressable,
+        }
+    try:
+        result.to_arviz()
+        held["to_arviz"] = "converted"
+    except eb.BatchError as error:
+        held["to_arviz"] = str(error)
+    return held
+
+
 def main(argv: list[str]) -> None:
     job = argv[0] == "--job"
     process_id = 0
@@ -216,6 +285,16 @@ def main(argv: list[str]) -> None:
 
         process_id, _ = initialize()
         argv = argv[1:]
+    if argv[0] == "--held":
+        # Each run's layout in this process (JSON), and its gathered results.
+        out = argv[1]
+        held = {}
+        for name, result in held_runs().items():
+            held[name] = held_here(result)
+            eb.save(f"{out}.{name}.{process_id}", everything(result.gathered()))
+        pathlib.Path(f"{out}.{process_id}.json").write_text(json.dumps(held))
+        jax.distributed.shutdown()
+        return
     workload = "metropolis"
     if argv[0] == "--workload":
         workload, argv = argv[1], argv[2:]
@@ -228,6 +307,9 @@ def main(argv: list[str]) -> None:
         checkpoint_every=int(rest[1]) if rest else None,
         thin=int(rest[2]) if len(rest) > 2 else 1,
     )
+    if job:
+        # Each process holds only its own chains' rows; every process gathers them all.
+        result = result.gathered()
     eb.save(f"{out}.{process_id}" if job else out, outputs(result))
     if job:
         jax.distributed.shutdown()

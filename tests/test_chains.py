@@ -110,12 +110,19 @@ def test_one_device_and_four_devices_give_the_same_bits(tmp_path):
 
 def test_two_processes_give_the_same_bits(tmp_path):
     # A job of 2 processes with 2 devices each: the chains are split over all 4
-    # devices of both processes, and every process gets whole results.
+    # devices of both processes, and every process gathers whole results.
     out = tmp_path / "job.eqx"
     launch(WORKER, ["--job", str(out), "6", "20"], devices_per_process=2)
     four = outputs(eb.run_chains(metropolis, make_init(6), jr.key(0), 20))
     for process_id in range(2):
         assert_trees_identical(eb.load(f"{out}.{process_id}", four), four)
+
+
+def test_gathered_in_one_process_is_the_result_itself():
+    # In one process every array is whole already: nothing to gather or copy.
+    result = eb.run_chains(metropolis, make_init(6), jr.key(0), 5, diagnostics=True)
+    assert result.trace["layer1"]["weights"].is_fully_addressable
+    assert result.gathered() is result
 
 
 def test_matmul_step_is_allclose_to_running_alone():

@@ -571,14 +571,14 @@ from chains_worker import make_init, metropolis, outputs
 out, path = sys.argv[1:]
 result = eb.run_chains(metropolis, make_init(7), jr.key(0), 40, thin=3,
     checkpoint=path, checkpoint_every=15, chunk_size=3)
-eb.save(f"{{out}}.{{process_id}}", outputs(result))
+eb.save(f"{{out}}.{{process_id}}", outputs(result.gathered()))
 jax.distributed.shutdown()
 """
 
 
 def test_chunked_run_in_two_processes(tmp_path):
     # 7 chains in chunks of 3, each chunk spread over the 4 devices of both processes
-    # (padded to 4), checkpointed by process 0: every process gets whole results,
+    # (padded to 4), checkpointed by process 0: every process gathers whole results,
     # bit for bit those of one unchunked process, and the checkpoint reads back.
     script = tmp_path / "job.py"
     script.write_text(_CHUNKED_JOB.format(tests=str(WORKER.parent)))

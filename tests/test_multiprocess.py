@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import safetensors
-from chains_worker import outputs, run as run_chains_workload
+from chains_worker import everything, held_runs, outputs, run as run_chains_workload
 from helpers import assert_trees_identical
 from multiprocess_launch import Job, launch
 from multiprocess_worker import computation
@@ -119,3 +119,34 @@ def test_two_processes_checkpoint_are_killed_and_resume(tmp_path):
     here = outputs(run_chains_workload("metropolis", num_chains, num_steps, thin=thin))
     for process_id in range(2):
         assert_trees_identical(eb.load(f"{out}.{process_id}", here), here)
+
+
+def test_two_processes_each_hold_their_own_chains(tmp_path):
+    # In a job, results stay where they were computed: each process holds only its
+    # own chains' rows, gathers every chain on asking, and shares the small
+    # statistics (NaN report, diagnostics) of every chain.
+    out = tmp_path / "held"
+    launch(CHAINS_WORKER, ["--job", "--held", str(out)], timeout=480)
+    here = {name: everything(result) for name, result in held_runs().items()}
+    # 6 chains in 2 groups of 3 (padding dropped, one device per process); 8 chains
+    # in chunks of 3 joined as 4 blocks of 2 (two devices per process).
+    rows = {"padded": [[0, 1, 2], [3, 4, 5]], "chunked": [[0, 1, 2, 3], [4, 5, 6, 7]]}
+    total = {"padded": 6, "chunked": 8}
+    for process_id in range(2):
+        held = json.loads(pathlib.Path(f"{out}.{process_id}.json").read_text())
+        for name, expected in here.items():
+            for field in ("final", "trace", "keys"):
+                layout = held[name][field]
+                assert layout["rows"] == rows[name][process_id], (name, field)
+                assert 2 * layout["bytes"] == layout["whole_bytes"], (name, field)
+                assert not layout["fully_addressable"]
+            message = held[name]["to_arviz"]
+            assert "`chains.trace['layer1']['weights']`" in message
+            count = len(rows[name][process_id])
+            assert f"holds {count} of its {total[name]} rows" in message
+            assert "result.gathered().to_arviz()" in message
+            gathered = eb.load(f"{out}.{name}.{process_id}", expected)
+            assert_trees_identical(gathered, expected)
+    # The infinite chain is reported, as in one process (compared above, bit for bit).
+    assert here["padded"]["nonfinite"].chains.tolist() == [4]
+    assert here["padded"]["nonfinite"].steps.tolist() == [1]

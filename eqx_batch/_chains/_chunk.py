@@ -149,12 +149,14 @@ class ChunkRun:
         self.store.write(Snapshot(self.steps_done, chains, new_draws, files, record))
 
     def moments(self) -> Any:
-        """The running moments of the real chains, whole on every process."""
-        return self.placement.real_chains(self.chains.moments)
+        """The running moments of the real chains, whole on every process (small:
+        per chain, not per draw)."""
+        return self.placement.whole_real_chains(self.chains.moments)
 
     def first_bad(self) -> np.ndarray:
-        """The NaN report of the real chains (`ChainState.first_bad`), on the host."""
-        return np.asarray(self.placement.real_chains(self.chains.first_bad))
+        """The NaN report of the real chains (`ChainState.first_bad`), on the host of
+        every process."""
+        return np.asarray(self.placement.whole_real_chains(self.chains.first_bad))
 
     def discard_moments(self) -> None:
         """Starts the moments afresh: a failed check's window is discarded."""
@@ -163,7 +165,8 @@ class ChunkRun:
         )
 
     def result(self) -> tuple[ChainState, Any]:
-        """The chains and their trace (None without one), whole on every process."""
+        """The chains and their trace (None without one); in a job of several
+        processes, split by chain (each process holds its own chains' rows)."""
         trace = None if self.trace is None else self.placement.real_chains(self.trace)
         return self.placement.real_chains(self.chains), trace
 

@@ -10,13 +10,12 @@ import contextlib
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import jax.tree_util as jtu
 import numpy as np
 
 from ._chunk import ChunkJob, ChunkRun, RunContext
 from ._common import ChainState
 from ._convergence import diagnose
+from ._placement import joined, whole_here
 from ._stopping import check, postfix, Record
 
 
@@ -39,8 +38,11 @@ def run_chunks(
             # memory of all of them. Each chunk finishes before the next starts.
             jax.block_until_ready(results[-1])
     if _shows_moments(context) and len(jobs) > 1 and not together:
-        moments = [chains.moments for chains, _ in results]
-        nonfinite = _nonfinite([chains.first_bad for chains, _ in results])
+        # Per chain, not per draw: small enough to gather in a job.
+        moments, first_bad = whole_here(
+            ([c.moments for c, _ in results], [c.first_bad for c, _ in results])
+        )
+        nonfinite = _nonfinite(first_bad)
         _show(context, context.plan.num_steps * len(jobs), moments, nonfinite)
     return results, record
 
@@ -110,13 +112,6 @@ def _decide(
     return record.with_check(stop, result, result.passed or at_cap, burn_in)
 
 
-def joined(trees: list[Any]) -> Any:
-    """The chunks' trees (one row per chain) as one, in the order of the chains."""
-    if len(trees) == 1:
-        return trees[0]
-    return jtu.tree_map(lambda *xs: jnp.concatenate(xs), *trees)
-
-
 def _shows_moments(context: RunContext) -> bool:
     """Whether the bar shows the statistics so far (`progress` and `diagnostics`)."""
     return context.bar is not None and context.plan.options.diagnostics
@@ -133,8 +128,8 @@ def _show(
 
 
 def _nonfinite(first_bad: list[Any]) -> np.ndarray:
-    """The indices of the chains gone NaN or infinite, from each chunk's NaN report
-    (`ChainState.first_bad`), the chunks in the order of their chains."""
+    """The indices of the chains gone NaN or infinite, from each chunk's whole NaN
+    report (`ChainState.first_bad`), the chunks in the order of their chains."""
     return np.flatnonzero(np.concatenate([np.asarray(x) for x in first_bad]))
 
 

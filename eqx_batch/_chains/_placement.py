@@ -5,9 +5,14 @@ most devices they divide over).
 Only host data, the same in every process, can be placed on the devices of other
 processes, and typed PRNG keys cannot go there: they go as their raw data and are made
 keys again on the devices.
+
+In a job of several processes, results stay where they were computed: global arrays
+split by chain (`chain_layout`), each process holding its own chains' rows. Only what
+is asked for whole (`whole_here`: small statistics, or `Chains.gathered`) is gathered.
 """
 
 import functools as ft
+import math
 from typing import Any
 
 import equinox as eqx
@@ -16,12 +21,12 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .._errors import BatchError
 from .._memo import BoundedCache
 from .._select import take
-from .._shard import Device, member_mesh
+from .._shard import Device, member_mesh, named_mesh
 from .._tree import as_keys_like, host_array, is_array
 
 
@@ -82,14 +87,26 @@ class Placement:
         )
 
     def real_chains(self, tree: Any) -> Any:
-        """The rows of the real chains (padding dropped), whole on every process."""
-        if self.num_rows != self.num_chains:
-            tree = take(tree, np.arange(self.num_chains))
-        if jax.process_count() > 1:
-            # Each process would otherwise hold only its devices' chains; like
-            # `eb.filter_pmap`, every process gets whole results.
-            tree = self.replicated(tree)
-        return tree
+        """The rows of the real chains (padding dropped).
+
+        In a job of several processes, global arrays split by chain as
+        `chain_layout` lays them out: each process holds only its chains' rows.
+        """
+        if self.num_rows == self.num_chains:
+            # Already split by chain, over every device (or `chain_devices`).
+            return tree
+        if jax.process_count() == 1:
+            return take(tree, np.arange(self.num_chains))
+        return _laid_out(tree, self.num_chains, chain_layout(self.num_chains))
+
+    def whole_real_chains(self, tree: Any) -> Any:
+        """The rows of the real chains, whole in every process: a collective in a
+        job, for the small statistics that need every chain (moments, NaN report)."""
+        if jax.process_count() == 1:
+            return self.real_chains(tree)
+        # Gathered as they are (one program for any count of real chains), then cut
+        # on this process's own device.
+        return take(whole_here(tree), np.arange(self.num_chains))
 
     def replicated(self, tree: Any) -> Any:
         """`tree` replicated: every process holds all of it (a collective)."""
@@ -137,25 +154,197 @@ def chain_devices(num_chains: int) -> list[Device]:
 
     `BatchError` if the number of processes does not divide the chains.
     """
-    processes = jax.process_count()
-    local = jax.local_device_count()
-    per_process = next(
-        (k for k in range(local, 0, -1) if num_chains % (processes * k) == 0), 0
-    )
+    per_process = _devices_per_process(num_chains)
     if per_process == 0:
+        processes = jax.process_count()
         raise BatchError(
             f"{num_chains} chains cannot be split evenly over the {processes} "
             "processes of this job, and an `eb.all_chains` step sees every chain, so "
             "none can be padding. Run a multiple of "
             f"{processes} chains (one or more per process)."
         )
-    taken: dict[int, int] = {}
-    devices = []
+    chosen = {device for devices in _by_process() for device in devices[:per_process]}
+    return [device for device in jax.devices() if device in chosen]
+
+
+@ft.cache
+def chain_layout(num_chains: int) -> NamedSharding:
+    """How the results of `num_chains` chains lie in a job of several processes:
+    split by chain over as many groups of devices as the chains divide over evenly (a
+    `jax.Array` cannot be split unevenly), each group holding its block of rows on each
+    of its devices.
+
+    Every device of the job is in a group, so results and the run's arrays share one
+    set of devices (one program can take both). When the processes divide the chains,
+    the groups are `chain_devices`' devices, each with the process's other devices
+    (each process holds only its own chains, which `without_copies` then keeps once).
+    Else the devices, in order, in `gcd(num_chains, device count)` groups, some of
+    which span processes: 5 chains on 4 devices are one group, whole everywhere.
+    """
+    per_process = _devices_per_process(num_chains)
+    if per_process:
+        # Group `j` of a process: its devices `j`, `j + k`, ...: the first of each
+        # group is one of its first `k` devices, `chain_devices`' own.
+        groups = [
+            devices[j::per_process]
+            for devices in _by_process()
+            for j in range(per_process)
+        ]
+    else:
+        devices = jax.devices()
+        count = math.gcd(num_chains, len(devices))
+        size = len(devices) // count
+        groups = [devices[i * size : (i + 1) * size] for i in range(count)]
+    mesh = Mesh(np.array(groups), ("chains", "copies"), axis_types=(AxisType.Auto,) * 2)
+    return NamedSharding(mesh, PartitionSpec("chains"))
+
+
+def _devices_per_process(num_chains: int) -> int:
+    """The most devices of each process over which all processes' divide the chains
+    evenly; 0 if the processes do not divide them."""
+    processes = jax.process_count()
+    local = jax.local_device_count()
+    return next(
+        (k for k in range(local, 0, -1) if num_chains % (processes * k) == 0), 0
+    )
+
+
+def _by_process() -> list[list[Device]]:
+    """Every process's devices, in the order of the processes and of `jax.devices()`."""
+    devices: dict[int, list[Device]] = {}
     for device in jax.devices():
-        if taken.get(device.process_index, 0) < per_process:
-            taken[device.process_index] = taken.get(device.process_index, 0) + 1
-            devices.append(device)
-    return devices
+        devices.setdefault(device.process_index, []).append(device)
+    return [devices[index] for index in sorted(devices)]
+
+
+def joined(trees: list[Any]) -> Any:
+    """Trees of whole arrays (one row per chain), as one, in the order of the
+    chains."""
+    if len(trees) == 1:
+        return trees[0]
+    return jtu.tree_map(lambda *xs: jnp.concatenate(xs), *trees)
+
+
+def joined_chains(trees: list[Any]) -> Any:
+    """The chunks' results (one row per chain, from `Placement.real_chains`) as one,
+    in the order of the chains; in a job of several processes, split by chain as
+    `chain_layout` lays them out, never gathered."""
+    if len(trees) == 1 or jax.process_count() == 1:
+        return joined(trees)
+    counts = [jtu.tree_leaves(tree)[0].shape[0] for tree in trees]
+    sharding = chain_layout(sum(counts))
+    # Written chunk by chunk into the joined arrays: a program that concatenates
+    # chunks laid out on different groups of devices would gather all of them on
+    # every device first (XLA's partitioner cannot move such rows otherwise).
+    structs = [
+        jax.ShapeDtypeStruct((sum(counts), *x.shape[1:]), x.dtype, sharding=sharding)
+        for x in jtu.tree_leaves(trees[0])
+    ]
+    joined_tree = jtu.tree_unflatten(
+        jtu.tree_structure(trees[0]), _sharded_zeros(tuple(structs))
+    )
+    start = 0
+    for tree, count in zip(trees, counts, strict=True):
+        joined_tree = _put_rows(joined_tree, tree, start, sharding)
+        start += count
+    return joined_tree
+
+
+def without_copies(tree: Any) -> Any:
+    """`tree` with the arrays that `chain_layout` lays out over groups of one
+    process's devices kept on the first device of each group only: the other copies
+    of their rows are let go (nothing moves, nothing is computed).
+
+    Results then sit on `chain_devices`, each process holding one copy of its own
+    chains' rows, as an unpadded run leaves them. Groups that span processes (when
+    the processes do not divide the chains) keep their copies: each process needs
+    its own.
+    """
+
+    def one_copy(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        sharding = x.sharding
+        if not (
+            isinstance(sharding, NamedSharding)
+            and sharding.mesh.axis_names == ("chains", "copies")
+            and sharding.mesh.shape["copies"] > 1
+        ):
+            return x
+        groups = np.asarray(sharding.mesh.devices)
+        if any(len({d.process_index for d in group}) > 1 for group in groups):
+            return x
+        firsts = tuple(groups[:, 0])
+        kept = NamedSharding(named_mesh(firsts, "chains"), PartitionSpec("chains"))
+        shards = [s.data for s in x.addressable_shards if s.device in firsts]
+        return jax.make_array_from_single_device_arrays(x.shape, kept, shards)
+
+    if jax.process_count() == 1:
+        return tree  # `chain_layout` is for jobs only
+    return jtu.tree_map(one_copy, tree)
+
+
+def whole_here(tree: Any) -> Any:
+    """`tree` with every array that this process holds only part of (or holds on the
+    devices of other processes too) made whole on one of its own devices: fully
+    addressable, as in one process. A collective in a job of several processes, which
+    every process must call; in one process, `tree` itself.
+    """
+    leaves, treedef = jtu.tree_flatten(tree)
+    elsewhere = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable
+    ]
+    if not elsewhere:
+        return tree
+    split = [i for i in elsewhere if not leaves[i].is_fully_replicated]
+    if split:
+        shardings = tuple(_replicated_like(leaves[i]) for i in split)
+        everywhere = _replicate_each([leaves[i] for i in split], shardings)
+        for i, x in zip(split, everywhere, strict=True):
+            leaves[i] = x
+    # A replicated array is whole on each of this process's devices: one copy is kept.
+    for i in elsewhere:
+        leaves[i] = leaves[i].addressable_data(0)
+    return jtu.tree_unflatten(treedef, leaves)
+
+
+def _replicated_like(x: jax.Array) -> NamedSharding:
+    """Replicated on the devices that hold `x`, so that one program can take both."""
+    sharding = x.sharding
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec())
+    devices = sorted(sharding.device_set, key=lambda d: d.id)
+    return NamedSharding(member_mesh(devices), PartitionSpec())
+
+
+@ft.partial(jax.jit, static_argnums=(1, 2))
+def _laid_out(tree: Any, num_chains: int, sharding: NamedSharding) -> Any:
+    return jtu.tree_map(
+        lambda x: lax.with_sharding_constraint(x[:num_chains], sharding), tree
+    )
+
+
+@ft.partial(jax.jit, static_argnums=3, donate_argnums=0)
+def _put_rows(joined: Any, tree: Any, start: int, sharding: NamedSharding) -> Any:
+    return jtu.tree_map(
+        lambda j, x: lax.with_sharding_constraint(
+            lax.dynamic_update_slice_in_dim(j, x, start, 0), sharding
+        ),
+        joined,
+        tree,
+    )
+
+
+@ft.partial(jax.jit, static_argnums=1)
+def _replicate_each(
+    leaves: list[jax.Array], shardings: tuple[NamedSharding, ...]
+) -> list[jax.Array]:
+    return [
+        lax.with_sharding_constraint(x, s)
+        for x, s in zip(leaves, shardings, strict=True)
+    ]
 
 
 @ft.partial(jax.jit, static_argnums=(1,))

@@ -10,8 +10,10 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
+from .._errors import BatchError, leaf_name
 from ._arviz import trace_to_arviz
 from ._convergence import Diagnostics
+from ._placement import whole_here
 from ._stopping import Stopped
 
 
@@ -106,6 +108,40 @@ class Chains(eqx.Module):
     steps_done: int = 0
     stopped: Stopped | None = None
 
+    def gathered(self) -> "Chains":
+        """The chains with whole copies of their arrays in this process: for a job
+        of several processes, where each process holds only its own chains' rows.
+
+        `run_chains` leaves its results where they were computed, split by chain over
+        the devices of every process (JAX's convention for a compiled program's
+        outputs), so that no host holds more than its share. Where one process needs
+        every chain (to save, plot or convert them with `to_arviz`), this gathers
+        them: a collective, so every process of the job must call it, in the same
+        order. In one process, every array is already whole, and the result itself
+        is returned.
+
+        **Returns:**
+
+        A `Chains` whose arrays (`final`, `trace`, `outputs`, `keys`) are whole and
+        fully addressable: each on one of this process's devices, typed PRNG keys
+        still typed. `np.asarray` makes any of them NumPy.
+
+        **Raises:**
+
+        Nothing of its own. Called by some processes of a job and not others, it
+        waits for them (JAX's collectives have a timeout).
+
+        !!! Example
+
+            ```python
+            result = eb.run_chains(lambda x, key: x + 1.0, jnp.zeros(8), jr.key(0), 4)
+            whole = result.gathered()  # in a job: every process calls it
+            whole.trace.is_fully_addressable  # True
+            np.asarray(whole.trace).shape  # (8, 4)
+            ```
+        """
+        return whole_here(self)
+
     def to_arviz(self) -> "xarray.DataTree":
         """The trace as ArviZ data, for its convergence diagnostics and plots.
 
@@ -155,6 +191,10 @@ class Chains(eqx.Module):
         - `ImportError` if ArviZ is not installed, naming the extra to install.
         - `eb.BatchError` if there is no trace (the chains ran with `trace=False`) or it
             holds no array.
+        - `eb.BatchError` in a job of several processes, where each process holds
+            only its own chains' rows: it never gathers them silently. Call
+            `result.gathered().to_arviz()` on every process (gathering is a
+            collective).
         - `eb.BatchError` if two leaves of one group would get one name (`{"a.b": x,
             "a": {"b": y}}`, or a leaf `a_dim_0` beside a vector `a`, whose axis is
             named so), or a leaf would take a name ArviZ gives itself (`chain`,
@@ -179,7 +219,32 @@ class Chains(eqx.Module):
             arviz_stats.summary(data)  # state[0], state[1], state[2]: not converged
             ```
         """
+        _refuse_partial({"trace": self.trace, "outputs": self.outputs})
         return trace_to_arviz(self.trace, self.outputs, superchain_ids=self.superchain)
+
+
+def _refuse_partial(fields: dict[str, Any]) -> None:
+    """Refuses arrays this process does not hold whole (in a job of several
+    processes), naming the first."""
+    for path, leaf in jtu.tree_flatten_with_path(fields)[0]:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            name = leaf_name(f"chains.{path[0].key}", path[1:])
+            raise BatchError(
+                f"`{name}` is a global array over the devices of the "
+                f"{jax.process_count()} processes of this job, of which this process "
+                f"holds {_rows_here(leaf)} of its {leaf.shape[0]} rows (its own "
+                "chains'), and `to_arviz` does not gather them silently. Call "
+                "`result.gathered().to_arviz()` on every process (gathering is a "
+                "collective: all must call it)."
+            )
+
+
+def _rows_here(x: jax.Array) -> int:
+    """How many distinct rows (axis 0) of `x` this process holds."""
+    rows: set[int] = set()
+    for shard in x.addressable_shards:
+        rows.update(range(*shard.index[0].indices(x.shape[0])))
+    return len(rows)
 
 
 def assembled(cls: type[eqx.Module], **fields: Any) -> Any:

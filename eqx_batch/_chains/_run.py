@@ -26,8 +26,9 @@ from ._chunk import ChunkJob, RunContext
 from ._common import ChainState
 from ._convergence import diagnose, Diagnostics
 from ._lock import check_folder, refuse_if_in_use, WriteAccess
-from ._loop import joined, run_chunks
+from ._loop import run_chunks
 from ._moments import zeros
+from ._placement import joined_chains, whole_here, without_copies
 from ._plan import plan_run, RunPlan
 from ._result import assembled, Chains, NonFinite
 from ._step import pytree_step
@@ -110,8 +111,12 @@ def run_chains(
     A [`eb.Chains`][]: `final`, `trace` (`[chains, draws, ...]` per leaf), `outputs`
     (with `with_output=True`), `keys` (to continue the run exactly), `nonfinite`,
     `superchain`, `diagnostics`, `steps_done` and `stopped` (with `until`). Its arrays
-    stay split over the devices; in a job of several processes, every process gets
-    whole results.
+    stay split over the devices. In a job of several processes, `final`, `trace`,
+    `outputs` and `keys` are global arrays split by chain: each process holds only its
+    own chains' rows ([What each process
+    holds](../multi.md#what-each-process-holds));
+    [`Chains.gathered`][eqx_batch.Chains.gathered] makes them whole. `nonfinite` and
+    `diagnostics` are of every chain, in every process.
 
     **Raises:**
 
@@ -242,12 +247,12 @@ def _result(
     superchain_ids: np.ndarray | None,
 ) -> Chains:
     """The chunks' chains and traces joined into `Chains`."""
-    chains = joined([chains for chains, _ in results])
+    chains = joined_chains([chains for chains, _ in results])
     stopped = record.stopped if plan.until is not None else None
     steps_done = plan.num_steps if stopped is None else stopped.step
     states = outputs = None
     if results[0][1] is not None:
-        recorded = joined([trace for _, trace in results])
+        recorded = joined_chains([trace for _, trace in results])
         if steps_done < plan.num_steps:
             # Only the draws made: the buffer was sized for the cap.
             made = plan.draws.before(steps_done)
@@ -263,12 +268,16 @@ def _result(
         states = eqx.combine(states, plan.shared)
     # Legacy keys are returned as they were given: raw data.
     keys = jr.key_data(chains.keys) if plan.segment.legacy else chains.keys
+    final, states, outputs, keys = without_copies(
+        (eqx.combine(chains.states, plan.shared), states, outputs, keys)
+    )
     # Read last, as it waits for the loop: the work above is done while it runs.
-    nonfinite_steps = np.asarray(chains.first_bad)
+    # In a job, gathered, as the moments are: small statistics, one row per chain.
+    nonfinite_steps = np.asarray(whole_here(chains.first_bad))
     bad_chains = np.flatnonzero(nonfinite_steps)
     return assembled(
         Chains,
-        final=eqx.combine(chains.states, plan.shared),
+        final=final,
         trace=states,
         outputs=outputs,
         keys=keys,
@@ -287,7 +296,8 @@ def _result(
 
 
 def _diagnostics(moments: Any, plan: RunPlan) -> Diagnostics:
-    diagnostics = diagnose(moments, plan.superchains)
+    # Moments are per chain, not per draw: small enough to gather in a job.
+    diagnostics = diagnose(whole_here(moments), plan.superchains)
     if plan.until is not None:
         # Its halves are those of the planned draws, which an early stop never makes.
         diagnostics = dataclasses.replace(diagnostics, split_rhat=None)
