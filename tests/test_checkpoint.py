@@ -1,7 +1,6 @@
 """Checkpoints of `eb.run_chains`: resume bit for bit, real kills, chunks, processes."""
 
 import functools as ft
-import json
 import os
 import pathlib
 import random
@@ -29,6 +28,8 @@ from chains_worker import (
 )
 from helpers import (
     assert_trees_identical,
+    checkpoint_progress,
+    checkpoint_steps_done,
     counted_metropolis,
     made_read_only,
     mounted,
@@ -43,13 +44,12 @@ WORKER = pathlib.Path(__file__).with_name("chains_worker.py")
 
 
 def _progress(path: pathlib.Path) -> dict:
-    """A checkpoint's progress, read with safetensors alone."""
-    with safetensors.safe_open(path, "np") as file:
-        return json.loads(file.metadata()["run_chains.progress"])
+    progress = checkpoint_progress(path)
+    assert progress is not None, f"no complete step at {path}"
+    return progress
 
 
-def _steps_done(path: pathlib.Path) -> int:
-    return _progress(path)["steps_done"]
+_steps_done = checkpoint_steps_done
 
 
 def _compilations(run: Any) -> int:
@@ -111,7 +111,7 @@ def test_draw_files_of_a_thinned_run_read_back_exactly(tmp_path):
     )
     first = run(counted_metropolis, init, jr.key(0), 40)
     bounds = [[0, 1], [1, 4], [4, 6], [6, 8], [8, 11], [11, 12]]
-    assert [entry[1:] for entry in _progress(path)["draws"]] == bounds
+    assert [entry[3:] for entry in _progress(path)["draws"]] == bounds
     STEPS_RUN.clear()
     again = run(counted_metropolis, init, jr.key(0), 40)
     assert not STEPS_RUN

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import safetensors
 from chains_worker import ar1, stopping_run
-from helpers import assert_trees_identical
+from helpers import assert_trees_identical, checkpoint_steps_done
 
 import eqx_batch as eb
 
@@ -200,9 +200,7 @@ def test_chunked_equals_unchunked_bit_for_bit(chunk_size):
     assert_trees_identical(_outputs(chunked), _outputs(whole))
 
 
-def _steps_done(path: pathlib.Path) -> int:
-    with safetensors.safe_open(path, "np") as file:
-        return json.loads(file.metadata()["run_chains.progress"])["steps_done"]
+_steps_done = checkpoint_steps_done
 
 
 _KILLED_WORKER = """
