@@ -155,6 +155,13 @@ def checkpoint_progress(path: pathlib.Path) -> dict | None:
     newest step whose state files (`<name>.<run id>.state-S.rows-A-B`) hold every
     chain, with the draw files they list (`[name, A, B, X, Y]` each, once, in order);
     None before any step is complete."""
+    # A live run removes the state files of older steps as it goes.
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            return _checkpoint_progress(path)
+
+
+def _checkpoint_progress(path: pathlib.Path) -> dict | None:
     import json
     import re
 
