@@ -1,6 +1,7 @@
 """Checkpoints of `eb.run_chains`: resume bit for bit, real kills, chunks, processes."""
 
 import functools as ft
+import json
 import os
 import pathlib
 import random
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
+import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
@@ -346,6 +348,38 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
     # A step is what it computes: another name for the same computation resumes.
     same = eb.run_chains(_other_step, make_init(2), jr.key(0), 5, checkpoint=path)
     assert same.final["layer1"]["weights"].shape == (2, 3, 3)
+
+
+def test_a_checkpoint_of_the_earlier_layout_is_refused(tmp_path):
+    # Earlier eqx_batch kept every chain at the path, with its progress there: the
+    # same run's checkpoint in that layout is refused, naming both layouts, and no
+    # file is touched.
+    from eqx_batch._file_format import read_metadata
+    from eqx_batch._serialise import write_tree
+
+    path = tmp_path / "run.ckpt"
+    eb.run_chains(metropolis, make_init(2), jr.key(0), 10, checkpoint=path)
+    progress = checkpoint_progress(path)
+    assert progress is not None
+    [state] = tmp_path.glob("run.ckpt.*.state-10.rows-0-2")
+    like = {
+        "states": make_init(2),
+        "keys": np.zeros((2, 2), np.uint32),
+        "first_bad": np.zeros(2, np.int32),
+    }
+    old = {"steps_done": 10, "draws": [[e[0], *e[3:]] for e in progress["draws"]]}
+    metadata = read_metadata(path) | {"run_chains.progress": json.dumps(old)}
+    write_tree(path, eb.load(state, like), metadata=metadata)
+    for file in tmp_path.glob("run.ckpt.*"):
+        file.unlink()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(eb.BatchError) as info:
+        eb.run_chains(metropolis, make_init(2), jr.key(0), 10, checkpoint=path)
+    message = str(info.value)
+    assert "written by an earlier eqx_batch" in message
+    assert "every chain in this one file" in message
+    assert "each process's chains to files of their own" in message
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_a_step_that_computes_something_else_is_refused(tmp_path):

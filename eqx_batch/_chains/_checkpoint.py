@@ -32,12 +32,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.tree_util as jtu
-import numpy as np
 
 from .._errors import BatchError, bullet_list
 from .._file_format import BadFileError, ForeignFileError, read_metadata
 from .._serialise import write_tree
-from .._tree import as_key_data, host_array, is_int
+from .._tree import as_key_data, is_int
 from ._checkpoint_files import (
     chunk_path as chunk_path,
     DrawFile,
@@ -47,7 +46,7 @@ from ._checkpoint_files import (
     uncovered,
     warn_of_other_chunkings as warn_of_other_chunkings,
 )
-from ._checkpoint_rows import RowReader
+from ._checkpoint_rows import own_rows, RowReader, rows_on_host
 from ._common import ChainState, Draws
 from ._identity import RunIdentity
 from ._job import raise_if_any_failed
@@ -488,38 +487,3 @@ class Checkpoint:
             state,
             metadata={**self._metadata, _PROGRESS: json.dumps(progress)},
         )
-
-
-def own_rows(x: jax.Array, num_chains: int) -> list[tuple[int, int]]:
-    """The rows of `x` (one per chain, split over the devices) that this process's
-    devices hold, as ranges, neighbours merged and padding rows dropped."""
-    starts_stops = sorted(
-        shard.index[0].indices(x.shape[0])[:2] for shard in x.addressable_shards
-    )
-    ranges: list[tuple[int, int]] = []
-    for start, stop in starts_stops:
-        stop = min(stop, num_chains)
-        if start >= stop:
-            continue
-        if ranges and start <= ranges[-1][1]:
-            ranges[-1] = (ranges[-1][0], max(stop, ranges[-1][1]))
-        else:
-            ranges.append((start, stop))
-    return ranges
-
-
-def rows_on_host(x: jax.Array, rows: tuple[int, int]) -> np.ndarray:
-    """Rows `rows` of `x` on the host (key data for typed keys), copied from the
-    shards this process holds: no other process takes part."""
-    out: np.ndarray | None = None
-    for shard in x.addressable_shards:
-        start, stop = shard.index[0].indices(x.shape[0])[:2]
-        first, end = max(start, rows[0]), min(stop, rows[1])
-        if first >= end:
-            continue
-        data = host_array(shard.data)
-        if out is None:
-            out = np.empty((rows[1] - rows[0], *data.shape[1:]), data.dtype)
-        out[first - rows[0] : end - rows[0]] = data[first - start : end - start]
-    assert out is not None, "rows that no device of this process holds"
-    return out

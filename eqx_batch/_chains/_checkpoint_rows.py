@@ -1,7 +1,10 @@
-"""A checkpoint read back onto the devices of any layout of processes and devices.
+"""A checkpoint's rows (chains): those this process writes, and those it reads back
+onto the devices of any layout of processes and devices.
 
-The chains of a checkpoint are in files of rows (chains) `A` to `B`, written by the
-layout that ran them; the run resuming may split the chains otherwise. Each of its
+Each process writes the rows its own devices hold, copied from its own shards
+(`own_rows`, `rows_on_host`). The chains of a checkpoint are thus in files of rows `A`
+to `B`, written by the layout that ran them; the run resuming may split the chains
+otherwise. Each of its
 processes builds its shards of the run's arrays (`jax.make_array_from_callback` on the
 run's split sharding) from the files that hold those rows, reading each such file
 once, and no other: nothing goes through one host.
@@ -18,7 +21,7 @@ import numpy as np
 from .._errors import BatchError
 from .._file_format import BadFileError
 from .._serialise import read_tree
-from .._tree import as_keys_like
+from .._tree import as_keys_like, host_array
 from ._checkpoint_files import DrawFile, StateFile
 from ._common import ChainState, structs
 
@@ -96,18 +99,15 @@ class RowReader:
                 by_rows[start, stop] = read(rows)
             return by_rows[start, stop]
 
-        placed = []
-        for i, leaf in enumerate(leaves):
-            if not isinstance(leaf, jax.ShapeDtypeStruct):
-                placed.append(leaf)
-                continue
-            placed.append(
-                jax.make_array_from_callback(
-                    (placement.num_rows, *leaf.shape[1:]),
-                    placement.split,
-                    lambda index, i=i: rows_of(index)[i][(slice(None), *index[1:])],
-                )
+        def leaf_callback(i: int) -> Callable[[Any], np.ndarray]:
+            return lambda index: rows_of(index)[i][(slice(None), *index[1:])]
+
+        placed = [
+            jax.make_array_from_callback(
+                (placement.num_rows, *leaf.shape[1:]), placement.split, leaf_callback(i)
             )
+            for i, leaf in enumerate(leaves)
+        ]
         return jtu.tree_unflatten(treedef, placed)
 
     def _chain_rows(self, rows: np.ndarray) -> list[np.ndarray]:
@@ -168,3 +168,38 @@ class RowReader:
                 ) from None
             self._read[path.name] = jtu.tree_leaves(tree)
         return self._read[path.name]
+
+
+def own_rows(x: jax.Array, num_chains: int) -> list[tuple[int, int]]:
+    """The rows of `x` (one per chain, split over the devices) that this process's
+    devices hold, as ranges, neighbours merged and padding rows dropped."""
+    starts_stops = sorted(
+        shard.index[0].indices(x.shape[0])[:2] for shard in x.addressable_shards
+    )
+    ranges: list[tuple[int, int]] = []
+    for start, stop in starts_stops:
+        stop = min(stop, num_chains)
+        if start >= stop:
+            continue
+        if ranges and start <= ranges[-1][1]:
+            ranges[-1] = (ranges[-1][0], max(stop, ranges[-1][1]))
+        else:
+            ranges.append((start, stop))
+    return ranges
+
+
+def rows_on_host(x: jax.Array, rows: tuple[int, int]) -> np.ndarray:
+    """Rows `rows` of `x` on the host (key data for typed keys), copied from the
+    shards this process holds: no other process takes part."""
+    out: np.ndarray | None = None
+    for shard in x.addressable_shards:
+        start, stop = shard.index[0].indices(x.shape[0])[:2]
+        first, end = max(start, rows[0]), min(stop, rows[1])
+        if first >= end:
+            continue
+        data = host_array(shard.data)
+        if out is None:
+            out = np.empty((rows[1] - rows[0], *data.shape[1:]), data.dtype)
+        out[first - rows[0] : end - rows[0]] = data[first - start : end - start]
+    assert out is not None, "rows that no device of this process holds"
+    return out
