@@ -633,3 +633,28 @@ def test_chunked_run_in_two_processes(tmp_path):
         chunk_size=3,
     )
     assert_trees_identical(outputs(again), plain)
+
+
+def test_the_draw_listing_names_every_draw_of_the_newest_step(tmp_path):
+    # What a reader of the trace on disk gets: the files of the newest complete step,
+    # in order of draws, each with its chains and draws.
+    from eqx_batch._chains._checkpoint import Checkpoint
+    from eqx_batch._chains._identity import RunIdentity
+    from eqx_batch._file_format import read_metadata
+
+    path = tmp_path / "run.ckpt"
+    result = eb.run_chains(
+        metropolis, make_init(4), jr.key(0), 30, checkpoint=path, checkpoint_every=10
+    )
+    identity = RunIdentity(json.loads(read_metadata(path)["run_chains.run"]))
+    listing = Checkpoint(path, identity, 4, None).draw_listing()  # type: ignore[arg-type]
+    assert [(rows, draws) for _, rows, draws in listing] == [
+        ((0, 4), (0, 10)),
+        ((0, 4), (10, 20)),
+        ((0, 4), (20, 30)),
+    ]
+    like = jtu.tree_map(lambda x: x[:, :10], outputs(result)["trace"])
+    assert_trees_identical(
+        eb.load(listing[1][0], like),
+        jtu.tree_map(lambda x: x[:, 10:20], outputs(result)["trace"]),
+    )

@@ -242,6 +242,25 @@ class Checkpoint:
         )
         return Restored(steps_done, rows, record)
 
+    def draw_listing(
+        self,
+    ) -> list[tuple[pathlib.Path, tuple[int, int], tuple[int, int]]]:
+        """The draw files of the newest complete step, as `(path, (A, B), (X, Y))`:
+        chains `A` to `B`, draws `X` to `Y`, together every chain's draws so far, in
+        order of draws, then chains; files of several layouts may overlap, with the
+        same bits. Empty before a step is complete. For a reader of
+        the draws on disk: the files were checked when the run was restored, or
+        written by this run; in a job, call it after the writes (leaving the
+        checkpoint waits for them in every process)."""
+        tiles = self.files.newest_complete(self.num_chains)
+        if tiles is None:
+            return []
+        progress = [self._progress(tile, tile.step) for tile in tiles]
+        entries = sorted(
+            self._listed_draws(progress, tiles), key=lambda e: (e.draws, e.rows)
+        )
+        return [(self.path.with_name(e.name), e.rows, e.draws) for e in entries]
+
     def _progress(self, tile: StateFile, num_steps: int) -> dict:
         """The progress record of a state file, checked against its name."""
         metadata = self._read_metadata(tile.path, "state file")

@@ -166,4 +166,3 @@ def _replicate(tree: Any, sharding: jax.sharding.Sharding) -> Any:
 def _sharded_zeros(structs: tuple[jax.ShapeDtypeStruct, ...]) -> list[jax.Array]:
     # Made on the devices that hold them, rather than on one device and then moved.
     return made_zeros(list(structs))
-
