@@ -49,7 +49,7 @@ from ._checkpoint_files import (
 from ._checkpoint_rows import own_rows, RowReader, rows_on_host
 from ._common import ChainState, Draws
 from ._identity import RunIdentity
-from ._job import raise_if_any_failed
+from ._job import every_process, raise_if_any_failed
 from ._lock import is_writer, WriteAccess
 from ._stopping import Record
 
@@ -182,8 +182,49 @@ class Checkpoint:
         placed (`RowReader`), each process reading the rows its devices hold. Nothing
         is written. A run with `until` (`with_record`) reads the record of its checks.
 
-        Raises if a file is not a checkpoint's, is corrupt, or belongs to another run.
+        Raises if a file is not a checkpoint's, is corrupt, or belongs to another run;
+        in a job, in every process if any process raises, or if the processes found
+        different steps (they do not see the same folder).
         """
+        failure, restored = None, None
+        try:
+            restored = self._restored(
+                chains_like,
+                trace_like,
+                num_steps=num_steps,
+                draws=draws,
+                with_record=with_record,
+            )
+        except BatchError as e:
+            failure = e
+        raise_if_any_failed(
+            failure,
+            f"Reading `checkpoint` ({self.path})",
+            fix="Nothing was run or written.",
+        )
+        if jax.process_count() > 1:
+            found = "nothing" if restored is None else f"step {restored.steps_done}"
+            seen = every_process(found)
+            if len(set(seen)) > 1:
+                raise BatchError(
+                    f"The processes of this job read different checkpoints at "
+                    f"`checkpoint` ({self.path}): "
+                    + ", ".join(f"process {i} found {s}" for i, s in enumerate(seen))
+                    + ". Every process of the job must see the checkpoint's folder, "
+                    "a shared file system mounted at the same path; nothing was run "
+                    "or written."
+                )
+        return restored
+
+    def _restored(
+        self,
+        chains_like: ChainState,
+        trace_like: Any,
+        *,
+        num_steps: int,
+        draws: Draws,
+        with_record: bool,
+    ) -> Restored | None:
         if not self.path.exists():
             return None
         metadata = self._read_metadata(self.path, "checkpoint")

@@ -35,18 +35,23 @@ def _decoded(buffer: np.ndarray) -> str | None:
     return bytes(buffer[1:]).rstrip(b"\0").decode(errors="replace")
 
 
+def every_process(message: str | None) -> list[str | None]:
+    """Every process's `message`, in process order. A collective in a job of several
+    processes (every process must call it, in the same order); in one process, no
+    communication."""
+    if jax.process_count() == 1:
+        return [message]
+    gathered = np.asarray(multihost_utils.process_allgather(_encoded(message)))
+    return [_decoded(b) for b in gathered.reshape(-1, _MESSAGE_BYTES + 1)]
+
+
 def shared_failures(failure: str | None) -> dict[int, str]:
     """Every process's `failure` (None: it succeeded), by process index, for the
-    processes that failed. A collective in a job of several processes (every process
-    must call it, in the same order); in one process, no communication.
-    """
-    if jax.process_count() == 1:
-        return {} if failure is None else {0: failure}
-    gathered = np.asarray(multihost_utils.process_allgather(_encoded(failure)))
+    processes that failed (a collective, as `every_process`)."""
     return {
         index: message
-        for index, buffer in enumerate(gathered.reshape(-1, _MESSAGE_BYTES + 1))
-        if (message := _decoded(buffer)) is not None
+        for index, message in enumerate(every_process(failure))
+        if message is not None
     }
 
 
