@@ -189,15 +189,19 @@ def uncovered(
     """A chain and a draw of rows `rows` x draws `0..num_draws` that no entry holds;
     None if the entries cover them all."""
     entries = list(entries)
+    # Coverage changes only at the entries' edges: one chain per stretch between
+    # them stands for all of its stretch.
     row_edges = sorted({*rows, *(r for e in entries for r in e.rows)})
-    draw_edges = sorted({0, num_draws, *(d for e in entries for d in e.draws)})
     for row in row_edges:
         if not rows[0] <= row < rows[1]:
             continue
-        for draw in draw_edges:
-            if 0 <= draw < num_draws and not any(
-                e.rows[0] <= row < e.rows[1] and e.draws[0] <= draw < e.draws[1]
-                for e in entries
-            ):
-                return row, draw
+        reached = 0
+        for first, stop in sorted(
+            e.draws for e in entries if e.rows[0] <= row < e.rows[1]
+        ):
+            if first > reached:
+                break
+            reached = max(reached, stop)
+        if reached < num_draws:
+            return row, reached
     return None
