@@ -126,19 +126,27 @@ class RowReader:
         leaves_of: Callable[[Any], list[np.ndarray]],
     ) -> list[np.ndarray]:
         out = [np.zeros(x.shape, x.dtype) for x in jtu.tree_leaves(like)]
+        # A shard of real chains is a run of rows: copied by slices, not gathered.
+        contiguous = bool(np.all(np.diff(rows) == 1))
         for block in blocks:
             first, stop = block.rows
-            inside = (rows >= first) & (rows < stop)
-            if not inside.any():
-                continue
-            where = rows[inside] - first
-            # State files hold every draw-free array; draw files draws X to Y.
-            along = slice(None) if isinstance(block, StateFile) else slice(*block.draws)
+            if contiguous:
+                lo, hi = max(first, int(rows[0])), min(stop, int(rows[-1]) + 1)
+                if lo >= hi:
+                    continue
+                inside: Any = slice(lo - int(rows[0]), hi - int(rows[0]))
+                where: Any = slice(lo - first, hi - first)
+            else:
+                inside = (rows >= first) & (rows < stop)
+                if not inside.any():
+                    continue
+                where = rows[inside] - first
+            # State files hold whole rows; draw files draws X to Y of theirs.
+            to = inside
+            if isinstance(block, DrawFile):
+                to = (inside, slice(*block.draws))
             for target, source in zip(out, leaves_of(block), strict=True):
-                if isinstance(block, StateFile):
-                    target[inside] = source[where]
-                else:
-                    target[inside, along] = source[where]
+                target[to] = source[where]
         return out
 
     def _state_leaves(self, block: StateFile) -> list[np.ndarray]:
@@ -191,6 +199,9 @@ def own_rows(x: jax.Array, num_chains: int) -> list[tuple[int, int]]:
 def rows_on_host(x: jax.Array, rows: tuple[int, int]) -> np.ndarray:
     """Rows `rows` of `x` on the host (key data for typed keys), copied from the
     shards this process holds: no other process takes part."""
+    if x.is_fully_addressable:
+        # One process holds every row: one host copy, as it has always been.
+        return host_array(x)[rows[0] : rows[1]]
     out: np.ndarray | None = None
     for shard in x.addressable_shards:
         start, stop = shard.index[0].indices(x.shape[0])[:2]
