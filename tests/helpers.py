@@ -188,6 +188,7 @@ def _checkpoint_progress(path: pathlib.Path) -> dict | None:
         if row != num_chains:
             continue
         draws: dict[str, list] = {}
+        progress: dict = {}
         for tile in tiles:
             with safetensors.safe_open(tile, "np") as opened:
                 progress = json.loads(opened.metadata()["run_chains.progress"])
