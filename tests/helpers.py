@@ -148,3 +148,57 @@ def made_read_only(folder: pathlib.Path) -> Any:
             ["mount", "-o", "remount,bind,ro", str(folder)], check=True, timeout=30
         )
         yield folder
+
+
+def checkpoint_progress(path: pathlib.Path) -> dict | None:
+    """The progress of the checkpoint at `path`, read with safetensors alone: the
+    newest step whose state files (`<name>.<run id>.state-S.rows-A-B`) hold every
+    chain, with the draw files they list (`[name, A, B, X, Y]` each, once, in order);
+    None before any step is complete."""
+    # A live run removes the state files of older steps as it goes.
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            return _checkpoint_progress(path)
+
+
+def _checkpoint_progress(path: pathlib.Path) -> dict | None:
+    import json
+    import re
+
+    import safetensors
+
+    pattern = re.compile(
+        rf"{re.escape(path.name)}\.[0-9a-f]{{16}}\.state-(\d+)\.rows-(\d+)-(\d+)"
+    )
+    by_step: dict[int, dict[tuple[int, int], pathlib.Path]] = {}
+    for file in path.parent.iterdir():
+        if match := pattern.fullmatch(file.name):
+            step, first, stop = map(int, match.groups())
+            by_step.setdefault(step, {})[first, stop] = file
+    num_chains = max((b for rows in by_step.values() for _, b in rows), default=0)
+    for step in sorted(by_step, reverse=True):
+        tiles, row = [], 0
+        while row < num_chains:
+            # Several layouts may have written a step: the widest file first.
+            files = [(b, f) for (a, b), f in by_step[step].items() if a == row]
+            if not files:
+                break
+            row, file = max(files)
+            tiles.append(file)
+        if row != num_chains:
+            continue
+        draws: dict[str, list] = {}
+        progress: dict = {}
+        for tile in tiles:
+            with safetensors.safe_open(tile, "np") as opened:
+                progress = json.loads(opened.metadata()["run_chains.progress"])
+            draws.update((entry[0], entry) for entry in progress["draws"])
+        progress["draws"] = sorted(draws.values(), key=lambda e: (e[3], e[1]))
+        return progress
+    return None
+
+
+def checkpoint_steps_done(path: pathlib.Path) -> int:
+    """The steps of the checkpoint at `path`'s newest complete step; 0 before one."""
+    progress = checkpoint_progress(path)
+    return 0 if progress is None else progress["steps_done"]

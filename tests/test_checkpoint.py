@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
+import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
@@ -29,6 +30,8 @@ from chains_worker import (
 )
 from helpers import (
     assert_trees_identical,
+    checkpoint_progress,
+    checkpoint_steps_done,
     counted_metropolis,
     made_read_only,
     mounted,
@@ -43,13 +46,12 @@ WORKER = pathlib.Path(__file__).with_name("chains_worker.py")
 
 
 def _progress(path: pathlib.Path) -> dict:
-    """A checkpoint's progress, read with safetensors alone."""
-    with safetensors.safe_open(path, "np") as file:
-        return json.loads(file.metadata()["run_chains.progress"])
+    progress = checkpoint_progress(path)
+    assert progress is not None, f"no complete step at {path}"
+    return progress
 
 
-def _steps_done(path: pathlib.Path) -> int:
-    return _progress(path)["steps_done"]
+_steps_done = checkpoint_steps_done
 
 
 def _compilations(run: Any) -> int:
@@ -111,7 +113,7 @@ def test_draw_files_of_a_thinned_run_read_back_exactly(tmp_path):
     )
     first = run(counted_metropolis, init, jr.key(0), 40)
     bounds = [[0, 1], [1, 4], [4, 6], [6, 8], [8, 11], [11, 12]]
-    assert [entry[1:] for entry in _progress(path)["draws"]] == bounds
+    assert [entry[3:] for entry in _progress(path)["draws"]] == bounds
     STEPS_RUN.clear()
     again = run(counted_metropolis, init, jr.key(0), 40)
     assert not STEPS_RUN
@@ -346,6 +348,38 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
     # A step is what it computes: another name for the same computation resumes.
     same = eb.run_chains(_other_step, make_init(2), jr.key(0), 5, checkpoint=path)
     assert same.final["layer1"]["weights"].shape == (2, 3, 3)
+
+
+def test_a_checkpoint_of_the_earlier_layout_is_refused(tmp_path):
+    # Earlier eqx_batch kept every chain at the path, with its progress there: the
+    # same run's checkpoint in that layout is refused, naming both layouts, and no
+    # file is touched.
+    from eqx_batch._file_format import read_metadata
+    from eqx_batch._serialise import write_tree
+
+    path = tmp_path / "run.ckpt"
+    eb.run_chains(metropolis, make_init(2), jr.key(0), 10, checkpoint=path)
+    progress = checkpoint_progress(path)
+    assert progress is not None
+    [state] = tmp_path.glob("run.ckpt.*.state-10.rows-0-2")
+    like = {
+        "states": make_init(2),
+        "keys": np.zeros((2, 2), np.uint32),
+        "first_bad": np.zeros(2, np.int32),
+    }
+    old = {"steps_done": 10, "draws": [[e[0], *e[3:]] for e in progress["draws"]]}
+    metadata = read_metadata(path) | {"run_chains.progress": json.dumps(old)}
+    write_tree(path, eb.load(state, like), metadata=metadata)
+    for file in tmp_path.glob("run.ckpt.*"):
+        file.unlink()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(eb.BatchError) as info:
+        eb.run_chains(metropolis, make_init(2), jr.key(0), 10, checkpoint=path)
+    message = str(info.value)
+    assert "written by an earlier eqx_batch" in message
+    assert "every chain in this one file" in message
+    assert "each process's chains to files of their own" in message
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_a_step_that_computes_something_else_is_refused(tmp_path):
@@ -599,3 +633,28 @@ def test_chunked_run_in_two_processes(tmp_path):
         chunk_size=3,
     )
     assert_trees_identical(outputs(again), plain)
+
+
+def test_the_draw_listing_names_every_draw_of_the_newest_step(tmp_path):
+    # What a reader of the trace on disk gets: the files of the newest complete step,
+    # in order of draws, each with its chains and draws.
+    from eqx_batch._chains._checkpoint import Checkpoint
+    from eqx_batch._chains._identity import RunIdentity
+    from eqx_batch._file_format import read_metadata
+
+    path = tmp_path / "run.ckpt"
+    result = eb.run_chains(
+        metropolis, make_init(4), jr.key(0), 30, checkpoint=path, checkpoint_every=10
+    )
+    identity = RunIdentity(json.loads(read_metadata(path)["run_chains.run"]))
+    listing = Checkpoint(path, identity, 4, None).draw_listing()  # type: ignore[arg-type]
+    assert [(rows, draws) for _, rows, draws in listing] == [
+        ((0, 4), (0, 10)),
+        ((0, 4), (10, 20)),
+        ((0, 4), (20, 30)),
+    ]
+    like = jtu.tree_map(lambda x: x[:, :10], outputs(result)["trace"])
+    assert_trees_identical(
+        eb.load(listing[1][0], like),
+        jtu.tree_map(lambda x: x[:, 10:20], outputs(result)["trace"]),
+    )

@@ -17,7 +17,7 @@ import jax.random as jr
 import numpy as np
 import pytest
 from chains_worker import make_init, metropolis
-from helpers import assert_trees_identical
+from helpers import assert_trees_identical, checkpoint_steps_done
 
 import eqx_batch as eb
 
@@ -249,13 +249,7 @@ def test_killed_and_resumed_equals_one_run_bit_for_bit(tmp_path):
     }
 
 
-def _steps_done(path: pathlib.Path) -> int:
-    import json
-
-    import safetensors
-
-    with safetensors.safe_open(path, "np") as file:
-        return json.loads(file.metadata()["run_chains.progress"])["steps_done"]
+_steps_done = checkpoint_steps_done
 
 
 def test_worst_finds_the_element_whose_chains_disagree():

@@ -108,11 +108,13 @@ def test_a_name_too_long_for_the_run_s_files_is_refused_before_any_work(
 
 
 def _rewrite_progress(path: pathlib.Path, edit: Any) -> None:
-    """Rewrites a checkpoint with its progress record edited, and sound otherwise (as
-    a bug, or someone who knows the format, would write it)."""
+    """Rewrites the state file of a checkpoint's last step with its progress record
+    edited, and sound otherwise (as a bug, or someone who knows the format, would
+    write it)."""
     from eqx_batch._file_format import read_metadata
     from eqx_batch._serialise import write_tree
 
+    [path] = path.parent.glob(f"{path.name}.*.state-20.rows-0-3")
     metadata = read_metadata(path)
     like = {
         "states": make_init(3),
@@ -130,15 +132,22 @@ def _rewrite_progress(path: pathlib.Path, edit: Any) -> None:
         # Too few draw files: the draws of the last would read back as zeros.
         (
             lambda p: json.dumps(json.loads(p) | {"draws": json.loads(p)["draws"][:1]}),
-            "draw files for 5 draws, but 20 steps record 20",
+            "list no draw file for draw 5 of chain 0, of the 20 that 20 steps record",
         ),
-        (lambda p: p.replace("draws-5-10", "draws-5-9"), "expected"),
+        (lambda p: p.replace("draws-5-10", "draws-5-9"), "not this run's file"),
         (
             lambda p: p.replace(json.loads(p)["draws"][1][0], "../../etc/passwd"),
-            "expected",
+            "not this run's file",
         ),
         (lambda p: p[:-3], "does not parse"),
-        (lambda p: json.dumps({"steps_done": "20", "draws": []}), "steps were done"),
+        (
+            lambda p: json.dumps({"steps_done": "20", "rows": [0, 3], "draws": []}),
+            "steps were done",
+        ),
+        (
+            lambda p: json.dumps(json.loads(p) | {"rows": [0, 2]}),
+            "says it holds chains",
+        ),
         (lambda p: json.dumps(["not", "a", "dict"]), "does not parse"),
     ],
 )

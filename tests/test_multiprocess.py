@@ -13,9 +13,8 @@ import time
 
 import numpy as np
 import pytest
-import safetensors
 from chains_worker import everything, held_runs, outputs, run as run_chains_workload
-from helpers import assert_trees_identical
+from helpers import assert_trees_identical, checkpoint_progress, checkpoint_steps_done
 from multiprocess_launch import Job, launch
 from multiprocess_worker import computation
 
@@ -83,13 +82,12 @@ def test_launch_reaps_every_process(tmp_path, mode):
 
 
 def _progress(path: pathlib.Path) -> dict:
-    """A checkpoint's progress, read with safetensors alone."""
-    with safetensors.safe_open(path, "np") as file:
-        return json.loads(file.metadata()["run_chains.progress"])
+    progress = checkpoint_progress(path)
+    assert progress is not None, f"no complete step at {path}"
+    return progress
 
 
-def _steps_done(path: pathlib.Path) -> int:
-    return _progress(path)["steps_done"]
+_steps_done = checkpoint_steps_done
 
 
 def test_two_processes_checkpoint_are_killed_and_resume(tmp_path):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import safetensors
 from chains_worker import ar1, stopping_run
-from helpers import assert_trees_identical
+from helpers import assert_trees_identical, checkpoint_steps_done
 
 import eqx_batch as eb
 
@@ -200,9 +200,7 @@ def test_chunked_equals_unchunked_bit_for_bit(chunk_size):
     assert_trees_identical(_outputs(chunked), _outputs(whole))
 
 
-def _steps_done(path: pathlib.Path) -> int:
-    with safetensors.safe_open(path, "np") as file:
-        return json.loads(file.metadata()["run_chains.progress"])["steps_done"]
+_steps_done = checkpoint_steps_done
 
 
 _KILLED_WORKER = """
@@ -373,11 +371,12 @@ def test_a_record_that_disagrees_with_the_progress_is_refused(tmp_path):
             np.zeros((128, 3, 2), np.float32),
         ),
     }
-    state, metadata = read_tree(path, like, on_host=True)
+    [state_file] = tmp_path.glob(f"run.ckpt.*.state-{stop}.rows-0-128")
+    state, metadata = read_tree(state_file, like, on_host=True)
     progress = json.loads(metadata["run_chains.progress"])
     progress["stopping"]["stopped"][0] = stop - 50
     metadata["run_chains.progress"] = json.dumps(progress)
-    write_tree(path, state, metadata=metadata)
+    write_tree(state_file, state, metadata=metadata)
     with pytest.raises(eb.BatchError, match=f"stopped at step {stop - 50}, but its"):
         _run(checkpoint=path, checkpoint_every=50)
 

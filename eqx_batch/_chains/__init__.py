@@ -10,8 +10,10 @@ From the top down:
 - `_plan.py`: `RunPlan`, what the chunks of one call share;
 - `_prepared.py`: the memo of a run prepared once per step and kind of state;
 - `_arguments.py`: the counts, the chains `init` holds and one key for each, checked;
-- `_checkpoint.py`, `_lock.py`, `_identity.py`: the checkpoint files, the lock, and
-    what makes two calls one run;
+- `_checkpoint.py`, `_checkpoint_files.py`, `_checkpoint_rows.py`, `_lock.py`,
+    `_job.py`, `_identity.py`: the checkpoint (its reading and writing, its file names,
+    each process's rows), the lock, what the processes of a job agree on, and what
+    makes two calls one run;
 - `_segment.py`: the compiled segment, which knows nothing about files;
 - `_step.py`: the user's step, traced on one chain and checked;
 - `_placement.py`: chains padded and split over the devices;

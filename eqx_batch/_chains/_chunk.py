@@ -6,15 +6,13 @@ import contextlib
 import pathlib
 from typing import Any, NamedTuple
 
-import jax
-import jax.tree_util as jtu
 import numpy as np
 
 from .._progress import ProgressBar
 from ._checkpoint import Checkpoint, Restored, SegmentFiles, Snapshot
 from ._common import ChainState, structs
 from ._lock import WriteAccess
-from ._placement import Placement, put_draws
+from ._placement import Placement
 from ._plan import RunPlan
 from ._segment import run_segment, SegmentProgress
 from ._stopping import Record
@@ -142,11 +140,10 @@ class ChunkRun:
         self._unwritten = None
         if self.store is None:
             return
-        chains = self.chains
-        if jax.process_count() > 1:
-            # Every process takes part in gathering (a collective); process 0 writes.
-            chains, new_draws = self.placement.replicated((chains, new_draws))
-        self.store.write(Snapshot(self.steps_done, chains, new_draws, files, record))
+        # Every process writes the rows its own devices hold: nothing is gathered.
+        self.store.write(
+            Snapshot(self.steps_done, self.chains, new_draws, files, record)
+        )
 
     def moments(self) -> Any:
         """The running moments of the real chains, whole on every process (small:
@@ -196,14 +193,8 @@ def _start(
             trace, first_bad = placement.zeros(like)
         chains = placement.put(chains._replace(first_bad=None))
         return 0, chains._replace(first_bad=first_bad), trace
+    # Each process reads the rows its devices hold, whatever layout wrote them.
     trace = None
     if trace_like is not None:
-        made = jtu.tree_leaves(restored.draws)[0].shape[1]
-        if made == jtu.tree_leaves(trace_like)[0].shape[1]:
-            # A finished run: the draws are the whole trace, placed once.
-            trace = placement.put(restored.draws)
-        else:
-            trace = placement.zeros(trace_like)
-            if made:
-                trace = put_draws(placement.put(restored.draws), trace)
-    return restored.steps_done, placement.put(restored.chains), trace
+        trace = restored.rows.trace(placement, trace_like)
+    return restored.steps_done, restored.rows.chains(placement, chains), trace

@@ -1,10 +1,11 @@
 """Before a run writes its checkpoint: the folder can be written, and no other live
 run holds the path.
 
-The process that writes a run takes `path.lock` with `flock`. The operating system
-releases the lock when that process ends, however it ends, so a crashed run never
-blocks its own resume while a live one keeps every other run out. Windows has no
-`flock`: checkpoints are not locked there.
+Process 0 of the run takes `path.lock` with `flock`, for its whole job. The operating
+system releases the lock when that process ends, however it ends, so a crashed run
+never blocks its own resume while a live one keeps every other run out. Windows has no
+`flock`: checkpoints are not locked there. In a job, every process checks that it sees
+the checkpoint's folder, and every process stops if a check fails in any of them.
 """
 
 import contextlib
@@ -20,6 +21,7 @@ from typing import Any
 import jax
 
 from .._errors import BatchError
+from ._job import from_process_zero, raise_if_any_failed, shared_failures
 
 
 if sys.platform != "win32":
@@ -27,8 +29,8 @@ if sys.platform != "win32":
 
 
 def is_writer() -> bool:
-    """Whether this process writes checkpoints: in a job of several processes, only
-    process 0 does, and the others leave the lock to it."""
+    """Whether this process holds the lock and writes the run file: process 0 of a
+    job (every process writes the rows of its own chains)."""
     return jax.process_index() == 0
 
 
@@ -95,7 +97,7 @@ def refuse_if_in_use(path: pathlib.Path) -> None:
     """Raises if a live run holds the lock of `path`, without creating or writing
     anything: a run is refused for being in use before its files are read.
 
-    The other processes of a job read the files process 0 locks: they check nothing.
+    The other processes of a job leave the lock to process 0: they check nothing.
     """
     if sys.platform == "win32" or not is_writer():
         return
@@ -203,6 +205,47 @@ def _not_a_lock(path: pathlib.Path, lock_path: pathlib.Path, what: Any) -> Batch
     )
 
 
+def check_shared_folder(path: pathlib.Path) -> None:
+    """In a job of several processes, raises in every process unless every process
+    sees the folder of `path` as process 0 does (a shared file system): each process
+    writes the checkpoint rows of its own chains there, and reads those of others on
+    resume.
+
+    Process 0 writes a probe file holding a random token, and every other process
+    reads it back at the same path. A collective: every process must call it.
+    """
+    if jax.process_count() == 1:
+        return
+    token = ""
+    if is_writer():
+        token = secrets.token_hex(8)
+        # Written before the token is announced, so the others can read it then.
+        try:
+            with open(path.with_name(f".{path.name}.{token}.shared"), "x") as file:
+                file.write(token)
+        except OSError:
+            token = ""  # every process then reports the folder unseen
+    token = from_process_zero(token)
+    probe = path.with_name(f".{path.name}.{token}.shared")
+    try:
+        seen = bool(token) and probe.read_text() == token
+    except OSError:
+        seen = False
+    failures = shared_failures(None if seen else str(probe.parent))
+    if is_writer():
+        probe.unlink(missing_ok=True)
+    if failures:
+        names = ", ".join(str(index) for index in sorted(failures))
+        raise BatchError(
+            f"`checkpoint` ({path}) cannot be written by this job: every process of "
+            "the job must see the checkpoint's folder, a shared file system, but "
+            f"process{'es' if len(failures) > 1 else ''} {names} of "
+            f"{jax.process_count()} did not find the file {probe.name} that process 0 "
+            f"wrote in {path.parent}. Put the checkpoint on a file system every "
+            "process mounts at the same path; nothing was written."
+        )
+
+
 class WriteAccess:
     """The right to write a run's checkpoint files, taken when first needed.
 
@@ -221,11 +264,24 @@ class WriteAccess:
         self._lock: int | None = None
 
     def acquire(self) -> None:
+        """Checks the folder, takes the lock (process 0) and, in a job, checks that
+        every process sees the folder; in a job every process raises if any check
+        fails in any process (see `_job.py`), before anything is written."""
         if self._taken:
             return
-        check_writable(self.path, self.longest_name)
-        if is_writer():
-            self._lock = take_lock(self.path)
+        failure = None
+        try:
+            check_writable(self.path, self.longest_name)
+            if is_writer():
+                self._lock = take_lock(self.path)
+        except BatchError as e:
+            failure = e
+        raise_if_any_failed(
+            failure,
+            f"Taking `checkpoint` ({self.path}) for writing",
+            fix="Nothing was written.",
+        )
+        check_shared_folder(self.path)
         self._taken = True
 
     def __enter__(self) -> "WriteAccess":
@@ -240,14 +296,18 @@ class WriteAccess:
 def _remove_torn_writes(path: pathlib.Path) -> None:
     """Removes the temporary files of writes that a killed run left behind.
 
-    Only the holder of the lock writes this checkpoint's files (its chunks' included),
-    so every temporary file of theirs (`atomic_write` names them
-    `.<file>.<16 hex digits>.tmp`) that exists now belongs to a run that is gone.
+    Only the job holding the lock writes this checkpoint's files (its chunks'
+    included), and none of its processes writes before the lock is taken, so every
+    temporary file of theirs (`atomic_write` names them `.<file>.<16 hex digits>.tmp`)
+    and every probe of `check_shared_folder` that exists now belongs to a run that is
+    gone.
     """
     name = re.escape(path.name)
+    rows = r"rows-\d+-\d+"
     torn = re.compile(
-        rf"\.{name}(\.chains-\d+-\d+)?(\.[0-9a-f]{{16}}\.draws-\d+-\d+)?"
-        rf"\.[0-9a-f]{{16}}\.tmp"
+        rf"\.{name}(\.chains-\d+-\d+)?"
+        rf"((\.[0-9a-f]{{16}}\.(state-\d+\.{rows}|{rows}\.draws-\d+-\d+))?"
+        rf"\.[0-9a-f]{{16}}\.tmp|\.[0-9a-f]{{16}}\.shared)"
     )
     for entry in os.scandir(path.parent):
         if torn.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):

@@ -15,7 +15,6 @@ import functools as ft
 import math
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
@@ -356,12 +355,3 @@ def _replicate(tree: Any, sharding: jax.sharding.Sharding) -> Any:
 def _sharded_zeros(structs: tuple[jax.ShapeDtypeStruct, ...]) -> list[jax.Array]:
     # Made on the devices that hold them, rather than on one device and then moved.
     return made_zeros(list(structs))
-
-
-@eqx.filter_jit(donate="all-except-first")
-def put_draws(draws: Any, trace: Any) -> Any:
-    """The trace buffer `trace` with its first draws (along axis 1) replaced by
-    `draws`."""
-    return jtu.tree_map(
-        lambda b, d: lax.dynamic_update_slice_in_dim(b, d, 0, 1), trace, draws
-    )
