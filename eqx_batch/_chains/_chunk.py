@@ -13,6 +13,7 @@ import numpy as np
 from .._progress import ProgressBar
 from ._checkpoint import Checkpoint, Restored, SegmentFiles, Snapshot
 from ._common import ChainState, structs
+from ._disk_trace import ListedFile
 from ._lock import WriteAccess
 from ._placement import Placement, put_draws
 from ._plan import RunPlan
@@ -50,7 +51,6 @@ class ChunkRun:
         # writer); kept open for the with-block otherwise.
         with contextlib.ExitStack() as stack:
             num_chains = job.chains.keys.shape[0]
-            trace_like = plan.trace_like(num_chains)
             self.store: Checkpoint | None = None
             restored = None
             if job.checkpoint is not None:
@@ -63,14 +63,18 @@ class ChunkRun:
                         context.access,
                     )
                 )
-                restored = self._restore(structs(job.chains), trace_like)
+                # With `trace="disk"` the draws so far are read too (for their
+                # checks), then dropped: the files are the trace.
+                restored = self._restore(
+                    structs(job.chains), plan.draws_like(num_chains)
+                )
             # The checks of `until` as this chunk's checkpoint has them.
             self.record = None if restored is None else restored.record
             self.placement = plan.placement(num_chains)
             self.steps_done, self.chains, self.trace = _start(
                 self.placement,
                 job.chains,
-                trace_like,
+                plan.trace_like(num_chains),
                 restored,
                 one_segment=0 < plan.num_steps == plan.next_boundary(0),
             )
@@ -115,18 +119,24 @@ class ChunkRun:
         """Runs the chains from `steps_done` to step `stop`, in one segment."""
         plan = self.plan
         files = None
-        if self.store is not None and plan.segment.keep_trace:
+        if self.store is not None and plan.records:
             files = self.store.segment_files(plan.draws, self.steps_done, stop)
+        emit = 0 if files is None else files.emit
+        trace = self.trace
+        if plan.segment.streams and files is not None:
+            # The segment's own draws, from its first: made by its program.
+            files = files._replace(offset=0)
+            trace = self.placement.zeros_to_make(
+                plan.draws_like(self.placement.num_chains, emit)
+            )
         result = run_segment(
-            plan.prepared.segment(
-                plan.segment, stop - self.steps_done, 0 if files is None else files.emit
-            ),
+            plan.prepared.segment(plan.segment, stop - self.steps_done, emit),
             plan.step,
             plan.shared,
             self.chains,
             np.int32(self.steps_done),
             self.progress,
-            self.trace,
+            trace,
         )
         self.chains, self.trace = result.chains, result.trace
         if self.progress is not None:
@@ -163,9 +173,35 @@ class ChunkRun:
         )
 
     def result(self) -> tuple[ChainState, Any]:
-        """The chains and their trace (None without one), whole on every process."""
-        trace = None if self.trace is None else self.placement.real_chains(self.trace)
+        """The chains and their trace, whole on every process: the trace buffer, or
+        with `trace="disk"` the draw files that hold it (`ListedFile`s, their rows
+        counted in the chunk); None without a trace."""
+        trace = None
+        if self.trace is not None:
+            trace = self.placement.real_chains(self.trace)
+        elif self.plan.segment.streams:
+            trace = self._listing()
         return self.placement.real_chains(self.chains), trace
+
+    def _listing(self) -> list[ListedFile]:
+        """The draw files written (the writer is done), as the lazy trace reads them.
+
+        Today's layout: each file holds every chain of the chunk. The checkpoint's
+        listing of the files each process writes takes this place.
+        """
+        assert self.store is not None
+        rows = (0, self.placement.num_chains)
+        # The entry that names the run in each of its files (`_checkpoint.py`).
+        names_run = {"run_chains.run_id": self.store.identity.run_id}
+        return [
+            ListedFile(
+                self.store.path.with_name(entry.name),
+                rows,
+                (entry.first, entry.stop),
+                names_run,
+            )
+            for entry in self.store.draw_files
+        ]
 
 
 def _start(
