@@ -88,6 +88,9 @@ class ChunkRun:
                 )
             # The last segment's new draws and where they go, until written.
             self._unwritten: tuple[Any, SegmentFiles | None] | None = None
+            # With `trace="disk"`: the draws being written, and those written.
+            self._writing: Any = None
+            self._spare: Any = None
             self._stack = stack.pop_all()
 
     def __enter__(self) -> "ChunkRun":
@@ -124,11 +127,18 @@ class ChunkRun:
         emit = 0 if files is None else files.emit
         trace = self.trace
         if plan.segment.streams and files is not None:
-            # The segment's own draws, from its first: made by its program.
+            # The segment's own draws, from its first, written over a buffer whose
+            # draws are in their file: memory reused rather than allocated for each
+            # segment, which the allocator fragments until resident memory grows
+            # with the steps. Slots past the segment's draws are not written out.
             files = files._replace(offset=0)
-            trace = self.placement.zeros_to_make(
-                plan.draws_like(self.placement.num_chains, emit)
-            )
+            like = plan.draws_like(self.placement.num_chains, emit)
+            spare, self._spare = self._spare, None
+            if spare is None or _shapes(spare) != _shapes(
+                self.placement.zeros_to_make(like)
+            ):
+                spare = self.placement.zeros(like)
+            trace = spare
         result = run_segment(
             plan.prepared.segment(plan.segment, stop - self.steps_done, emit),
             plan.step,
@@ -152,11 +162,15 @@ class ChunkRun:
         self._unwritten = None
         if self.store is None:
             return
-        chains = self.chains
+        chains, streamed = self.chains, new_draws
         if jax.process_count() > 1:
             # Every process takes part in gathering (a collective); process 0 writes.
             chains, new_draws = self.placement.replicated((chains, new_draws))
         self.store.write(Snapshot(self.steps_done, chains, new_draws, files, record))
+        if self.plan.segment.streams and streamed is not None:
+            # `Checkpoint.write` waited for the write before this one: the draws it
+            # wrote are free for the next segment to write over.
+            self._spare, self._writing = self._writing, streamed
 
     def moments(self) -> Any:
         """The running moments of the real chains, whole on every process."""
@@ -240,3 +254,7 @@ def _start(
             if made:
                 trace = put_draws(placement.put(restored.draws), trace)
     return restored.steps_done, placement.put(restored.chains), trace
+
+
+def _shapes(tree: Any) -> list[tuple[int, ...]]:
+    return [x.shape for x in jtu.tree_leaves(tree)]

@@ -26,7 +26,7 @@ from ._stopping import Schedule, StoppingRule
 # chunk of chains), so that the draws in memory, on the devices and on their way to
 # the files, do not grow with `num_steps`. Large enough that a segment's dispatch and
 # file are a small cost beside its draws.
-STREAMED_BYTES = 32 * 2**20
+STREAMED_BYTES = 16 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
