@@ -109,33 +109,6 @@ def test_a_finished_run_reads_back_either_way(tmp_path):
     assert_trees_identical(_in_memory(back.trace), _read(disk.trace))
 
 
-def test_trace_is_true_false_or_disk():
-    init = make_init(2)
-    for wrong in ["Disk", "True", 1, 0.0, None, np.array([True])]:
-        raises(
-            "`trace` is",
-            lambda w=wrong: eb.run_chains(metropolis, init, jr.key(0), 3, trace=w),
-            "'disk'",
-        )
-    # NumPy's bools are flags, as for every other flag.
-    assert eb.run_chains(metropolis, init, jr.key(0), 3, trace=np.False_).trace is None
-
-
-def test_disk_without_a_checkpoint_is_refused_before_any_step():
-    calls = []
-
-    def counted(state, key):
-        calls.append(None)
-        return metropolis(state, key)
-
-    raises(
-        "`checkpoint` is None",
-        lambda: eb.run_chains(counted, make_init(2), jr.key(0), 3, trace="disk"),
-        "trace='disk'",
-    )
-    assert not calls
-
-
 def test_to_arviz_stays_lazy(tmp_path):
     arviz_stats = pytest.importorskip("arviz_stats")
     result = eb.run_chains(

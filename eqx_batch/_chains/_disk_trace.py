@@ -79,19 +79,30 @@ class DrawFiles:
         self._checked: dict[pathlib.Path, _Checked] = {}
 
     def read(
-        self, path: str, rows: tuple[int, int], draws: tuple[int, int]
+        self,
+        path: str,
+        rows: tuple[int, int],
+        draws: tuple[int, int],
+        within: tuple = (),
     ) -> np.ndarray:
-        """Chains `rows` and draws `draws` of the leaf at `path`, as stored."""
+        """Chains `rows` and draws `draws` of the leaf at `path`, as stored, indexed
+        by `within` (ints and slices) along the axes of one draw.
+
+        Each file's block is indexed as it is read: the memory is the result's and
+        one block's, so a few parameters of a large state read in little memory.
+        """
         like = self.leaves[path]
-        rest = like.shape[2:]
+        # The shape `within` selects, from a view of no memory.
+        rest = np.broadcast_to(np.empty((), bool), like.shape[2:])[within].shape
         out = np.empty((rows[1] - rows[0], draws[1] - draws[0], *rest), like.dtype)
         for entry in self.listing:
             r0, r1 = max(rows[0], entry.rows[0]), min(rows[1], entry.rows[1])
             d0, d1 = max(draws[0], entry.draws[0]), min(draws[1], entry.draws[1])
             if r0 < r1 and d0 < d1:
-                out[r0 - rows[0] : r1 - rows[0], d0 - draws[0] : d1 - draws[0]] = (
-                    self._read_block(entry, path, (r0, r1), (d0, d1))
-                )
+                block = self._read_block(entry, path, (r0, r1), (d0, d1))
+                out[r0 - rows[0] : r1 - rows[0], d0 - draws[0] : d1 - draws[0]] = block[
+                    (slice(None), slice(None), *within)
+                ]
         return out
 
     def _read_block(
@@ -226,8 +237,9 @@ class DiskArray:
     when asked for.
 
     NumPy reads it whole (`np.asarray(leaf)`) or in part (`leaf[:, -100:]`, `leaf[3]`):
-    indexing with integers and slices reads only the chains and draws asked for (and
-    returns a NumPy array); any other index (arrays, masks) reads the leaf whole
+    indexing with integers and slices reads only the chains and draws asked for, and
+    keeps only the part of each draw asked for (`leaf[..., 3]`) as it reads; it
+    returns a NumPy array. Any other index (arrays, masks) reads the leaf whole
     first. `astype` gives a `DiskArray` that converts as it reads. A leaf of typed
     PRNG keys holds their raw data (`holds_keys`): `jr.wrap_key_data` makes them keys.
     """
@@ -295,9 +307,8 @@ class DiskArray:
                 )
         if self.ndim < 2:
             raise IndexError("a trace leaf has axes chains and draws")
-        values = self._files.read(self._path, bounds[0], bounds[1])
-        values = values[(*picks, *basic[2:])]
-        return values.astype(self.dtype, copy=False)
+        values = self._files.read(self._path, bounds[0], bounds[1], basic[2:])
+        return values[tuple(picks)].astype(self.dtype, copy=False)
 
 
 def _basic_key(key: Any, ndim: int) -> tuple | None:
