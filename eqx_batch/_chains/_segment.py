@@ -108,7 +108,8 @@ def _segment(
     A run of one segment passes it, and the NaN report, as the shape-dtype structs of
     the zeros they start as (`Placement.zeros_to_make`), made here: one program to
     dispatch rather than two, and no buffer handed between them. A segment that
-    `streams` gets the structs of its own `emit` draws instead, and returns them as
+    `streams` gets a buffer of `emit` draws instead (donated: an earlier segment's,
+    written out already), records its own draws in it from slot 0 and returns it as
     `new_draws` (its `trace` is then None): nothing of the run's size is kept.
     """
     trace = made_zeros(trace)
