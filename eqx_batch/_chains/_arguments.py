@@ -45,7 +45,8 @@ def checked_trace(trace: Any, *, checkpointed: bool) -> bool | Literal["disk"]:
     **Raises:**
 
     `BatchError` naming `trace`, its value and the choices, for any other value
-    (`"Disk"`, `1`, `"True"`), or for `"disk"` without a checkpoint.
+    (`"Disk"`, `1`, `"True"`); for `"disk"` without a checkpoint, or in a job of
+    several processes (until each process writes its own chains' draw files).
     """
     if isinstance(trace, str):
         if trace != "disk":
@@ -58,6 +59,13 @@ def checked_trace(trace: Any, *, checkpointed: bool) -> bool | Literal["disk"]:
                 "`trace='disk'` streams the draws to the checkpoint's files, but "
                 "`checkpoint` is None: pass a file path as `checkpoint`, or "
                 "`trace=True` to keep the trace in memory."
+            )
+        if jax.process_count() > 1:
+            # Only process 0 writes draw files, and the others know none of them.
+            raise BatchError(
+                "`trace='disk'` is not yet supported in a job of several processes "
+                f"(this one has {jax.process_count()}): pass `trace=True`, or run "
+                "in one process."
             )
         return "disk"
     if not is_bool(trace) or getattr(trace, "ndim", 0) != 0:
