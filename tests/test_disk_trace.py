@@ -337,3 +337,25 @@ def test_peak_memory_does_not_grow_with_the_steps(tmp_path):
     assert eight < 1.5 * max(one, 16 * 1024), (one, eight)
     # The 8x trace itself is 512 MiB: far above what the run held.
     assert eight < 128 * 1024, eight
+
+
+def test_a_run_stopped_by_until_holds_the_draws_made(tmp_path):
+    # AR(1) chains that forget their start in tens of steps: stopped before the cap,
+    # with a trace of the draws made, as in memory.
+    def fast(x, key):
+        return 0.9 * x + 0.44 * jr.normal(key, x.shape)
+
+    arguments = dict(until=eb.converged(every=2000), chunk_size=48, thin=2)
+    init = jnp.linspace(-3, 3, 64)
+    memory = eb.run_chains(fast, init, jr.key(1), 20_000, **arguments)
+    disk = eb.run_chains(
+        fast,
+        init,
+        jr.key(1),
+        20_000,
+        trace="disk",
+        checkpoint=tmp_path / "r",
+        **arguments,
+    )
+    assert disk.steps_done == memory.steps_done < 20_000
+    assert_trees_identical(_read(disk.trace), _in_memory(memory.trace))
