@@ -179,13 +179,17 @@ class DrawFiles:
     def _checks(
         self, entry: ListedFile, descriptor: int, signature: tuple[int, int, int]
     ) -> _Checked:
-        # The header as `eb.load` checks it: sizes, the header's CRC-32, the version.
+        # The header as `eb.load` checks it: sizes, the header's CRC-32, the version;
+        # of the very file open here, if the system can name it by its descriptor.
+        by_descriptor = f"/dev/fd/{descriptor}"
+        name = by_descriptor if os.path.exists(by_descriptor) else str(entry.path)
         try:
-            with open_checked(f"/dev/fd/{descriptor}") as file:
+            with open_checked(name) as file:
                 records = {record["path"]: record for record in file.records}
                 metadata = file.caller_metadata
         except BadFileError as e:
-            raise self._error(entry, f"is damaged: {e}") from None
+            problem = str(e).replace(f"`{name}`", "it").rstrip(".")
+            raise self._error(entry, f"is damaged: {problem}") from None
         for key, value in entry.metadata.items():
             if metadata.get(key) != value:
                 raise self._error(
