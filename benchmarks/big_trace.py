@@ -50,7 +50,7 @@ def _phase(name: str, base: int, run: object) -> object:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--gigabytes", type=float, default=4.0)
     parser.add_argument("--chains", type=int, default=8)
     parser.add_argument("--dim", type=int, default=4096, help="floats in each state")
