@@ -23,7 +23,7 @@ from chains_worker import (
     metropolis,
     outputs,
 )
-from helpers import assert_trees_identical, tree_allclose
+from helpers import assert_trees_identical, raises, tree_allclose
 from multiprocess_launch import launch
 
 import eqx_batch as eb
@@ -670,5 +670,34 @@ def test_key_data_of_the_wrong_shape_is_refused(shape):
 @pytest.mark.parametrize("value", ["False", "false", 0, None])
 def test_a_flag_that_is_not_a_bool_is_refused(flag, value):
     # `trace="False"` is a string, which Python counts as true.
-    with pytest.raises(eb.BatchError, match=f"`{flag}` is .*; it must be True or"):
+    with pytest.raises(
+        eb.BatchError, match=f"`{flag}` is .*; it must be True(, False)? or"
+    ):
         eb.run_chains(metropolis, make_init(2), jr.key(0), 5, **{flag: value})
+
+
+def test_trace_is_true_false_or_disk():
+    init = make_init(2)
+    for wrong in ["Disk", "True", 1, 0.0, None, np.array([True])]:
+        raises(
+            "`trace` is",
+            lambda w=wrong: eb.run_chains(metropolis, init, jr.key(0), 3, trace=w),
+            "'disk'",
+        )
+    # NumPy's bools are flags, as for every other flag.
+    assert eb.run_chains(metropolis, init, jr.key(0), 3, trace=np.False_).trace is None
+
+
+def test_disk_without_a_checkpoint_is_refused_before_any_step():
+    calls = []
+
+    def counted(state, key):
+        calls.append(None)
+        return metropolis(state, key)
+
+    raises(
+        "`checkpoint` is None",
+        lambda: eb.run_chains(counted, make_init(2), jr.key(0), 3, trace="disk"),
+        "trace='disk'",
+    )
+    assert not calls

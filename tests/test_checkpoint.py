@@ -648,13 +648,13 @@ def test_the_draw_listing_names_every_draw_of_the_newest_step(tmp_path):
     )
     identity = RunIdentity(json.loads(read_metadata(path)["run_chains.run"]))
     listing = Checkpoint(path, identity, 4, None).draw_listing()  # type: ignore[arg-type]
-    assert [(rows, draws) for _, rows, draws in listing] == [
+    assert [(entry.rows, entry.draws) for entry in listing] == [
         ((0, 4), (0, 10)),
         ((0, 4), (10, 20)),
         ((0, 4), (20, 30)),
     ]
     like = jtu.tree_map(lambda x: x[:, :10], outputs(result)["trace"])
     assert_trees_identical(
-        eb.load(listing[1][0], like),
+        eb.load(listing[1].path, like),
         jtu.tree_map(lambda x: x[:, 10:20], outputs(result)["trace"]),
     )

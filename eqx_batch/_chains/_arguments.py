@@ -1,7 +1,7 @@
 """`run_chains`' arguments, checked: its counts, how many chains `init` holds, one key
 for each, and NumPy leaves read with the dtypes JAX gives them."""
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError, check_bool, check_int, describe
+from .._errors import BatchError, check_bool, check_int, describe, is_bool
 from .._tree import axis_sizes, common_size, is_array, is_key, is_numpy, mapped_leaves
 from ._stopping import StoppingRule
 
@@ -33,6 +33,37 @@ def checked_flags(**flags: Any) -> list[bool]:
     which Python would count as true).
     """
     return [check_bool(value, name) for name, value in flags.items()]
+
+
+def checked_trace(trace: Any, *, checkpointed: bool) -> bool | Literal["disk"]:
+    """`trace` as `True`, `False` or `"disk"`.
+
+    A bool is read as `checked_flags` reads one (NumPy's bools too); the one other
+    choice is the exact string `"disk"`, which streams the draws to the checkpoint's
+    files, so it needs one.
+
+    **Raises:**
+
+    `BatchError` naming `trace`, its value and the choices, for any other value
+    (`"Disk"`, `1`, `"True"`); for `"disk"` without a checkpoint.
+    """
+    if isinstance(trace, str):
+        if trace != "disk":
+            raise BatchError(
+                f"`trace` is {trace!r}; it must be True, False or 'disk' (to stream "
+                "the draws to the checkpoint's files)."
+            )
+        if not checkpointed:
+            raise BatchError(
+                "`trace='disk'` streams the draws to the checkpoint's files, but "
+                "`checkpoint` is None: pass a file path as `checkpoint`, or "
+                "`trace=True` to keep the trace in memory."
+            )
+        return "disk"
+    if not is_bool(trace) or getattr(trace, "ndim", 0) != 0:
+        shown = describe(trace) if getattr(trace, "ndim", 0) else repr(trace)
+        raise BatchError(f"`trace` is {shown}; it must be True, False or 'disk'.")
+    return bool(trace)
 
 
 def checked_counts(

@@ -12,6 +12,7 @@ import numpy as np
 
 from .._errors import BatchError, describe, leaf_name
 from .._tree import is_array, is_key
+from ._disk_trace import DiskArray
 
 
 if TYPE_CHECKING:
@@ -37,11 +38,31 @@ _GROUPS = (
 
 
 class _Variable(NamedTuple):
-    """One array leaf as ArviZ holds it: its values and the names of its axes after
-    `chain` and `draw`."""
+    """One array leaf as ArviZ holds it: its values (or xarray's lazy array of a
+    `trace="disk"` leaf) and the names of its axes after `chain` and `draw`."""
 
-    values: np.ndarray
+    values: Any
     dims: list[str]
+
+
+def _lazy(leaf: DiskArray) -> Any:
+    """`leaf` as xarray's lazily indexed array, which xarray keeps unread (through
+    selections) until values are asked for, through its public backend API."""
+    from xarray.backends import BackendArray
+    from xarray.core import indexing
+
+    class Backend(BackendArray):
+        def __init__(self, leaf: DiskArray):
+            self.leaf, self.shape, self.dtype = leaf, leaf.shape, leaf.dtype
+
+        def __getitem__(self, key: Any) -> np.ndarray:
+            # Integers and slices, which `DiskArray` reads in part; xarray applies
+            # any other index to what they read.
+            return indexing.explicit_indexing_adapter(
+                key, self.shape, indexing.IndexingSupport.BASIC, self.leaf.__getitem__
+            )
+
+    return indexing.LazilyIndexedArray(Backend(leaf))
 
 
 def trace_to_arviz(
@@ -152,13 +173,20 @@ def _variables(
     given = dict(reserved)
     for path, leaf in jtu.tree_flatten_with_path(trace)[0]:
         # A PRNG key in the state is no number to diagnose, and xarray cannot hold it.
-        if not is_array(leaf) or is_key(leaf):
+        if isinstance(leaf, DiskArray):
+            if leaf.holds_keys:
+                continue
+            values = leaf
+        elif not is_array(leaf) or is_key(leaf):
             continue
-        values = np.asarray(leaf)
+        else:
+            values = np.asarray(leaf)
         if jnp.issubdtype(values.dtype, jnp.floating) and values.dtype.itemsize < 4:
             # NumPy and ArviZ compute in no float narrower than float32 (bfloat16 is
             # no NumPy dtype at all); every such float is exactly a float32.
             values = values.astype(np.float32)
+        if isinstance(values, DiskArray):
+            values = _lazy(values)
         where = f"`{leaf_name(group.field, path)}`"
         # Each entry of the path written plainly, joined with dots, as PyTorch's
         # `state_dict` and Flax name parameters: names users can type.

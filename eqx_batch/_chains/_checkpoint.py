@@ -48,6 +48,7 @@ from ._checkpoint_files import (
 )
 from ._checkpoint_rows import own_rows, RowReader, rows_on_host
 from ._common import ChainState, Draws
+from ._disk_trace import ListedFile
 from ._identity import RunIdentity
 from ._job import every_process, raise_if_any_failed
 from ._lock import is_writer, WriteAccess
@@ -283,16 +284,12 @@ class Checkpoint:
         )
         return Restored(steps_done, rows, record)
 
-    def draw_listing(
-        self,
-    ) -> list[tuple[pathlib.Path, tuple[int, int], tuple[int, int]]]:
-        """The draw files of the newest complete step, as `(path, (A, B), (X, Y))`:
-        chains `A` to `B`, draws `X` to `Y`, together every chain's draws so far, in
-        order of draws, then chains; files of several layouts may overlap, with the
-        same bits. Empty before a step is complete. For a reader of
-        the draws on disk: the files were checked when the run was restored, or
-        written by this run; in a job, call it after the writes (leaving the
-        checkpoint waits for them in every process)."""
+    def draw_listing(self) -> list[ListedFile]:
+        """The draw files of the newest complete step, for a reader of the draws on
+        disk (`disk_trace`): together every chain's draws so far, in order of draws,
+        then chains; files of several layouts may overlap, with the same bits. Empty
+        before a step is complete. Call it after the writes: in a job, leaving the
+        checkpoint waits for them in every process."""
         tiles = self.files.newest_complete(self.num_chains)
         if tiles is None:
             return []
@@ -300,7 +297,11 @@ class Checkpoint:
         entries = sorted(
             self._listed_draws(progress, tiles), key=lambda e: (e.draws, e.rows)
         )
-        return [(self.path.with_name(e.name), e.rows, e.draws) for e in entries]
+        names_run = {_RUN_ID: self.identity.run_id}
+        return [
+            ListedFile(self.path.with_name(e.name), e.rows, e.draws, names_run)
+            for e in entries
+        ]
 
     def _progress(self, tile: StateFile, num_steps: int) -> dict:
         """The progress record of a state file, checked against its name."""

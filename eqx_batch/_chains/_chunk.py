@@ -6,6 +6,7 @@ import contextlib
 import pathlib
 from typing import Any, NamedTuple
 
+import jax.tree_util as jtu
 import numpy as np
 
 from .._progress import ProgressBar
@@ -48,7 +49,6 @@ class ChunkRun:
         # writer); kept open for the with-block otherwise.
         with contextlib.ExitStack() as stack:
             num_chains = job.chains.keys.shape[0]
-            trace_like = plan.trace_like(num_chains)
             self.store: Checkpoint | None = None
             restored = None
             if job.checkpoint is not None:
@@ -61,14 +61,19 @@ class ChunkRun:
                         context.access,
                     )
                 )
-                restored = self._restore(structs(job.chains), trace_like)
+                # The whole trace's structs, with `trace="disk"` too: the files
+                # listed are checked to hold every draw so far (only their metadata
+                # is read here; the files are the trace).
+                restored = self._restore(
+                    structs(job.chains), plan.draws_like(num_chains)
+                )
             # The checks of `until` as this chunk's checkpoint has them.
             self.record = None if restored is None else restored.record
             self.placement = plan.placement(num_chains)
             self.steps_done, self.chains, self.trace = _start(
                 self.placement,
                 job.chains,
-                trace_like,
+                plan.trace_like(num_chains),
                 restored,
                 one_segment=0 < plan.num_steps == plan.next_boundary(0),
             )
@@ -82,6 +87,9 @@ class ChunkRun:
                 )
             # The last segment's new draws and where they go, until written.
             self._unwritten: tuple[Any, SegmentFiles | None] | None = None
+            # With `trace="disk"`: the draws being written, and those written.
+            self._writing: Any = None
+            self._spare: Any = None
             self._stack = stack.pop_all()
 
     def __enter__(self) -> "ChunkRun":
@@ -113,18 +121,31 @@ class ChunkRun:
         """Runs the chains from `steps_done` to step `stop`, in one segment."""
         plan = self.plan
         files = None
-        if self.store is not None and plan.segment.keep_trace:
+        if self.store is not None and plan.records:
             files = self.store.segment_files(plan.draws, self.steps_done, stop)
+        emit = 0 if files is None else files.emit
+        trace = self.trace
+        if plan.segment.streams and files is not None:
+            # The segment's own draws, from its first, written over a buffer whose
+            # draws are in their file: memory reused rather than allocated for each
+            # segment, which the allocator fragments until resident memory grows
+            # with the steps. Slots past the segment's draws are not written out.
+            files = files._replace(offset=0)
+            like = plan.draws_like(self.placement.num_chains, emit)
+            spare, self._spare = self._spare, None
+            if spare is None or _shapes(spare) != _shapes(
+                self.placement.zeros_to_make(like)
+            ):
+                spare = self.placement.zeros(like)
+            trace = spare
         result = run_segment(
-            plan.prepared.segment(
-                plan.segment, stop - self.steps_done, 0 if files is None else files.emit
-            ),
+            plan.prepared.segment(plan.segment, stop - self.steps_done, emit),
             plan.step,
             plan.shared,
             self.chains,
             np.int32(self.steps_done),
             self.progress,
-            self.trace,
+            trace,
         )
         self.chains, self.trace = result.chains, result.trace
         if self.progress is not None:
@@ -144,6 +165,10 @@ class ChunkRun:
         self.store.write(
             Snapshot(self.steps_done, self.chains, new_draws, files, record)
         )
+        if self.plan.segment.streams and new_draws is not None:
+            # `Checkpoint.write` waited for the write before this one: the draws it
+            # wrote are free for the next segment to write over.
+            self._spare, self._writing = self._writing, new_draws
 
     def moments(self) -> Any:
         """The running moments of the real chains, whole on every process (small:
@@ -162,9 +187,16 @@ class ChunkRun:
         )
 
     def result(self) -> tuple[ChainState, Any]:
-        """The chains and their trace (None without one); in a job of several
-        processes, split by chain (each process holds its own chains' rows)."""
-        trace = None if self.trace is None else self.placement.real_chains(self.trace)
+        """The chains and their trace: the trace buffer (in a job of several
+        processes, split by chain: each process holds its own chains' rows), or with
+        `trace="disk"` the draw files that hold it (`ListedFile`s, their rows counted
+        in the chunk); None without a trace."""
+        trace = None
+        if self.trace is not None:
+            trace = self.placement.real_chains(self.trace)
+        elif self.plan.segment.streams:
+            assert self.store is not None
+            trace = self.store.draw_listing()
         return self.placement.real_chains(self.chains), trace
 
 
@@ -198,3 +230,7 @@ def _start(
     if trace_like is not None:
         trace = restored.rows.trace(placement, trace_like)
     return restored.steps_done, restored.rows.chains(placement, chains), trace
+
+
+def _shapes(tree: Any) -> list[tuple[int, ...]]:
+    return [x.shape for x in jtu.tree_leaves(tree)]

@@ -2,8 +2,9 @@
 step runs."""
 
 import dataclasses
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -19,6 +20,13 @@ from ._prepared import prepared_run, PreparedRun
 from ._segment import SegmentPlan
 from ._step import trace_step
 from ._stopping import Schedule, StoppingRule
+
+
+# With `trace="disk"`, a segment records at most this many bytes of draws (of a whole
+# chunk of chains), so that the draws in memory, on the devices and on their way to
+# the files, do not grow with `num_steps`. Large enough that a segment's dispatch and
+# file are a small cost beside its draws.
+STREAMED_BYTES = 16 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +45,9 @@ class RunPlan:
     superchains: int | None
     # `step`, traced: for the run's identity (None without a checkpoint).
     program: jax.extend.core.ClosedJaxpr | None
+    # With `trace="disk"`: the most steps of a segment, which bound its draws to
+    # `STREAMED_BYTES`; else None.
+    streamed_steps: int | None = None
 
     @property
     def num_steps(self) -> int:
@@ -62,6 +73,8 @@ class RunPlan:
             stops.append((step // self.checkpoint_every + 1) * self.checkpoint_every)
         if self.until is not None:
             stops.append(self.until.next_check(step))
+        if self.streamed_steps is not None:
+            stops.append((step // self.streamed_steps + 1) * self.streamed_steps)
         return min(stops)
 
     def placement(self, num_chains: int) -> Placement:
@@ -75,11 +88,24 @@ class RunPlan:
             pad=not self.options.all_chains,
         )
 
+    @property
+    def records(self) -> bool:
+        """Whether the run records draws: in a trace buffer, or streamed to files."""
+        return self.segment.keep_trace or self.segment.streams
+
     def trace_like(self, num_chains: int) -> Any:
-        """The trace buffer's shape-dtype structs; None without a trace."""
+        """The trace buffer's shape-dtype structs; None without a trace buffer."""
         if not self.segment.keep_trace:
             return None
         return self.prepared.trace_like(num_chains, self.draws.total)
+
+    def draws_like(self, num_chains: int, num_draws: int | None = None) -> Any:
+        """The shape-dtype structs of `num_draws` draws (all of the run's by
+        default), the trace buffer's or the files'; None if nothing is recorded."""
+        if not self.records:
+            return None
+        total = self.draws.total if num_draws is None else num_draws
+        return self.prepared.trace_like(num_chains, total)
 
     def identity(self, chains: ChainState) -> RunIdentity:
         """The identity of the run of these chains (at their start)."""
@@ -96,7 +122,7 @@ def plan_run(
     counts: Counts,
     *,
     with_output: bool,
-    trace: bool,
+    trace: bool | Literal["disk"],
     diagnostics: bool,
     until: StoppingRule | None,
     superchains: int | None,
@@ -129,26 +155,41 @@ def plan_run(
     schedule = None
     if until is not None:
         schedule = until.schedule(counts.num_steps, superchains, num_chains)
+    chunk_size = min(counts.chunk_size or num_chains, num_chains)
+    records = trace is not False and draws.total > 0
+    streams = records and trace == "disk"
+    streamed_steps = None
+    if streams:
+        one_draw = prepared.trace_like(max(chunk_size, 1), 1)
+        draw_bytes = sum(
+            math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(one_draw)
+        )
+        streamed_steps = max(1, STREAMED_BYTES // max(draw_bytes, 1)) * counts.thin
     return RunPlan(
         step=step,
         shared=init.shared,
         prepared=prepared,
-        segment=SegmentPlan(0, draws, with_output, trace and draws.total > 0, legacy),
+        segment=SegmentPlan(
+            0, draws, with_output, records and not streams, legacy, streams
+        ),
         options=RunOptions(
             num_steps=counts.num_steps,
             thin=counts.thin,
             burn_in=counts.burn_in,
             with_output=with_output,
-            trace=trace,
+            # `"disk"` records the draws that `True` does: one run, read back either
+            # way.
+            trace=trace is not False,
             diagnostics=diagnostics,
             all_chains=all_chains,
             superchains=superchains,
             until=None if schedule is None else str(schedule),
         ),
         num_chains=num_chains,
-        chunk_size=min(counts.chunk_size or num_chains, num_chains),
+        chunk_size=chunk_size,
         checkpoint_every=counts.checkpoint_every,
         until=schedule,
         superchains=superchains,
         program=None if traced is None else traced.program,
+        streamed_steps=streamed_steps,
     )

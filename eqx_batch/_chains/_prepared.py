@@ -41,7 +41,13 @@ class PreparedRun:
         return self._made.get_or_make(
             ("segment", plan, length, emit),
             lambda: SegmentPlan(
-                length, plan.draws, plan.with_output, plan.keep_trace, plan.legacy, emit
+                length,
+                plan.draws,
+                plan.with_output,
+                plan.keep_trace,
+                plan.legacy,
+                plan.streams,
+                emit,
             ),
         )
 

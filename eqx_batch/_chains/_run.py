@@ -11,7 +11,7 @@ import dataclasses
 import os
 import pathlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax.random as jr
@@ -20,11 +20,18 @@ import numpy as np
 
 from .._progress import ProgressBar
 from .._select import take
-from ._arguments import chain_keys, checked_counts, checked_flags, split_init
+from ._arguments import (
+    chain_keys,
+    checked_counts,
+    checked_flags,
+    checked_trace,
+    split_init,
+)
 from ._checkpoint import chunk_path, longest_file_name, warn_of_other_chunkings
 from ._chunk import ChunkJob, RunContext
 from ._common import ChainState
 from ._convergence import diagnose, Diagnostics
+from ._disk_trace import disk_trace
 from ._lock import check_folder, refuse_if_in_use, WriteAccess
 from ._loop import run_chunks
 from ._moments import zeros
@@ -45,7 +52,7 @@ def run_chains(
     thin: int = 1,
     burn_in: int = 0,
     with_output: bool = False,
-    trace: bool = True,
+    trace: bool | Literal["disk"] = True,
     progress: bool = False,
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
@@ -82,7 +89,9 @@ def run_chains(
     - `thin`, `burn_in`: the trace keeps the states after steps `burn_in + 1`,
         `burn_in + 1 + thin`, ...: the uninterrupted trace `[:, burn_in::thin]`.
     - `with_output`: record `step`'s second output in `Chains.outputs`.
-    - `trace`: whether to record a trace at all.
+    - `trace`: whether to record a trace at all; `"disk"` streams it to the
+        checkpoint's files and returns it read lazily from them ([Traces larger
+        than memory](../chains.md#traces-larger-than-memory)).
     - `progress`: show one tqdm bar for all chains, updated from inside the compiled
         loop about every 0.1 s ([Progress](../chains.md#progress)).
     - `checkpoint`: a file path. The run is checkpointed there (safetensors files in
@@ -161,9 +170,10 @@ def run_chains(
         checkpointed=checkpoint is not None,
         until=until,
     )
-    with_output, trace, progress, diagnostics = checked_flags(
-        with_output=with_output, trace=trace, progress=progress, diagnostics=diagnostics
+    with_output, progress, diagnostics = checked_flags(
+        with_output=with_output, progress=progress, diagnostics=diagnostics
     )
+    trace = checked_trace(trace, checkpointed=checkpoint is not None)
     diagnostics = diagnostics or until is not None  # the rule reads them
     whole, superchain_ids = split_init(init), None
     if superchains is not None:
@@ -202,7 +212,13 @@ def run_chains(
             access = stack.enter_context(_write_access(plan, pathlib.Path(checkpoint)))
         context = RunContext(plan, bar, access)
         results, record = run_chunks(context, _jobs(plan, start, access))
-    return _result(plan, results, record, superchain_ids)
+    return _result(
+        plan,
+        results,
+        record,
+        superchain_ids,
+        None if checkpoint is None else pathlib.Path(checkpoint),
+    )
 
 
 def _write_access(plan: RunPlan, path: pathlib.Path) -> WriteAccess:
@@ -215,7 +231,7 @@ def _write_access(plan: RunPlan, path: pathlib.Path) -> WriteAccess:
     longest = longest_file_name(
         path,
         num_chains=plan.num_chains,
-        num_draws=plan.draws.total if plan.segment.keep_trace else 0,
+        num_draws=plan.draws.total if plan.records else 0,
         chunked=chunked,
     )
     return WriteAccess(path, longest)
@@ -245,18 +261,32 @@ def _result(
     results: list[tuple[ChainState, Any]],
     record: Record,
     superchain_ids: np.ndarray | None,
+    checkpoint: pathlib.Path | None,
 ) -> Chains:
-    """The chunks' chains and traces joined into `Chains`."""
+    """The chunks' chains and traces joined into `Chains`; with `trace="disk"`, the
+    trace read lazily from the chunks' draw files."""
     chains = joined_chains([chains for chains, _ in results])
     stopped = record.stopped if plan.until is not None else None
     steps_done = plan.num_steps if stopped is None else stopped.step
-    states = outputs = None
-    if results[0][1] is not None:
+    states = outputs = recorded = None
+    if plan.segment.streams:
+        assert checkpoint is not None
+        listing = [
+            entry._replace(
+                rows=(chunk.start + entry.rows[0], chunk.start + entry.rows[1])
+            )
+            for chunk, (_, files) in zip(plan.chunks, results, strict=True)
+            for entry in files
+        ]
+        like = plan.draws_like(plan.num_chains, plan.draws.before(steps_done))
+        recorded = disk_trace(checkpoint, listing, like)
+    elif results[0][1] is not None:
         recorded = joined_chains([trace for _, trace in results])
         if steps_done < plan.num_steps:
             # Only the draws made: the buffer was sized for the cap.
             made = plan.draws.before(steps_done)
             recorded = jtu.tree_map(lambda x: x[:, :made], recorded)
+    if recorded is not None:
         # The leaves of a draw that are the same in every draw (an MLP's activation)
         # are the caller's own: the state's as `init` holds them.
         layout = plan.prepared.layout

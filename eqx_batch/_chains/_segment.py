@@ -42,6 +42,9 @@ class SegmentPlan:
     with_output: bool
     keep_trace: bool  # whether the run keeps a trace buffer
     legacy: bool  # `step` takes legacy `uint32` keys rather than typed ones
+    # `trace="disk"`: no trace buffer of the run; the segment records its own draws
+    # only, `emit` of them from its first, and returns them as `new_draws`.
+    streams: bool = False
     # How many draws from the segment's first one on to return a copy of, for the
     # checkpoint (the next segment takes over, donates, the trace buffer while they
     # are written). The most any segment of this length records, so that segments
@@ -61,7 +64,7 @@ class SegmentProgress(NamedTuple):
 
 class SegmentResult(NamedTuple):
     chains: ChainState
-    trace: Any  # the trace buffer, every draw so far written in
+    trace: Any  # the trace buffer, every draw so far written in; None if it streams
     due: Any  # the due step of the next progress report; None without a bar
     new_draws: Any  # the draws around the segment's, if `plan.emit`; else None
 
@@ -104,11 +107,18 @@ def _segment(
     every draw of the run (`[chains, draws, ...]` per leaf) and is written in place.
     A run of one segment passes it, and the NaN report, as the shape-dtype structs of
     the zeros they start as (`Placement.zeros_to_make`), made here: one program to
-    dispatch rather than two, and no buffer handed between them.
+    dispatch rather than two, and no buffer handed between them. A segment that
+    `streams` gets a buffer of `emit` draws instead (donated: an earlier segment's,
+    written out already), records its own draws in it from slot 0 and returns it as
+    `new_draws` (its `trace` is then None): nothing of the run's size is kept.
     """
     trace = made_zeros(trace)
     chains = chains._replace(first_bad=made_zeros(chains.first_bad))
     draws = plan.draws
+    # The slot of the segment's first draw in `trace`: 0 when it holds only its own.
+    first = draws.before(start)
+    offset = first if plan.streams else 0
+    records = plan.keep_trace or (plan.streams and plan.emit > 0)
 
     def next_key(key: jax.Array) -> tuple:
         # The chain's carried key and the key its step gets.
@@ -137,7 +147,9 @@ def _segment(
         # 0 or below, which XLA clamps to 0, as it clamps any slot past the buffer's
         # end to the last: nothing is computed to bound it (else XLA repeats that
         # arithmetic in every leaf's write, for longer compiles).
-        slot = draws.slot(t)
+        # Before the segment's first draw, a streaming segment's slot is below 0,
+        # clamped to 0 like the slots before `burn_in`.
+        slot = draws.slot(t) - offset
         is_draw = draws.is_draw(t) if draws.thin > 1 else None
         return jtu.tree_map(
             lambda buffer, x: _write_slot(buffer, x, slot, is_draw, draws.thin),
@@ -156,7 +168,7 @@ def _segment(
         else:
             keys, states, output = jax.vmap(one_chain)(states, keys)
         moments = add_draw(moments, states, t, draws)
-        if plan.keep_trace:
+        if records:
             recorded = (states, output) if plan.with_output else states
             buffer = write(t, recorded, buffer)
         if progress is not None:
@@ -173,9 +185,10 @@ def _segment(
         first_bad=_with_first_bad(chains.first_bad, chains.states, end)
     )
     new_draws = None
-    if plan.emit:
+    if plan.streams:
+        new_draws, trace = (trace if records else None), None
+    elif plan.emit:
         # In the same program as the loop: no extra dispatch, and XLA can overlap it.
-        first = draws.before(start)
         new_draws = jtu.tree_map(
             lambda b: lax.dynamic_slice_in_dim(b, first, plan.emit, 1), trace
         )

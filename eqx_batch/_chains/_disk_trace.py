@@ -1,0 +1,405 @@
+"""The trace of a `trace="disk"` run: arrays read lazily from the checkpoint's draw
+files.
+
+Each draw file holds draws `X` to `Y` of chains `A` to `B`, one tensor per array leaf of
+the trace (`[B - A, Y - X, ...]`, as `write_tree` writes it, named by its `keystr`
+path), and the files tile every chain and draw of the run. A `DiskArray` is one leaf of
+the whole trace, `[chains, draws, ...]`: NumPy reads it (`np.asarray`, `leaf[:, -100:]`)
+and reading reads only the chains and draws asked for, one `pread` per block of
+contiguous bytes. No memory map: mapped pages count in a process's resident memory.
+
+A file is checked the first time it is read, and again if it changed since (another
+size, inode or modification time): its header and sizes as `eb.load` checks them, its
+metadata (the run that wrote it), its tensors against the leaves, and the CRC-32 of all
+its data, streamed in bounded chunks. After that a read trusts it: a byte changed in
+place without touching the file's modification time is not seen. A file missing,
+truncated, from another run or damaged is a `BatchError` naming it, never numbers.
+"""
+
+import json
+import os
+import pathlib
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from .._errors import BatchError
+from .._file_format import BadFileError, open_checked
+from .._file_layout import LENGTH, NAMESPACE
+from .._tree import as_key_data, is_key
+
+
+# Bytes read at once when a file's checksum is computed: its memory is this, whatever
+# the file's size.
+_CHUNK = 1 << 22
+
+
+class ListedFile(NamedTuple):
+    """One draw file: draws `draws[0]` to `draws[1]` of chains `rows[0]` to `rows[1]`.
+
+    `metadata` holds the entries its metadata must have: the id of the run that wrote
+    it.
+    """
+
+    path: pathlib.Path
+    rows: tuple[int, int]
+    draws: tuple[int, int]
+    metadata: Mapping[str, str] = {}
+
+
+class _Checked(NamedTuple):
+    """A draw file as its checks found it."""
+
+    signature: tuple[int, int, int]  # inode, size, modification time in ns
+    data_start: int  # where the tensor data starts, in bytes
+    offsets: dict[str, int]  # each leaf's tensor, from `data_start`
+
+
+class DrawFiles:
+    """The draw files of one trace, checked on first read (see the module's notes).
+
+    `checkpoint` names the run in messages; `listing` must tile `num_chains` chains
+    and `num_draws` draws; `leaves` are the trace's leaves, by path, as shape-dtype
+    structs of the whole trace (typed keys as their raw data).
+    """
+
+    def __init__(
+        self,
+        checkpoint: pathlib.Path,
+        listing: Sequence[ListedFile],
+        leaves: dict[str, jax.ShapeDtypeStruct],
+    ):
+        self.checkpoint = checkpoint
+        self.listing = list(listing)
+        self.leaves = leaves
+        self._checked: dict[pathlib.Path, _Checked] = {}
+
+    def read(
+        self,
+        path: str,
+        rows: tuple[int, int],
+        draws: tuple[int, int],
+        within: tuple = (),
+    ) -> np.ndarray:
+        """Chains `rows` and draws `draws` of the leaf at `path`, as stored, indexed
+        by `within` (ints and slices) along the axes of one draw.
+
+        Each file's block is indexed as it is read: the memory is the result's and
+        one block's, so a few parameters of a large state read in little memory.
+        """
+        like = self.leaves[path]
+        # The shape `within` selects, from a view of no memory.
+        rest = np.broadcast_to(np.empty((), bool), like.shape[2:])[within].shape
+        out = np.empty((rows[1] - rows[0], draws[1] - draws[0], *rest), like.dtype)
+        for entry in self.listing:
+            r0, r1 = max(rows[0], entry.rows[0]), min(rows[1], entry.rows[1])
+            d0, d1 = max(draws[0], entry.draws[0]), min(draws[1], entry.draws[1])
+            if r0 < r1 and d0 < d1:
+                block = self._read_block(entry, path, (r0, r1), (d0, d1))
+                out[r0 - rows[0] : r1 - rows[0], d0 - draws[0] : d1 - draws[0]] = block[
+                    (slice(None), slice(None), *within)
+                ]
+        return out
+
+    def _read_block(
+        self,
+        entry: ListedFile,
+        path: str,
+        rows: tuple[int, int],
+        draws: tuple[int, int],
+    ) -> np.ndarray:
+        like = self.leaves[path]
+        draw_bytes = int(np.prod(like.shape[2:], dtype=np.int64)) * like.dtype.itemsize
+        file_draws = entry.draws[1] - entry.draws[0]
+        row_bytes = file_draws * draw_bytes
+        descriptor = self._open(entry)
+        try:
+            checked = self._check(entry, descriptor)
+            start = checked.data_start + checked.offsets[path]
+            first_row = rows[0] - entry.rows[0]
+            first_draw = draws[0] - entry.draws[0]
+            shape = (rows[1] - rows[0], draws[1] - draws[0], *like.shape[2:])
+            if draws[1] - draws[0] == file_draws:
+                # Whole rows of the file: one read.
+                count = (rows[1] - rows[0]) * row_bytes
+                data = self._pread(
+                    entry, descriptor, start + first_row * row_bytes, count
+                )
+            else:
+                count = (draws[1] - draws[0]) * draw_bytes
+                data = b"".join(
+                    self._pread(
+                        entry,
+                        descriptor,
+                        start + (first_row + i) * row_bytes + first_draw * draw_bytes,
+                        count,
+                    )
+                    for i in range(rows[1] - rows[0])
+                )
+        finally:
+            os.close(descriptor)
+        return np.frombuffer(data, like.dtype.newbyteorder("<")).reshape(shape)
+
+    def _open(self, entry: ListedFile) -> int:
+        try:
+            return os.open(entry.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except FileNotFoundError:
+            raise self._error(entry, "is missing") from None
+        except OSError as e:
+            raise self._error(entry, f"cannot be opened ({e})") from None
+
+    def _pread(
+        self, entry: ListedFile, descriptor: int, offset: int, count: int
+    ) -> bytes:
+        chunks = []
+        while count > 0:
+            chunk = os.pread(descriptor, min(count, 1 << 30), offset)
+            if not chunk:
+                raise self._error(entry, "was cut short after it was checked")
+            chunks.append(chunk)
+            offset += len(chunk)
+            count -= len(chunk)
+        return b"".join(chunks)
+
+    def _check(self, entry: ListedFile, descriptor: int) -> _Checked:
+        """The file's checks, made now if it is new or changed since."""
+        info = os.fstat(descriptor)
+        signature = (info.st_ino, info.st_size, info.st_mtime_ns)
+        checked = self._checked.get(entry.path)
+        if checked is None or checked.signature != signature:
+            checked = self._checked[entry.path] = self._checks(
+                entry, descriptor, signature
+            )
+        return checked
+
+    def _checks(
+        self, entry: ListedFile, descriptor: int, signature: tuple[int, int, int]
+    ) -> _Checked:
+        # The header as `eb.load` checks it: sizes, the header's CRC-32, the version;
+        # of the very file open here, if the system can name it by its descriptor.
+        by_descriptor = f"/dev/fd/{descriptor}"
+        name = by_descriptor if os.path.exists(by_descriptor) else str(entry.path)
+        try:
+            with open_checked(name) as file:
+                records = {record["path"]: record for record in file.records}
+                metadata = file.caller_metadata
+        except BadFileError as e:
+            problem = str(e).replace(f"`{name}`", "it").rstrip(".")
+            raise self._error(entry, f"is damaged: {problem}") from None
+        for key, value in entry.metadata.items():
+            if metadata.get(key) != value:
+                raise self._error(
+                    entry,
+                    f"was written by another run (its {key!r} is "
+                    f"{metadata.get(key)!r}, this run's {value!r})",
+                )
+        rows = entry.rows[1] - entry.rows[0]
+        draws = entry.draws[1] - entry.draws[0]
+        for path, like in self.leaves.items():
+            record = records.get(path)
+            expected = [rows, draws, *like.shape[2:]]
+            if record is None or record["kind"] != "array":
+                raise self._error(entry, f"holds no array for the leaf {path!r}")
+            if record["shape"] != expected or record["numpy_dtype"] != like.dtype:
+                raise self._error(
+                    entry,
+                    f"holds {record['dtype']}{record['shape']} for the leaf {path!r}, "
+                    f"where {like.dtype.name}{expected} is expected",
+                )
+        header_nbytes = LENGTH.unpack(self._pread(entry, descriptor, 0, LENGTH.size))[0]
+        # Parsed again here for the tensors' offsets, which `open_checked` checked.
+        header = json.loads(self._pread(entry, descriptor, LENGTH.size, header_nbytes))
+        data_start = LENGTH.size + header_nbytes
+        crc = 0
+        for at in range(data_start, signature[1], _CHUNK):
+            size = min(_CHUNK, signature[1] - at)
+            crc = zlib.crc32(self._pread(entry, descriptor, at, size), crc)
+        if f"{crc:08x}" != header["__metadata__"][f"{NAMESPACE}data_crc32"]:
+            raise self._error(
+                entry,
+                "is damaged: the CRC-32 checksum of its tensor data does not match it",
+            )
+        offsets = {path: header[path]["data_offsets"][0] for path in self.leaves}
+        return _Checked(signature, data_start, offsets)
+
+    def _error(self, entry: ListedFile, problem: str) -> BatchError:
+        return BatchError(
+            f"the draw file {entry.path} of `checkpoint` ({self.checkpoint}), which "
+            f"holds draws {entry.draws[0]}-{entry.draws[1]} of chains "
+            f"{entry.rows[0]}-{entry.rows[1]} of the trace, {problem}. The trace "
+            "cannot be read: put the file back as the run wrote it, or delete the "
+            "checkpoint's files and call `run_chains` again to run it afresh."
+        )
+
+
+class DiskArray:
+    """One leaf of a `trace="disk"` trace, `[chains, draws, ...]`, read from its files
+    when asked for.
+
+    NumPy reads it whole (`np.asarray(leaf)`) or in part (`leaf[:, -100:]`, `leaf[3]`):
+    indexing with integers and slices reads only the chains and draws asked for, and
+    keeps only the part of each draw asked for (`leaf[..., 3]`) as it reads; it
+    returns a NumPy array. Any other index (arrays, masks) reads the leaf whole
+    first. `astype` gives a `DiskArray` that converts as it reads. A leaf of typed
+    PRNG keys holds their raw data (`holds_keys`): `jr.wrap_key_data` makes them keys.
+    """
+
+    def __init__(
+        self,
+        files: DrawFiles,
+        path: str,
+        holds_keys: bool = False,
+        dtype: Any = None,
+    ):
+        self._files = files
+        self._path = path
+        self.holds_keys = holds_keys
+        stored = files.leaves[path]
+        self.shape: tuple[int, ...] = tuple(stored.shape)
+        self.dtype = np.dtype(stored.dtype if dtype is None else dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        shape = ",".join(map(str, self.shape))
+        return f"DiskArray({self.dtype.name}[{shape}], {self._path or 'trace'})"
+
+    def astype(self, dtype: Any) -> "DiskArray":
+        """This leaf, read as `dtype`."""
+        return DiskArray(self._files, self._path, self.holds_keys, dtype)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        values = self[...]
+        return values if dtype is None else values.astype(dtype, copy=False)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        basic = _basic_key(key, self.ndim)
+        if basic is None:
+            return self[...][key]
+        picks, bounds = [], []
+        for index, size in zip(basic[:2], self.shape[:2], strict=True):
+            if isinstance(index, int):
+                if not -size <= index < size:
+                    raise IndexError(f"index {index} is out of bounds for size {size}")
+                index %= size
+                bounds.append((index, index + 1))
+                picks.append(0)
+            else:
+                steps = range(*index.indices(size))
+                low = min(steps, default=0)
+                high = max(steps, default=-1) + 1
+                bounds.append((low, max(low, high)))
+                picks.append(
+                    slice(steps.start - low, None, steps.step) if steps else slice(0, 0)
+                )
+        if self.ndim < 2:
+            raise IndexError("a trace leaf has axes chains and draws")
+        values = self._files.read(self._path, bounds[0], bounds[1], basic[2:])
+        return values[tuple(picks)].astype(self.dtype, copy=False)
+
+
+def _basic_key(key: Any, ndim: int) -> tuple | None:
+    """`key` as one int or slice per axis, if it is made of ints, slices and one
+    Ellipsis; else None."""
+    key = key if isinstance(key, tuple) else (key,)
+    if (
+        not all(isinstance(k, (int, np.integer, slice)) or k is Ellipsis for k in key)
+        or sum(k is Ellipsis for k in key) > 1
+        or any(isinstance(k, bool) for k in key)
+    ):
+        return None
+    if Ellipsis in key:
+        at = key.index(Ellipsis)
+        key = (*key[:at], *[slice(None)] * (ndim - len(key) + 1), *key[at + 1 :])
+    if len(key) > ndim:
+        return None
+    key = (*key, *[slice(None)] * (ndim - len(key)))
+    return tuple(int(k) if isinstance(k, np.integer) else k for k in key)
+
+
+def disk_trace(
+    checkpoint: pathlib.Path, listing: Sequence[ListedFile], structs: Any
+) -> Any:
+    """The trace held by the draw files of `listing`, as a tree of `DiskArray`s.
+
+    **Arguments:**
+
+    - `checkpoint`: the run's checkpoint, for messages.
+    - `listing`: the draw files, which must tile the chains and draws of `structs`.
+    - `structs`: the whole trace's shape-dtype structs, `[chains, draws, ...]` per
+        array leaf (typed keys may be typed).
+
+    **Returns:**
+
+    `structs` with each leaf a `DiskArray`; no file is read before a leaf is.
+
+    **Raises:**
+
+    `BatchError` if `listing` does not cover the trace (a file missing from it). A
+    read raises it for a file that is missing, damaged,
+    truncated or another run's.
+
+    !!! Example
+
+        ```python
+        trace = disk_trace(path, [ListedFile(draw_file, (0, 4), (0, 100))], structs)
+        np.asarray(trace["x"][:, -10:])  # the last 10 draws of every chain
+        ```
+    """
+    leaves, treedef = jtu.tree_flatten_with_path(structs)
+    raw = jtu.tree_leaves(as_key_data(structs))
+    by_path = {jtu.keystr(path): x for (path, _), x in zip(leaves, raw, strict=True)}
+    num_chains, num_draws = raw[0].shape[:2] if raw else (0, 0)
+    _check_tiling(checkpoint, listing, num_chains, num_draws)
+    files = DrawFiles(checkpoint, listing, by_path)
+    return jtu.tree_unflatten(
+        treedef,
+        [DiskArray(files, jtu.keystr(path), is_key(x)) for path, x in leaves],
+    )
+
+
+def _check_tiling(
+    checkpoint: pathlib.Path,
+    listing: Sequence[ListedFile],
+    num_chains: int,
+    num_draws: int,
+) -> None:
+    """Refuses a listing whose files do not hold every chain and draw. Files may
+    overlap: a run resumed on another layout of processes writes its chains in other
+    ranges than the files before it, and two files of one run (their run id is
+    checked) hold the same bits of a draw they share."""
+    row_cuts = sorted({0, num_chains, *(r for e in listing for r in e.rows)})
+    draw_cuts = sorted({0, num_draws, *(d for e in listing for d in e.draws)})
+    covered = np.zeros((len(row_cuts) - 1, len(draw_cuts) - 1), np.int64)
+    for entry in listing:
+        (a, b), (x, y) = entry.rows, entry.draws
+        if not (0 <= a < b <= num_chains and 0 <= x < y <= num_draws):
+            covered[:] = -1
+            break
+        rows = slice(row_cuts.index(a), row_cuts.index(b))
+        draws = slice(draw_cuts.index(x), draw_cuts.index(y))
+        covered[rows, draws] += 1
+    if num_chains * num_draws and not (covered >= 1).all():
+        raise BatchError(
+            f"the draw files of `checkpoint` ({checkpoint}) do not hold every one "
+            f"of the {num_chains} chains' {num_draws} draws (files listed: "
+            f"{[(str(e.path), e.rows, e.draws) for e in listing][:10]}): the "
+            "checkpoint's files were mixed up. Delete them to run it afresh."
+        )

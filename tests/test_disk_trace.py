@@ -1,0 +1,363 @@
+"""`trace="disk"`: the draws streamed to the checkpoint's files, the trace read lazily
+from them, bit for bit the in-memory trace, in memory that does not grow with the
+steps."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+from chains_worker import key_step, make_init, make_key_init, metropolis
+from helpers import assert_trees_identical, raises
+
+import eqx_batch as eb
+from eqx_batch._chains._disk_trace import disk_trace, DiskArray, ListedFile
+from eqx_batch._file_format import read_metadata
+from eqx_batch._serialise import write_tree
+
+
+def _read(trace):
+    """A lazy trace read whole, keys made keys again as in the in-memory trace."""
+    return jtu.tree_map(
+        lambda x: jr.wrap_key_data(np.asarray(x)) if x.holds_keys else np.asarray(x),
+        trace,
+    )
+
+
+def _in_memory(result):
+    """An in-memory trace on the host, as `_read` gives a lazy one."""
+    return jtu.tree_map(
+        lambda x: x if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x),
+        result,
+    )
+
+
+def _with_output_step(state, key):
+    new = key_step(state, key)
+    return new, {"moved": jnp.sum(new["x"] - state["x"]), "k": jr.fold_in(new["k"], 1)}
+
+
+@pytest.mark.parametrize(
+    "thin, burn_in, every, chunk_size, with_output",
+    [
+        (1, 0, None, None, False),
+        (3, 5, 7, None, True),
+        (2, 11, 4, 3, False),
+        (4, 0, None, 5, True),
+    ],
+)
+def test_disk_trace_is_the_in_memory_trace_bit_for_bit(
+    tmp_path, thin, burn_in, every, chunk_size, with_output
+):
+    # Typed keys in the state (and the output): their raw data is read lazily.
+    step = _with_output_step if with_output else key_step
+    arguments = dict(
+        thin=thin, burn_in=burn_in, chunk_size=chunk_size, with_output=with_output
+    )
+    init = make_key_init(7)
+    memory = eb.run_chains(step, init, jr.key(0), 41, **arguments)
+    disk = eb.run_chains(
+        step,
+        init,
+        jr.key(0),
+        41,
+        trace="disk",
+        checkpoint=tmp_path / "run",
+        checkpoint_every=every,
+        **arguments,
+    )
+    assert all(isinstance(x, DiskArray) for x in jtu.tree_leaves(disk.trace))
+    assert disk.trace["x"].shape == memory.trace["x"].shape
+    assert_trees_identical(_read(disk.trace), _in_memory(memory.trace))
+    if with_output:
+        assert_trees_identical(_read(disk.outputs), _in_memory(memory.outputs))
+    assert_trees_identical(disk.final, memory.final)
+    # Slices read only what they ask for, and give what NumPy gives.
+    whole = np.asarray(memory.trace["x"])
+    for index in [(slice(1, 6, 2), slice(-5, None)), 3, (Ellipsis, 1), (-1, 2)]:
+        assert np.array_equal(disk.trace["x"][index], whole[index])
+
+
+def test_a_finished_run_reads_back_either_way(tmp_path):
+    # `"disk"` and `True` record the same draws: one run, read back with either.
+    init = make_init(6)
+    memory = eb.run_chains(metropolis, init, jr.key(1), 30, checkpoint=tmp_path / "a")
+    calls = []
+
+    def counted(state, key):
+        calls.append(None)
+        return metropolis(state, key)
+
+    back = eb.run_chains(
+        counted, init, jr.key(1), 30, trace="disk", checkpoint=tmp_path / "a"
+    )
+    assert_trees_identical(_read(back.trace), _in_memory(memory.trace))
+    disk = eb.run_chains(
+        metropolis, init, jr.key(1), 30, trace="disk", checkpoint=tmp_path / "b"
+    )
+    back = eb.run_chains(metropolis, init, jr.key(1), 30, checkpoint=tmp_path / "b")
+    assert_trees_identical(_in_memory(back.trace), _read(disk.trace))
+
+
+def test_to_arviz_stays_lazy(tmp_path):
+    arviz_stats = pytest.importorskip("arviz_stats")
+    result = eb.run_chains(
+        metropolis,
+        make_init(4),
+        jr.key(0),
+        60,
+        trace="disk",
+        checkpoint=tmp_path / "r",
+        checkpoint_every=20,
+    )
+    draw_files = sorted(tmp_path.glob("r.*.draws-*"))
+    assert len(draw_files) == 3
+    moved = draw_files[1].rename(tmp_path / "away")
+    # Nothing is read to convert: a missing file is not noticed...
+    data = result.to_arviz()
+    assert data["posterior"]["layer1.weights"].shape == (4, 60, 3, 3)
+    # ...until its draws are asked for.
+    raises(
+        "is missing",
+        lambda: data["posterior"]["layer1.weights"].values,
+        str(draw_files[1]),
+    )
+    moved.rename(draw_files[1])
+    memory = eb.run_chains(metropolis, make_init(4), jr.key(0), 60).to_arviz()
+    assert arviz_stats.summary(data).equals(arviz_stats.summary(memory))
+
+
+# ------------------------------------------------------------------------------------
+# The lazy trace on files in the checkpoint's new layout: rows and draws of each file.
+
+
+def _write_layout(folder: pathlib.Path, trace: dict, cuts: list[tuple]) -> list:
+    listing = []
+    for (a, b), (x, y) in cuts:
+        path = folder / f"0.abc.rows-{a}-{b}.draws-{x}-{y}"
+        part = {name: v[a:b, x:y] for name, v in trace.items()}
+        write_tree(path, part, metadata={"run_chains.run_id": "abc"})
+        listing.append(ListedFile(path, (a, b), (x, y), {"run_chains.run_id": "abc"}))
+    return listing
+
+
+def _trace():
+    rng = np.random.default_rng(0)
+    return {
+        "w": rng.normal(size=(6, 10, 2, 3)).astype(np.float32),
+        "n": rng.integers(0, 9, size=(6, 10)).astype(np.int32),
+        "h": rng.normal(size=(6, 10, 4)).astype(jnp.bfloat16),
+    }
+
+
+_CUTS = [((0, 4), (0, 7)), ((4, 6), (0, 3)), ((4, 6), (3, 7)), ((0, 6), (7, 10))]
+
+
+def test_files_of_several_row_ranges_read_as_one_trace(tmp_path):
+    trace = _trace()
+    listing = _write_layout(tmp_path, trace, _CUTS)
+    lazy = disk_trace(tmp_path / "0", listing, jax.eval_shape(lambda: trace))
+    assert_trees_identical(jtu.tree_map(np.asarray, lazy), trace)
+    for index in [(slice(2, 6), slice(1, 9)), (5, 8), (slice(None, None, -1), -3, 1)]:
+        assert np.array_equal(lazy["w"][index], trace["w"][index])
+    assert lazy["h"].astype(np.float32)[1].dtype == np.float32
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "another run", "tampered"])
+def test_a_damaged_file_is_an_error_when_read_never_numbers(tmp_path, damage):
+    trace = _trace()
+    listing = _write_layout(tmp_path, trace, _CUTS)
+    path = listing[2].path
+    if damage == "missing":
+        path.unlink()
+    elif damage == "truncated":
+        os.truncate(path, path.stat().st_size - 8)
+    elif damage == "another run":
+        part = jtu.tree_map(lambda v: v[4:6, 3:7], trace)
+        write_tree(path, part, metadata={"run_chains.run_id": "xyz"})
+    else:
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 1
+        path.write_bytes(bytes(data))
+    lazy = disk_trace(tmp_path / "0", listing, jax.eval_shape(lambda: trace))
+    # The files not damaged read; any read of the damaged one is refused.
+    assert np.array_equal(lazy["w"][:4], trace["w"][:4])
+    expected = {
+        "missing": "is missing",
+        "truncated": "is damaged",
+        "another run": "another run",
+        "tampered": "CRC-32",
+    }[damage]
+    raises(
+        expected, lambda: np.asarray(lazy["n"]), str(path), "draws 3-7 of chains 4-6"
+    )
+    raises(expected, lambda: lazy["w"][5, 4], str(path))
+
+
+def test_a_file_changed_after_its_check_is_checked_again(tmp_path):
+    trace = _trace()
+    listing = _write_layout(tmp_path, trace, _CUTS)
+    lazy = disk_trace(tmp_path / "0", listing, jax.eval_shape(lambda: trace))
+    np.asarray(lazy["w"])
+    path = listing[0].path
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1
+    path.write_bytes(bytes(data))
+    raises("CRC-32", lambda: lazy["w"][0], str(path))
+
+
+def test_a_listing_that_does_not_tile_the_trace_is_refused(tmp_path):
+    trace = _trace()
+    listing = _write_layout(tmp_path, trace, _CUTS)
+    like = jax.eval_shape(lambda: trace)
+    raises(
+        "do not hold every one", lambda: disk_trace(tmp_path / "0", listing[:-1], like)
+    )
+    # Files that overlap (a run resumed on another layout) hold the same bits: read.
+    both = disk_trace(tmp_path / "0", [*listing, listing[0]], like)
+    assert_trees_identical(jtu.tree_map(np.asarray, both), trace)
+
+
+# ------------------------------------------------------------------------------------
+# Other processes: a kill and resume; memory in the steps.
+
+_RUN = textwrap.dedent(
+    """
+    import sys
+    import jax.numpy as jnp, jax.random as jr
+    import eqx_batch as eb
+    sys.path.insert(0, {tests!r})
+    from chains_worker import key_step, make_key_init
+
+    eb.run_chains(
+        key_step, make_key_init(8), jr.key(2), {steps}, thin=3, trace="disk",
+        checkpoint={path!r}, checkpoint_every=20,
+    )
+    """
+)
+
+
+def _steps_done(path: pathlib.Path) -> int:
+    try:
+        return json.loads(read_metadata(path)["run_chains.progress"])["steps_done"]
+    except (OSError, eb.BatchError, KeyError):
+        return 0
+
+
+def test_a_killed_disk_run_resumes_to_the_same_trace(tmp_path):
+    path = tmp_path / "run"
+    script = _RUN.format(
+        tests=str(pathlib.Path(__file__).parent), steps=6000, path=str(path)
+    )
+    worker = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 180
+        while _steps_done(path) < 200:
+            assert worker.poll() is None and time.monotonic() < deadline
+            time.sleep(0.001)
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+    assert 0 < _steps_done(path) < 6000
+    resumed = eb.run_chains(
+        key_step,
+        make_key_init(8),
+        jr.key(2),
+        6000,
+        thin=3,
+        trace="disk",
+        checkpoint=path,
+        checkpoint_every=20,
+    )
+    memory = eb.run_chains(key_step, make_key_init(8), jr.key(2), 6000, thin=3)
+    assert_trees_identical(_read(resumed.trace), _in_memory(memory.trace))
+
+
+_MEMORY = textwrap.dedent(
+    """
+    import sys
+    import jax.numpy as jnp, jax.random as jr
+    import eqx_batch as eb
+
+    def step(x, key):
+        return x + jr.normal(key, x.shape)
+
+    def peak_kib():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+
+    def rss_kib():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+
+    init = jnp.zeros((16, 1024))  # 64 KiB a draw
+    # The same programs, compiled: a run of segments of the bound.
+    eb.run_chains(
+        step, init, jr.key(0), 1024, trace="disk", checkpoint=sys.argv[1] + "w"
+    )
+    before = rss_kib()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak starts again from the resident memory now
+    eb.run_chains(
+        step, init, jr.key(0), int(sys.argv[2]), trace="disk", checkpoint=sys.argv[1]
+    )
+    print(peak_kib() - before)
+    """
+)
+
+
+def _peak_growth_kib(folder: pathlib.Path, steps: int) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", _MEMORY, str(folder / "run"), str(steps)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout.split()[-1])
+
+
+def test_peak_memory_does_not_grow_with_the_steps(tmp_path):
+    # 64 MiB of draws (four segments of the 16 MiB bound), then 512 MiB: the in-memory
+    # trace would take 8 times the memory; the disk trace's working memory is a few
+    # segments' draws in both (one running, one being written).
+    (tmp_path / "one").mkdir()
+    (tmp_path / "eight").mkdir()
+    one = _peak_growth_kib(tmp_path / "one", 1024)
+    eight = _peak_growth_kib(tmp_path / "eight", 8 * 1024)
+    assert eight < 1.5 * max(one, 16 * 1024), (one, eight)
+    # The 8x trace itself is 512 MiB: far above what the run held.
+    assert eight < 128 * 1024, eight
+
+
+def test_a_run_stopped_by_until_holds_the_draws_made(tmp_path):
+    # AR(1) chains that forget their start in tens of steps: stopped before the cap,
+    # with a trace of the draws made, as in memory.
+    def fast(x, key):
+        return 0.9 * x + 0.44 * jr.normal(key, x.shape)
+
+    arguments = dict(until=eb.converged(every=2000), chunk_size=48, thin=2)
+    init = jnp.linspace(-3, 3, 64)
+    memory = eb.run_chains(fast, init, jr.key(1), 20_000, **arguments)
+    disk = eb.run_chains(
+        fast,
+        init,
+        jr.key(1),
+        20_000,
+        trace="disk",
+        checkpoint=tmp_path / "r",
+        **arguments,
+    )
+    assert disk.steps_done == memory.steps_done < 20_000
+    assert_trees_identical(_read(disk.trace), _in_memory(memory.trace))
