@@ -2,7 +2,6 @@
 from them, bit for bit the in-memory trace, in memory that does not grow with the
 steps."""
 
-import json
 import os
 import pathlib
 import signal
@@ -18,11 +17,10 @@ import jax.tree_util as jtu
 import numpy as np
 import pytest
 from chains_worker import key_step, make_init, make_key_init, metropolis
-from helpers import assert_trees_identical, raises
+from helpers import assert_trees_identical, checkpoint_steps_done, raises
 
 import eqx_batch as eb
 from eqx_batch._chains._disk_trace import disk_trace, DiskArray, ListedFile
-from eqx_batch._file_format import read_metadata
 from eqx_batch._serialise import write_tree
 
 
@@ -248,10 +246,7 @@ _RUN = textwrap.dedent(
 
 
 def _steps_done(path: pathlib.Path) -> int:
-    try:
-        return json.loads(read_metadata(path)["run_chains.progress"])["steps_done"]
-    except (OSError, eb.BatchError, KeyError):
-        return 0
+    return checkpoint_steps_done(path)
 
 
 def test_a_killed_disk_run_resumes_to_the_same_trace(tmp_path):
