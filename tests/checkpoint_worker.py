@@ -3,12 +3,12 @@
     python checkpoint_worker.py [--job] OUT WORKLOAD CHECKPOINT [OPTIONS...]
 
 `WORKLOAD` is `metropolis` (`metropolis_run`: 16 chains of `chains_worker.metropolis`,
-20 000 steps, thin 10, checkpointed every 200) or `stopping`
-(`chains_worker.stopping_run`). The process saves `final`, `trace`, `keys` and
-`steps_done` to `OUT.<process id>` (`eb.save`), the bytes it wrote during the run
-(`/proc/self/io`'s `write_bytes`) to `OUT.<process id>.io`, and, if `run_chains`
-raises a `BatchError`, its message to `OUT.<process id>.error` (and exits cleanly: the
-test reads every process's error).
+20 000 steps, thin 10, checkpointed every 200), `disk` (the same with `trace="disk"`)
+or `stopping` (`chains_worker.stopping_run`). The process saves `final`, `trace`,
+`keys` and `steps_done` (gathered) to `OUT.<process id>` (`eb.save`), the bytes it
+wrote during the run (`/proc/self/io`'s `write_bytes`) to `OUT.<process id>.io`, and,
+if `run_chains` raises a `BatchError`, its message to `OUT.<process id>.error` (and
+exits cleanly: the test reads every process's error).
 
 Options, each for process 1 of a job only:
 
@@ -27,8 +27,9 @@ import threading
 import time
 
 import jax
+import jax.random as jr
 import numpy as np
-from chains_worker import outputs, run, stopping_run
+from chains_worker import make_init, metropolis, outputs, run, stopping_run
 from helpers import checkpoint_steps_done
 
 import eqx_batch as eb
@@ -46,7 +47,21 @@ def metropolis_run(checkpoint: str | None = None) -> eb.Chains:
     )
 
 
-WORKLOADS = {"metropolis": metropolis_run, "stopping": stopping_run}
+def disk_run(checkpoint: str) -> eb.Chains:
+    """`metropolis_run` with its trace on disk."""
+    return eb.run_chains(
+        metropolis,
+        make_init(16),
+        jr.key(0),
+        20_000,
+        thin=10,
+        checkpoint=checkpoint,
+        checkpoint_every=200,
+        trace="disk",
+    )
+
+
+WORKLOADS = {"metropolis": metropolis_run, "disk": disk_run, "stopping": stopping_run}
 
 
 def written_bytes() -> int:
@@ -91,7 +106,11 @@ def main(argv: list[str]) -> None:
         pathlib.Path(f"{out}.{process_id}.error").write_text(str(e))
     else:
         wrote = written_bytes() - before
-        saved = {**outputs(result), "steps_done": np.int64(result.steps_done)}
+        # In a job, each process holds its own chains' rows: gathered to be saved.
+        # A trace on disk is every chain's, read lazily from the files here.
+        whole = outputs(result.gathered())
+        whole["trace"] = jax.tree.map(np.asarray, whole["trace"])
+        saved = {**whole, "steps_done": np.int64(result.steps_done)}
         eb.save(f"{out}.{process_id}", saved)
         pathlib.Path(f"{out}.{process_id}.io").write_text(str(wrote))
     if job:

@@ -95,6 +95,19 @@ def test_each_process_writes_its_own_rows_and_fewer_processes_read_them(
     assert {k: v for k, v in after.items() if k in written} == written
 
 
+def test_a_disk_trace_job_gives_every_process_every_chain_lazily(tmp_path, plain):
+    # With `trace="disk"`, each process writes its own chains' draws, and each reads
+    # every chain's from the shared folder, lazily: the same bits as in memory.
+    path, out = tmp_path / "run.ckpt", tmp_path / "job.eqx"
+    launch(WORKER, ["--job", str(out), "disk", str(path)], timeout=TIMEOUT)
+    for process_id in range(2):
+        assert_trees_identical(_loaded(out, plain, process_id), plain)
+    draws = {p.name.split(".")[-2] for p in tmp_path.glob("run.ckpt.*.draws-*")}
+    assert draws == {"rows-0-8", "rows-8-16"}
+    wrote = [int(pathlib.Path(f"{out}.{i}.io").read_text()) for i in range(2)]
+    assert min(wrote) > 0.35 * sum(wrote), wrote
+
+
 def test_a_killed_run_of_one_process_resumes_as_a_job(tmp_path, plain):
     # 1 process of 4 devices, SIGKILLed mid-run, resumed by a job of 2 x 2: the draw
     # files from before the kill are read (not written again) and listed by the job's
