@@ -685,7 +685,8 @@ def test_trace_is_true_false_or_disk():
             "'disk'",
         )
     # NumPy's bools are flags, as for every other flag.
-    assert eb.run_chains(metropolis, init, jr.key(0), 3, trace=np.False_).trace is None
+    no = np.False_
+    assert eb.run_chains(metropolis, init, jr.key(0), 3, trace=no).trace is None  # type: ignore[arg-type]
 
 
 def test_disk_without_a_checkpoint_is_refused_before_any_step():

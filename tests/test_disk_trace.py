@@ -27,7 +27,7 @@ from eqx_batch._serialise import write_tree
 def _read(trace):
     """A lazy trace read whole, keys made keys again as in the in-memory trace."""
     return jtu.tree_map(
-        lambda x: jr.wrap_key_data(np.asarray(x)) if x.holds_keys else np.asarray(x),
+        lambda x: jr.wrap_key_data(jnp.asarray(x)) if x.holds_keys else np.asarray(x),
         trace,
     )
 
@@ -342,17 +342,21 @@ def test_a_run_stopped_by_until_holds_the_draws_made(tmp_path):
     def fast(x, key):
         return 0.9 * x + 0.44 * jr.normal(key, x.shape)
 
-    arguments = dict(until=eb.converged(every=2000), chunk_size=48, thin=2)
+    until = eb.converged(every=2000)
     init = jnp.linspace(-3, 3, 64)
-    memory = eb.run_chains(fast, init, jr.key(1), 20_000, **arguments)
+    memory = eb.run_chains(
+        fast, init, jr.key(1), 20_000, until=until, chunk_size=48, thin=2
+    )
     disk = eb.run_chains(
         fast,
         init,
         jr.key(1),
         20_000,
+        until=until,
+        chunk_size=48,
+        thin=2,
         trace="disk",
         checkpoint=tmp_path / "r",
-        **arguments,
     )
     assert disk.steps_done == memory.steps_done < 20_000
     assert_trees_identical(_read(disk.trace), _in_memory(memory.trace))
