@@ -107,10 +107,6 @@ class Placement:
         # on this process's own device.
         return take(whole_here(tree), np.arange(self.num_chains))
 
-    def replicated(self, tree: Any) -> Any:
-        """`tree` replicated: every process holds all of it (a collective)."""
-        return _replicate(tree, NamedSharding(self.mesh, PartitionSpec()))
-
     def zeros(self, like: Any) -> Any:
         """Zeros shaped like `like` (one row per chain), created already split."""
         structs, treedef = jtu.tree_flatten(self.zeros_to_make(like))
@@ -344,11 +340,6 @@ def _replicate_each(
         lax.with_sharding_constraint(x, s)
         for x, s in zip(leaves, shardings, strict=True)
     ]
-
-
-@ft.partial(jax.jit, static_argnums=(1,))
-def _replicate(tree: Any, sharding: jax.sharding.Sharding) -> Any:
-    return jtu.tree_map(lambda x: lax.with_sharding_constraint(x, sharding), tree)
 
 
 @ft.partial(jax.jit, static_argnums=0)
