@@ -20,6 +20,7 @@ From the top down:
 - `_stopping.py`, `_convergence.py`, `_moments.py`: `until`'s rule and checks, the
     diagnostics, and the running moments they read;
 - `_result.py`, `_arviz.py`: `Chains` and `NonFinite`, and the trace as ArviZ data;
+- `_disk_trace.py`: `DiskArray`, a `trace="disk"` trace read lazily from its files;
 - `_all_chains.py`, `_superchains.py`: steps that see every chain, and superchains;
 - `_common.py`: the shared vocabulary: `ChainState`, `OneChain`, `Draws` (which steps
     are draws) and `structs` (shape-dtype structs).
@@ -27,6 +28,7 @@ From the top down:
 
 from ._all_chains import all_chains as all_chains, AllChains as AllChains
 from ._convergence import Diagnostics as Diagnostics
+from ._disk_trace import DiskArray as DiskArray
 from ._result import Chains as Chains, NonFinite as NonFinite
 from ._run import run_chains as run_chains
 from ._stopping import (

@@ -246,6 +246,25 @@ class DiskArray:
     returns a NumPy array. Any other index (arrays, masks) reads the leaf whole
     first. `astype` gives a `DiskArray` that converts as it reads. A leaf of typed
     PRNG keys holds their raw data (`holds_keys`): `jr.wrap_key_data` makes them keys.
+
+    `eb.run_chains(..., trace="disk")` makes them; they are not built by hand. See
+    [Traces larger than memory](../chains.md#traces-larger-than-memory).
+
+    **Raises** (when read): `eb.BatchError` naming the file, for a draw file that is
+    missing, truncated, damaged or another run's; `IndexError` for an index out of
+    bounds.
+
+    !!! Example
+
+        ```python
+        result = eb.run_chains(
+            lambda x, key: x + jr.normal(key, x.shape), jnp.zeros((4, 3)),
+            jr.key(0), 1000, trace="disk", checkpoint="walk.eqx",
+        )
+        leaf = result.trace  # DiskArray(float32[4,1000,3], trace)
+        isinstance(leaf, eb.DiskArray)  # True
+        np.asarray(leaf[:, -100:]).shape  # (4, 100, 3): only those draws are read
+        ```
     """
 
     def __init__(
