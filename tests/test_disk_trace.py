@@ -323,17 +323,19 @@ def _peak_growth_kib(folder: pathlib.Path, steps: int) -> int:
     return int(done.stdout.split()[-1])
 
 
-def test_peak_memory_does_not_grow_with_the_steps(tmp_path):
-    # 64 MiB of draws (four segments of the 16 MiB bound), then 512 MiB: the in-memory
-    # trace would take 8 times the memory; the disk trace's working memory is a few
-    # segments' draws in both (one running, one being written).
+def test_peak_memory_is_a_few_segments_however_many_the_steps(tmp_path):
+    # 64 MiB of draws (four segments of the 16 MiB bound), then 512 MiB, which an
+    # in-memory trace would hold whole. The disk trace holds a bounded number of
+    # segments' draws: one running, one being written, one spare, and the host copy
+    # of the one being written. How many of those the allocator has touched by the
+    # end of a short run varies, so the bound is on segments, not a ratio of runs.
+    segment_kib = 16 * 1024
     (tmp_path / "one").mkdir()
     (tmp_path / "eight").mkdir()
     one = _peak_growth_kib(tmp_path / "one", 1024)
     eight = _peak_growth_kib(tmp_path / "eight", 8 * 1024)
-    assert eight < 1.5 * max(one, 16 * 1024), (one, eight)
-    # The 8x trace itself is 512 MiB: far above what the run held.
-    assert eight < 128 * 1024, eight
+    assert one < 6 * segment_kib, one
+    assert eight < 6 * segment_kib, (one, eight)
 
 
 def test_a_run_stopped_by_until_holds_the_draws_made(tmp_path):
