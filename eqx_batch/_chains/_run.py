@@ -121,15 +121,16 @@ def run_chains(
         problem along axis 0 (P problems). `step` is then `step(state, key, data)`,
         given its chain's problem's row, and chain `c` belongs to problem
         `c // (chains // P)`; with `superchains=K`, superchain `s` to problem
-        `s // (K // P)`. [`Chains.problem`][eqx_batch.Chains.problem] is one
-        problem's result alone ([Many problems in one
-        run](../chains.md#many-problems-in-one-run)).
+        `s // (K // P)`. With `until`, each problem stops on its own.
+        [`Chains.problem`][eqx_batch.Chains.problem] is one problem's result alone
+        ([Many problems in one run](../chains.md#many-problems-in-one-run)).
 
     **Returns:**
 
     A [`eb.Chains`][]: `final`, `trace` (`[chains, draws, ...]` per leaf), `outputs`
     (with `with_output=True`), `keys` (to continue the run exactly), `nonfinite`,
-    `superchain`, `diagnostics`, `steps_done` and `stopped` (with `until`). Its arrays
+    `superchain`, `diagnostics`, `steps_done` and `stopped` (with `until`; each
+    problem's, with `data`), `problems` and `draws_made` (with `data`). Its arrays
     stay split over the devices. In a job of several processes, `final`, `trace`,
     `outputs` and `keys` are global arrays split by chain: each process holds only its
     own chains' rows ([What each process
@@ -142,8 +143,9 @@ def run_chains(
     `eb.BatchError`, naming the argument and leaf, if `step` changes the state's
     structure, a leaf's shape or dtype, or does not return a pair with
     `with_output=True`; if `key` or the leaves of `init` disagree on the number of
-    chains; if a count is out of range (a bool is no count) or a flag is not a bool (a
-    string is no flag); if `superchains`, `diagnostics`, `until` or an `eb.all_chains`
+    chains; if `data`'s leaves disagree on the problems, the problems do not divide
+    the chains or superchains, or `step` does not take `data`; if a count is out of
+    range (a bool is no count) or a flag is not a bool (a string is no flag); if `superchains`, `diagnostics`, `until` or an `eb.all_chains`
     step cannot be met (see their sections); and for `checkpoint`, before any step, if
     its folder cannot be written, another live run holds it, or it holds another run's,
     a corrupt or a foreign file; during the run, if writing fails (the last good
