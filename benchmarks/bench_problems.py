@@ -13,7 +13,11 @@ with the same starts and keys, and returns them (the trace of every chain).
     `run_chains(functools.partial(step, data=row), ...)`, one per dataset. A
     partial's arrays are arguments of the compiled loop, so it compiles once
     (checked: no compile in its timed calls). Target: the one call in at most a
-    quarter of the loop's time.
+    quarter of the loop's time. What it can save, reported beside it: the loop's
+    calls of 1 step against those of 500 (what a call costs beyond its steps); both
+    and the one call against the same chains written by hand, `jax.jit` of
+    `lax.scan` over `jax.vmap(step)` stacking the trace as `scan` does (the floor of
+    its compute; `benchmarks/bench_chains.py` times the two at other sizes).
 - Against the loop users write today with a closure, `lambda s, k: step(s, k, row)`,
     which bakes the row into the program as constants and so compiles on every call:
     a few of the 256 calls are timed and their time scaled to 256 (said in the row).
@@ -57,9 +61,10 @@ SUPERCHAINS = 4  # per problem
 CHAINS_PER_SUPERCHAIN = 4
 CHAINS = SUPERCHAINS * CHAINS_PER_SUPERCHAIN  # per problem
 STEPS = 500
-CLOSURE_TIMED = 4  # of the 256 closure calls, each of which compiles
-NUMPYRO_TIMED = 4  # of the 256 NumPyro runs
-REPEAT = 3
+CLOSURE_TIMED = 2  # of the 256 closure calls, each of which compiles
+NUMPYRO_TIMED = 2  # of the 256 NumPyro runs
+REPEAT = 5
+COMPILING = {"closure loop", "NumPyro loop"}  # the sides that compile in every call
 CHECKED = (0, PROBLEMS - 1)  # the problems whose chains are checked bit for bit
 SCHOOLS_Y = jnp.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
 SCHOOLS_SIGMA = jnp.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
@@ -137,6 +142,12 @@ def workload() -> Workload:
     )
 
 
+def repeated(tree: dict, times: int) -> dict:
+    """Each row of every leaf `times` times: a superchain's start for each of its
+    chains, as `superchains=` starts them, or a problem's data for each chain."""
+    return {name: jnp.repeat(x, times, axis=0) for name, x in tree.items()}
+
+
 class Compiles(NamedTuple):
     """The XLA compiles JAX reported in a block: how many, and the seconds of tracing,
     lowering and compiling."""
@@ -166,11 +177,8 @@ def compiles() -> Iterator[list[Compiles]]:
 
 def assert_same(name: str, got: Any, expected: Any) -> None:
     """Bit for bit, leaf by leaf."""
-    for path, a, b in zip(
-        *zip(*jax.tree_util.tree_leaves_with_path(got), strict=True),
-        jax.tree.leaves(expected),
-        strict=True,
-    ):
+    got_leaves = jax.tree_util.tree_leaves_with_path(got)
+    for (path, a), b in zip(got_leaves, jax.tree.leaves(expected), strict=True):
         if not np.array_equal(np.asarray(a), np.asarray(b)):
             raise AssertionError(f"{name}: {jax.tree_util.keystr(path)} differs")
 
@@ -194,14 +202,14 @@ def one_call(w: Workload) -> Callable[[], eb.Chains]:
     return run
 
 
-def solo(w: Workload, p: int, problem_step: Callable) -> eb.Chains:
+def solo(w: Workload, p: int, problem_step: Callable, steps: int = STEPS) -> eb.Chains:
     """Problem p alone, its data given by `problem_step`."""
     return jax.block_until_ready(
         eb.run_chains(
             problem_step,
             w.problem_starts[p],
             w.problem_keys[p],
-            STEPS,
+            steps,
             superchains=SUPERCHAINS,
         )
     )
@@ -216,9 +224,38 @@ def closure_step(w: Workload, p: int) -> Callable:
     return lambda state, key: step(state, key, row)
 
 
-def loop(w: Workload, make_step: Callable, problems: range) -> Callable[[], list]:
+def loop(
+    w: Workload,
+    make_step: Callable,
+    problems: range,
+    steps: int = STEPS,
+) -> Callable[[], list]:
     def run() -> list:
-        return [solo(w, p, make_step(w, p)) for p in problems]
+        return [solo(w, p, make_step(w, p), steps) for p in problems]
+
+    return run
+
+
+def by_hand(w: Workload) -> Callable[[], tuple]:
+    """The one call's chains as `jax.jit` of `lax.scan` over `jax.vmap(step)`, with
+    `run_chains`' key schedule and every chain's start and data row gathered before
+    the loop: `(final states, keys), trace` with the trace `[draws, chains, ...]`,
+    which `scan` writes contiguously."""
+    chain_starts = repeated(w.starts, CHAINS_PER_SUPERCHAIN)
+    chain_rows = repeated(w.data, CHAINS)
+
+    @jax.jit
+    def chains(states: dict, keys: jax.Array, rows: dict) -> tuple:
+        def one_step(carry: tuple, _: None) -> tuple:
+            states, keys = carry
+            keys, step_keys = jax.vmap(jr.split, out_axes=1)(keys)
+            states = jax.vmap(step)(states, step_keys, rows)
+            return (states, keys), states
+
+        return jax.lax.scan(one_step, (states, keys), None, length=STEPS)
+
+    def run() -> tuple:
+        return jax.block_until_ready(chains(chain_starts, w.keys, chain_rows))
 
     return run
 
@@ -261,10 +298,7 @@ def numpyro_side(numpyro: Any, w: Workload, problems: range) -> tuple:
         jit_model_args=True,
     )
     # A superchain's chains start from its one start, as `superchains=` starts them.
-    chain_starts = [
-        jax.tree.map(lambda s: jnp.repeat(s, CHAINS_PER_SUPERCHAIN, axis=0), starts)
-        for starts in w.problem_starts
-    ]
+    chain_starts = [repeated(s, CHAINS_PER_SUPERCHAIN) for s in w.problem_starts]
 
     def run_one(p: int) -> dict:
         mcmc.run(w.problem_keys[p], w.rows[p], init_params=chain_starts[p])
@@ -279,9 +313,16 @@ def numpyro_side(numpyro: Any, w: Workload, problems: range) -> tuple:
 # -- Checks and timing -----------------------------------------------------------
 
 
-def check_problems(w: Workload, ours: eb.Chains, numpyro_one: Callable | None) -> None:
-    """Problem p's chains of the one call are p's run alone, by every side."""
+def check_problems(
+    w: Workload, ours: eb.Chains, hand: tuple, numpyro_one: Callable | None
+) -> None:
+    """Problem p's chains of the one call are p's run alone, by every side, and all
+    chains' final states are those of the loop written by hand."""
     assert ours.problems == PROBLEMS, ours.problems
+    (final, _), trace = hand
+    assert_same("by hand: final", ours.final, final)
+    by_chain = {name: jnp.swapaxes(x, 0, 1) for name, x in trace.items()}
+    assert_same("by hand: trace", ours.trace, by_chain)
     for p in CHECKED:
         mine = ours.problem(p)
         for name, make_step in (("partial", partial_step), ("closure", closure_step)):
@@ -339,20 +380,25 @@ def main() -> None:
         "one call": one_call(w),
         "partial loop": loop(w, partial_step, range(PROBLEMS)),
         "closure loop": loop(w, closure_step, range(CLOSURE_TIMED)),
+        "by hand": by_hand(w),
+        "partial loop, 1 step": loop(w, partial_step, range(PROBLEMS), steps=1),
     }
     numpyro_one = None
     if numpyro is not None:
         sides["NumPyro loop"], numpyro_one = numpyro_side(
             numpyro, w, range(NUMPYRO_TIMED)
         )
-    # Compiles the one call and the partial step (the closure and NumPyro compile on
-    # every call, which their rows measure).
-    check_problems(w, sides["one call"](), numpyro_one)
+    # Compiles the one call, the partial step and the loop by hand; then the other
+    # sides that compile once (the closure and NumPyro compile on every call, which
+    # their rows measure).
+    check_problems(w, sides["one call"](), sides["by hand"](), numpyro_one)
+    for side in sides.keys() - {"one call", "by hand", *COMPILING}:
+        sides[side]()
 
     t = interleaved_medians(sides, REPEAT)
-    # The rows compare what they say: the one call and the partial loop run compiled
-    # programs, the closure compiles in every call.
-    for side in ("one call", "partial loop"):
+    # The rows compare what they say: every side but the closure and NumPyro runs
+    # compiled programs, the closure compiles in every call.
+    for side in sides.keys() - COMPILING:
         assert t[side].compiles == (0, 0), (side, t[side].compiles)
     assert t["closure loop"].compiles[0] >= CLOSURE_TIMED, t["closure loop"].compiles
 
@@ -370,6 +416,26 @@ def main() -> None:
         ratio <= 0.25,
         f"{ours:.3f}s vs {partial:.3f}s ({PROBLEMS} calls, none compiling), "
         "bit for bit",
+    )
+    # Why: what a call costs beyond its steps is all that one call can save, ...
+    fixed = t["partial loop, 1 step"].seconds
+    report(
+        f"{what}: loop of run_chains(partial) of 1 step / of {STEPS} steps",
+        fixed / partial,
+        "report",
+        True,
+        f"{fixed:.3f}s vs {partial:.3f}s: {fixed / PROBLEMS * 1e3:.1f} ms a call "
+        "beyond its steps, which the one call saves; the loop's steps alone take "
+        f"{partial - fixed:.3f}s",
+    )
+    # ... and the rest is the chains' compute, at its floor.
+    hand = t["by hand"].seconds
+    report(
+        f"{what}: run_chains(data=) / jit(scan(vmap(step))) by hand",
+        ours / hand,
+        "report",
+        True,
+        f"{ours:.3f}s vs {hand:.3f}s, the same chains and trace, bit for bit",
     )
 
     scale = PROBLEMS / CLOSURE_TIMED
