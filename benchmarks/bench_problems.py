@@ -13,26 +13,31 @@ with the same starts and keys, and returns them (the trace of every chain).
     `run_chains(functools.partial(step, data=row), ...)`, one per dataset. A
     partial's arrays are arguments of the compiled loop, so it compiles once
     (checked: no compile in its timed calls). Target: the one call in at most a
-    quarter of the loop's time. What it can save, reported beside it: the loop's
-    calls of 1 step against those of 500 (what a call costs beyond its steps); both
-    and the one call against the same chains written by hand, `jax.jit` of
-    `lax.scan` over `jax.vmap(step)` stacking the trace as `scan` does (the floor of
-    its compute; `benchmarks/bench_chains.py` times the two at other sizes).
+    quarter of the loop's time. Why it is met or not, reported beside it: the
+    loop's calls of 1 step against those of 500 (what a call costs beyond its
+    steps, all the one call can save), and the one call against the same chains
+    written by hand, `jax.jit` of `lax.scan` over `jax.vmap(step)` stacking the
+    trace as `scan` does (the floor of its compute; `benchmarks/bench_chains.py`
+    times the two at other sizes).
 - Against the loop users write today with a closure, `lambda s, k: step(s, k, row)`,
     which bakes the row into the program as constants and so compiles on every call:
     a few of the 256 calls are timed and their time scaled to 256 (said in the row).
     Reported.
 - Against NumPyro, if it imports: `MCMC(kernel, chain_method="vectorized")` with 16
     chains, reused over the datasets, each passed to `MCMC.run` as its argument with
-    `jit_model_args=True` (NumPyro's way to compile once for data of one shape). The
-    kernel is the same random walk, written as NumPyro's `MCMCKernel` docstring
+    `jit_model_args=True` (NumPyro's option to compile once for data of one shape).
+    The kernel is the same random walk, written as NumPyro's `MCMCKernel` docstring
     writes a Metropolis kernel, with `run_chains`' key schedule (each step's key split
     from the chain's carried key), so its draws are ours bit for bit: the loop and
-    the framework are what is measured, not the sampler. A subset of the datasets is
-    timed and scaled to 256 (said in the row). Goal: 0.05 of it.
+    the framework are what is measured, not the sampler. NumPyro 0.22 still compiles
+    its sampling loop in every `run` (its `fori_collect` wraps the loop's body in a
+    new `jax.jit` each time), so a few of the runs are timed and scaled to 256 (said
+    in the row). Goal: 0.05 of it. Reported beside it: NumPyro's time less the
+    tracing, lowering and compiling JAX reports in it, as `bench_peers.py` does.
 
 Before timing, problem p's chains of the one call are checked equal, bit for bit, to
-the partial loop's, the closure loop's and NumPyro's runs of p alone, for a few p.
+the partial loop's, the closure loop's and NumPyro's runs of p alone, for a few p,
+and all its chains to the loop by hand's.
 Times are medians of repeats in which the sides alternate, so that the load of a
 shared machine falls on all of them. The per-problem starts, keys and data rows of the
 loops are sliced before timing (a loop pays only for its calls). Usage:
