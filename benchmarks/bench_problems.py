@@ -1,8 +1,8 @@
 """One `eb.run_chains` call for many problems (`data=`) against a loop of calls.
 
 Workload: eight schools, non-centred (the model of `examples/many_short_chains.py`),
-sampled by random-walk Metropolis for a fixed 500 steps (per-problem stopping is not
-there yet), on P = 256 datasets: the schools' effects and standard errors, the first
+sampled by random-walk Metropolis for a fixed 500 steps (no `until=`, so that every
+side does the same work), on P = 256 datasets: the schools' effects and standard errors, the first
 the original and the others perturbed. Each problem has 4 superchains of 4 chains
 (16 chains), started from over-dispersed points. Every side computes the same draws,
 with the same starts and keys, and returns them (the trace of every chain).
