@@ -2,10 +2,11 @@
 
 Workload: eight schools, non-centred (the model of `examples/many_short_chains.py`),
 sampled by random-walk Metropolis for a fixed 500 steps (no `until=`, so that every
-side does the same work), on P = 256 datasets: the schools' effects and standard errors, the first
-the original and the others perturbed. Each problem has 4 superchains of 4 chains
-(16 chains), started from over-dispersed points. Every side computes the same draws,
-with the same starts and keys, and returns them (the trace of every chain).
+side does the same work), on P = 256 datasets: the schools' effects and standard
+errors, the first the original and the others perturbed. Each problem has 4
+superchains of 4 chains (16 chains), started from over-dispersed points. Every side
+computes the same draws, with the same starts and keys, and returns them (the trace of
+every chain).
 
 - The one call: `run_chains(step, starts, keys, 500, superchains=4 * 256,
     data=datasets)`, 4096 chains in one compiled loop.
