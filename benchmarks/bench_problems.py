@@ -266,8 +266,9 @@ def by_hand(w: Workload) -> Callable[[], tuple]:
     return run
 
 
-def numpyro_side(numpyro: Any, w: Workload, problems: range) -> tuple:
-    """NumPyro's loop over `problems` and one problem's run: `(loop, run_one)`."""
+def numpyro_side(w: Workload, problems: range) -> tuple:
+    """NumPyro's loop over `problems` and one problem's run: `(loop, run_one)`; only
+    called once NumPyro has imported."""
     from numpyro.infer import MCMC
     from numpyro.infer.mcmc import MCMCKernel
 
@@ -391,9 +392,7 @@ def main() -> None:
     }
     numpyro_one = None
     if numpyro is not None:
-        sides["NumPyro loop"], numpyro_one = numpyro_side(
-            numpyro, w, range(NUMPYRO_TIMED)
-        )
+        sides["NumPyro loop"], numpyro_one = numpyro_side(w, range(NUMPYRO_TIMED))
     # Compiles the one call, the partial step and the loop by hand; then the other
     # sides that compile once (the closure and NumPyro compile on every call, which
     # their rows measure).
