@@ -1,0 +1,497 @@
+"""One `eb.run_chains` call for many problems (`data=`) against a loop of calls.
+
+Workload: eight schools, non-centred (the model of `examples/many_short_chains.py`),
+sampled by random-walk Metropolis for a fixed 500 steps (no `until=`, so that every
+side does the same work), on P = 256 datasets: the schools' effects and standard
+errors, the first the original and the others perturbed. Each problem has 4
+superchains of 4 chains (16 chains), started from over-dispersed points. Every side
+computes the same draws, with the same starts and keys, and returns them (the trace of
+every chain).
+
+- The one call: `run_chains(step, starts, keys, 500, superchains=4 * 256,
+    data=datasets)`, 4096 chains in one compiled loop.
+- Against the loop a user writes with the data as an argument: 256 calls of
+    `run_chains(functools.partial(step, data=row), ...)`, one per dataset. A
+    partial's arrays are arguments of the compiled loop, so it compiles once
+    (checked: no compile in its timed calls). Target: the one call in at most a
+    quarter of the loop's time. Why it is met or not, reported beside it: the
+    loop's calls of 1 step against those of 500 (what a call costs beyond its
+    steps, all the one call can save), and the one call against the same chains
+    written by hand, `jax.jit` of `lax.scan` over `jax.vmap(step)` stacking the
+    trace as `scan` does (the floor of its compute; `benchmarks/bench_chains.py`
+    times the two at other sizes).
+- Against the loop users write today with a closure, `lambda s, k: step(s, k, row)`,
+    which bakes the row into the program as constants and so compiles on every call:
+    a few of the 256 calls are timed and their time scaled to 256 (said in the row).
+    Reported.
+- Against NumPyro, if it imports: `MCMC(kernel, chain_method="vectorized")` with 16
+    chains, reused over the datasets, each passed to `MCMC.run` as its argument with
+    `jit_model_args=True` (NumPyro's option to compile once for data of one shape).
+    The kernel is the same random walk, written as NumPyro's `MCMCKernel` docstring
+    writes a Metropolis kernel, with `run_chains`' key schedule (each step's key split
+    from the chain's carried key), so its draws are ours bit for bit: the loop and
+    the framework are what is measured, not the sampler. NumPyro 0.22 still compiles
+    its sampling loop in every `run` (its `fori_collect` wraps the loop's body in a
+    new `jax.jit` each time), so a few of the runs are timed and scaled to 256 (said
+    in the row). Goal: 0.05 of it. Reported beside it: NumPyro's time less the
+    tracing, lowering and compiling JAX reports in it, as `bench_peers.py` does.
+
+Before timing, problem p's chains of the one call are checked equal, bit for bit, to
+the partial loop's, the closure loop's and NumPyro's runs of p alone, for a few p,
+and all its chains to the loop by hand's.
+Times are medians of repeats in which the sides alternate, so that the load of a
+shared machine falls on all of them. The per-problem starts, keys and data rows of the
+loops are sliced before timing (a loop pays only for its calls). Usage:
+`python benchmarks/bench_problems.py` (or through `benchmarks/run.py problems`).
+"""
+
+import functools as ft
+import importlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+from _report import report
+
+import eqx_batch as eb
+
+
+PROBLEMS = 256
+SUPERCHAINS = 4  # per problem
+CHAINS_PER_SUPERCHAIN = 4
+CHAINS = SUPERCHAINS * CHAINS_PER_SUPERCHAIN  # per problem
+STEPS = 500
+CLOSURE_TIMED = 2  # of the 256 closure calls, each of which compiles
+NUMPYRO_TIMED = 2  # of the 256 NumPyro runs
+REPEAT = 5
+COMPILING = {"closure loop", "NumPyro loop"}  # the sides that compile in every call
+CHECKED = (0, PROBLEMS - 1)  # the problems whose chains are checked bit for bit
+SCHOOLS_Y = jnp.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+SCHOOLS_SIGMA = jnp.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+PROPOSAL_SCALE = {"mu": 2.0, "log_tau": 0.5, "theta_tilde": 0.5}
+
+
+def log_density(state: dict, data: dict) -> jax.Array:
+    """mu ~ N(0, 5), tau ~ half-Cauchy(5), theta = mu + tau * theta_tilde with
+    theta_tilde ~ N(0, 1), y ~ N(theta, sigma); in (mu, log tau, theta_tilde), with
+    the log Jacobian log tau."""
+    mu, log_tau, theta_tilde = state["mu"], state["log_tau"], state["theta_tilde"]
+    tau = jnp.exp(log_tau)
+    theta = mu + tau * theta_tilde
+    return (
+        -0.5 * (mu / 5.0) ** 2
+        - jnp.log1p((tau / 5.0) ** 2)
+        + log_tau
+        - 0.5 * jnp.sum(theta_tilde**2)
+        - 0.5 * jnp.sum(((data["y"] - theta) / data["sigma"]) ** 2)
+    )
+
+
+def step(state: dict, key: jax.Array, data: dict) -> dict:
+    """One random-walk Metropolis step of one chain on one dataset."""
+    noise_key, accept_key = jr.split(key)
+    noise_keys = dict(zip(state, jr.split(noise_key, len(state)), strict=True))
+    proposal = {
+        name: x + PROPOSAL_SCALE[name] * jr.normal(noise_keys[name], x.shape, x.dtype)
+        for name, x in state.items()
+    }
+    log_ratio = log_density(proposal, data) - log_density(state, data)
+    accept = jnp.log(jr.uniform(accept_key)) < log_ratio
+    return jax.tree.map(lambda p, s: jnp.where(accept, p, s), proposal, state)
+
+
+class Workload(NamedTuple):
+    """Every problem's data, starts and keys, whole and sliced per problem."""
+
+    data: dict  # [PROBLEMS, 8] per leaf
+    starts: dict  # [PROBLEMS * SUPERCHAINS, ...] per leaf, problem 0's first
+    keys: jax.Array  # [PROBLEMS * CHAINS]
+    rows: list[dict]  # problem p's data
+    problem_starts: list[dict]  # problem p's SUPERCHAINS starts
+    problem_keys: list[jax.Array]  # problem p's CHAINS keys
+
+
+def workload() -> Workload:
+    y_key, sigma_key, mu_key, tau_key, theta_key, chain_key = jr.split(jr.key(0), 6)
+    y = SCHOOLS_Y + 5.0 * jr.normal(y_key, (PROBLEMS, 8))
+    sigma = SCHOOLS_SIGMA * jr.uniform(sigma_key, (PROBLEMS, 8), minval=0.8, maxval=1.2)
+    data = {"y": y.at[0].set(SCHOOLS_Y), "sigma": sigma.at[0].set(SCHOOLS_SIGMA)}
+    k = PROBLEMS * SUPERCHAINS
+    # Wider than the posterior in mu and log tau; theta_tilde from its prior.
+    starts = {
+        "mu": 10.0 * jr.normal(mu_key, (k,)),
+        "log_tau": 1.0 + 1.5 * jr.normal(tau_key, (k,)),
+        "theta_tilde": jr.normal(theta_key, (k, 8)),
+    }
+    keys = jr.split(chain_key, PROBLEMS * CHAINS)
+
+    def rows(tree: dict, size: int) -> list[dict]:
+        # Problem p's `size` rows of every leaf.
+        return [
+            {name: x[p * size : (p + 1) * size] for name, x in tree.items()}
+            for p in range(PROBLEMS)
+        ]
+
+    return Workload(
+        data,
+        starts,
+        keys,
+        [{name: x[p] for name, x in data.items()} for p in range(PROBLEMS)],
+        rows(starts, SUPERCHAINS),
+        [keys[p * CHAINS : (p + 1) * CHAINS] for p in range(PROBLEMS)],
+    )
+
+
+def repeated(tree: dict, times: int) -> dict:
+    """Each row of every leaf `times` times: a superchain's start for each of its
+    chains, as `superchains=` starts them, or a problem's data for each chain."""
+    return {name: jnp.repeat(x, times, axis=0) for name, x in tree.items()}
+
+
+class Compiles(NamedTuple):
+    """The XLA compiles JAX reported in a block: how many, and the seconds of tracing,
+    lowering and compiling."""
+
+    number: int
+    seconds: float
+
+
+@contextmanager
+def compiles() -> Iterator[list[Compiles]]:
+    """Yields a list that holds, once the block is done, its `Compiles`."""
+    count, seconds, done = [0], [0.0], []
+
+    def listen(event: str, duration_secs: float, **kwargs: object) -> None:
+        if event.startswith("/jax/core/compile/"):
+            seconds[0] += duration_secs
+        if event == "/jax/core/compile/backend_compile_duration":
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield done
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+        done.append(Compiles(count[0], seconds[0]))
+
+
+def assert_same(name: str, got: Any, expected: Any) -> None:
+    """Bit for bit, leaf by leaf."""
+    got_leaves = jax.tree_util.tree_leaves_with_path(got)
+    for (path, a), b in zip(got_leaves, jax.tree.leaves(expected), strict=True):
+        if not np.array_equal(np.asarray(a), np.asarray(b)):
+            raise AssertionError(f"{name}: {jax.tree_util.keystr(path)} differs")
+
+
+# -- The sides -------------------------------------------------------------------
+
+
+def one_call(w: Workload) -> Callable[[], eb.Chains]:
+    def run() -> eb.Chains:
+        return jax.block_until_ready(
+            eb.run_chains(
+                step,
+                w.starts,
+                w.keys,
+                STEPS,
+                superchains=PROBLEMS * SUPERCHAINS,
+                data=w.data,
+            )
+        )
+
+    return run
+
+
+def solo(w: Workload, p: int, problem_step: Callable, steps: int = STEPS) -> eb.Chains:
+    """Problem p alone, its data given by `problem_step`."""
+    return jax.block_until_ready(
+        eb.run_chains(
+            problem_step,
+            w.problem_starts[p],
+            w.problem_keys[p],
+            steps,
+            superchains=SUPERCHAINS,
+        )
+    )
+
+
+def partial_step(w: Workload, p: int) -> Callable:
+    return ft.partial(step, data=w.rows[p])
+
+
+def closure_step(w: Workload, p: int) -> Callable:
+    row = w.rows[p]
+    return lambda state, key: step(state, key, row)
+
+
+def loop(
+    w: Workload,
+    make_step: Callable,
+    problems: range,
+    steps: int = STEPS,
+) -> Callable[[], list]:
+    def run() -> list:
+        return [solo(w, p, make_step(w, p), steps) for p in problems]
+
+    return run
+
+
+def by_hand(w: Workload) -> Callable[[], tuple]:
+    """The one call's chains as `jax.jit` of `lax.scan` over `jax.vmap(step)`, with
+    `run_chains`' key schedule and every chain's start and data row gathered before
+    the loop: `(final states, keys), trace` with the trace `[draws, chains, ...]`,
+    which `scan` writes contiguously."""
+    chain_starts = repeated(w.starts, CHAINS_PER_SUPERCHAIN)
+    chain_rows = repeated(w.data, CHAINS)
+
+    @jax.jit
+    def chains(states: dict, keys: jax.Array, rows: dict) -> tuple:
+        def one_step(carry: tuple, _: None) -> tuple:
+            states, keys = carry
+            keys, step_keys = jax.vmap(jr.split, out_axes=1)(keys)
+            states = jax.vmap(step)(states, step_keys, rows)
+            return (states, keys), states
+
+        return jax.lax.scan(one_step, (states, keys), None, length=STEPS)
+
+    def run() -> tuple:
+        return jax.block_until_ready(chains(chain_starts, w.keys, chain_rows))
+
+    return run
+
+
+def numpyro_side(w: Workload, problems: range) -> tuple:
+    """NumPyro's loop over `problems` and one problem's run: `(loop, run_one)`; only
+    called once NumPyro has imported."""
+    from numpyro.infer import MCMC
+    from numpyro.infer.mcmc import MCMCKernel
+
+    class WalkState(NamedTuple):
+        z: dict
+        rng_key: jax.Array
+
+    class RandomWalk(MCMCKernel):
+        """`step` as NumPyro's `MCMCKernel` docstring writes a Metropolis kernel.
+        With `chain_method="vectorized"` the kernel gets every chain at once and maps
+        over them itself, as NumPyro's HMC does."""
+
+        sample_field = "z"
+
+        def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
+            return WalkState(init_params, rng_key)
+
+        def sample(self, state, model_args, model_kwargs):
+            (data,) = model_args
+
+            def one_chain(z: dict, key: jax.Array) -> WalkState:
+                key, step_key = jr.split(key)
+                return WalkState(step(z, step_key, data), key)
+
+            return jax.vmap(one_chain)(state.z, state.rng_key)
+
+    mcmc = MCMC(
+        RandomWalk(),
+        num_warmup=0,
+        num_samples=STEPS,
+        num_chains=CHAINS,
+        chain_method="vectorized",
+        progress_bar=False,
+        jit_model_args=True,
+    )
+    # A superchain's chains start from its one start, as `superchains=` starts them.
+    chain_starts = [repeated(s, CHAINS_PER_SUPERCHAIN) for s in w.problem_starts]
+
+    def run_one(p: int) -> dict:
+        mcmc.run(w.problem_keys[p], w.rows[p], init_params=chain_starts[p])
+        return jax.block_until_ready(mcmc.get_samples(group_by_chain=True))
+
+    def run() -> list:
+        return [run_one(p) for p in problems]
+
+    return run, run_one
+
+
+# -- Checks and timing -----------------------------------------------------------
+
+
+def check_problems(
+    w: Workload, ours: eb.Chains, hand: tuple, numpyro_one: Callable | None
+) -> None:
+    """Problem p's chains of the one call are p's run alone, by every side, and all
+    chains' final states are those of the loop written by hand."""
+    assert ours.problems == PROBLEMS, ours.problems
+    (final, _), trace = hand
+    assert_same("by hand: final", ours.final, final)
+    by_chain = {name: jnp.swapaxes(x, 0, 1) for name, x in trace.items()}
+    assert_same("by hand: trace", ours.trace, by_chain)
+    for p in CHECKED:
+        mine = ours.problem(p)
+        for name, make_step in (("partial", partial_step), ("closure", closure_step)):
+            alone = solo(w, p, make_step(w, p))
+            assert_same(f"problem {p}, {name}: final", mine.final, alone.final)
+            assert_same(f"problem {p}, {name}: trace", mine.trace, alone.trace)
+        if numpyro_one is not None:
+            assert_same(f"problem {p}, NumPyro: trace", mine.trace, numpyro_one(p))
+
+
+class Timing(NamedTuple):
+    """A side's median wall time over the rounds, the median of that less the compiling
+    in it, and the fewest and most compiles in a round."""
+
+    seconds: float
+    less_compiling: float
+    compiles: tuple[int, int]
+
+
+def interleaved_medians(sides: dict[str, Callable], repeat: int) -> dict[str, Timing]:
+    """Times each side in `repeat` rounds, the sides alternating in each round."""
+    walls: dict[str, list[float]] = {name: [] for name in sides}
+    counted: dict[str, list[Compiles]] = {name: [] for name in sides}
+    for _ in range(repeat):
+        for name, run in sides.items():
+            with compiles() as done:
+                start = time.perf_counter()
+                run()
+                walls[name].append(time.perf_counter() - start)
+            counted[name] += done
+    timings = {}
+    for name in sides:
+        counts = [c.number for c in counted[name]]
+        less = [w - c.seconds for w, c in zip(walls[name], counted[name], strict=True)]
+        timings[name] = Timing(
+            statistics.median(walls[name]),
+            statistics.median(less),
+            (min(counts), max(counts)),
+        )
+    return timings
+
+
+def optional(module: str) -> tuple[Any, str]:
+    """The peer `module`, or None and why it could not be imported."""
+    try:
+        return importlib.import_module(module), ""
+    except Exception as error:  # a peer broken by a newer JAX fails in many ways
+        return None, f"{type(error).__name__}: {error}"
+
+
+def main() -> None:
+    w = workload()
+    numpyro, why_not = optional("numpyro")
+    sides = {
+        "one call": one_call(w),
+        "partial loop": loop(w, partial_step, range(PROBLEMS)),
+        "closure loop": loop(w, closure_step, range(CLOSURE_TIMED)),
+        "by hand": by_hand(w),
+        "partial loop, 1 step": loop(w, partial_step, range(PROBLEMS), steps=1),
+    }
+    numpyro_one = None
+    if numpyro is not None:
+        sides["NumPyro loop"], numpyro_one = numpyro_side(w, range(NUMPYRO_TIMED))
+    # Compiles the one call, the partial step and the loop by hand; then the other
+    # sides that compile once (the closure and NumPyro compile on every call, which
+    # their rows measure).
+    check_problems(w, sides["one call"](), sides["by hand"](), numpyro_one)
+    for side in sides.keys() - {"one call", "by hand", *COMPILING}:
+        sides[side]()
+
+    t = interleaved_medians(sides, REPEAT)
+    # The rows compare what they say: every side but the closure and NumPyro runs
+    # compiled programs, the closure compiles in every call.
+    for side in sides.keys() - COMPILING:
+        assert t[side].compiles == (0, 0), (side, t[side].compiles)
+    assert t["closure loop"].compiles[0] >= CLOSURE_TIMED, t["closure loop"].compiles
+
+    ours = t["one call"].seconds
+    what = (
+        f"eight schools RWM, {PROBLEMS} problems x {SUPERCHAINS} superchains x "
+        f"{CHAINS_PER_SUPERCHAIN} chains, {STEPS} steps"
+    )
+    partial = t["partial loop"].seconds
+    ratio = ours / partial
+    report(
+        f"{what}: run_chains(data=) / loop of run_chains(partial(step, data=row))",
+        ratio,
+        "<= 0.25",
+        ratio <= 0.25,
+        f"{ours:.3f}s vs {partial:.3f}s ({PROBLEMS} calls, none compiling), "
+        "bit for bit",
+    )
+    # Why: what a call costs beyond its steps is all that one call can save, ...
+    fixed = t["partial loop, 1 step"].seconds
+    report(
+        f"{what}: loop of run_chains(partial) of 1 step / of {STEPS} steps",
+        fixed / partial,
+        "report",
+        True,
+        f"{fixed:.3f}s vs {partial:.3f}s: {fixed / PROBLEMS * 1e3:.1f} ms a call "
+        "beyond its steps, which the one call saves; the loop's steps alone take "
+        f"{partial - fixed:.3f}s",
+    )
+    # ... and the rest is the chains' compute, at its floor.
+    hand = t["by hand"].seconds
+    report(
+        f"{what}: run_chains(data=) / jit(scan(vmap(step))) by hand",
+        ours / hand,
+        "report",
+        True,
+        f"{ours:.3f}s vs {hand:.3f}s, the same chains and trace, bit for bit",
+    )
+
+    scale = PROBLEMS / CLOSURE_TIMED
+    closure = t["closure loop"]
+    report(
+        f"{what}: run_chains(data=) / loop of run_chains(closure), "
+        f"{CLOSURE_TIMED} of {PROBLEMS} calls timed x{scale:g}",
+        ours / (closure.seconds * scale),
+        "report",
+        True,
+        f"{ours:.3f}s vs {closure.seconds * scale:.0f}s "
+        f"({closure.seconds / CLOSURE_TIMED:.2f}s a call, "
+        f"{closure.less_compiling / CLOSURE_TIMED:.3f}s of it not compiling; "
+        f"{closure.compiles[0]} compiles in {CLOSURE_TIMED} calls), bit for bit",
+    )
+
+    name = (
+        f"{what}: run_chains(data=) / loop of NumPyro MCMC.run (vectorized, "
+        f"{CHAINS} chains, same kernel)"
+    )
+    rows = [(name, "<= 0.05"), (f"{name} less its compiling", "report")]
+    if numpyro is None:
+        for row, target in rows:
+            detail = f"peer unavailable: {why_not}"
+            report(row, float("nan"), target, False, detail)
+        return
+    scale = PROBLEMS / NUMPYRO_TIMED
+    theirs = t["NumPyro loop"]
+    per_run = (
+        f"{theirs.compiles[0]} to {theirs.compiles[1]} compiles in {NUMPYRO_TIMED} "
+        f"runs timed x{scale:g}; bit for bit"
+    )
+    ratio = ours / (theirs.seconds * scale)
+    report(
+        rows[0][0],
+        ratio,
+        rows[0][1],
+        ratio <= 0.05,
+        f"{ours:.3f}s vs {theirs.seconds * scale:.0f}s "
+        f"({theirs.seconds / NUMPYRO_TIMED:.2f}s a run; {per_run})",
+    )
+    less = theirs.less_compiling * scale
+    report(
+        rows[1][0],
+        ours / less,
+        rows[1][1],
+        True,
+        f"{ours:.3f}s vs {less:.2f}s (NumPyro's wall less the tracing, lowering and "
+        f"compiling JAX reports in it; {per_run})",
+    )
+
+
+if __name__ == "__main__":
+    main()
