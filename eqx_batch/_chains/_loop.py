@@ -198,11 +198,15 @@ def _show(
     context: RunContext, done: int, moments: list[Any], nonfinite: np.ndarray
 ) -> None:
     """The bar at `done` steps, with the worst (nested) R-hat and smallest ESS of the
-    chunks' `moments`, and the `nonfinite` chains."""
+    chunks' `moments`, and the `nonfinite` chains; with `data`, each problem's, the
+    first index of an element being its problem."""
     assert context.bar is not None
     plan = context.plan
     diagnostics = diagnose_problems(joined(moments), plan.superchains, plan.problems)
-    context.bar.show(done, postfix(diagnostics, nonfinite))
+    text = postfix(diagnostics, nonfinite)
+    if plan.problems is not None:
+        text = f"{plan.problems} problems, at [problem, ...]: {text}"
+    context.bar.show(done, text)
 
 
 def _nonfinite(first_bad: list[Any]) -> np.ndarray:

@@ -145,11 +145,12 @@ def run_chains(
     `with_output=True`; if `key` or the leaves of `init` disagree on the number of
     chains; if `data`'s leaves disagree on the problems, the problems do not divide
     the chains or superchains, or `step` does not take `data`; if a count is out of
-    range (a bool is no count) or a flag is not a bool (a string is no flag); if `superchains`, `diagnostics`, `until` or an `eb.all_chains`
-    step cannot be met (see their sections); and for `checkpoint`, before any step, if
-    its folder cannot be written, another live run holds it, or it holds another run's,
-    a corrupt or a foreign file; during the run, if writing fails (the last good
-    checkpoint is kept).
+    range (a bool is no count) or a flag is not a bool (a string is no flag); if
+    `superchains`, `diagnostics`, `until` or an `eb.all_chains` step cannot be met (see
+    their sections); and for `checkpoint`, before any step, if its folder cannot be
+    written, another live run holds it, or it holds another run's, a corrupt or a
+    foreign file; during the run, if writing fails (the last good checkpoint is
+    kept).
 
     !!! Example
 
