@@ -37,14 +37,15 @@ SCRIPTS = [
     "multi_process",
     "parallel_markov_chains",
     "pmap_outputs_to_list",
+    "sbc",
     "vmap_affine",
 ]
 
 
 def run_example(
-    name: str, out: pathlib.Path, timeout: int = TIMEOUT
+    name: str, out: pathlib.Path, timeout: int = TIMEOUT, args: tuple[str, ...] = ()
 ) -> tuple[str, dict]:
-    """Runs `examples/<name>.py --out OUT`; returns its output and its RESULT."""
+    """Runs `examples/<name>.py --out OUT [ARGS]`; returns its output and its RESULT."""
     env = {
         key: value
         for key, value in os.environ.items()
@@ -53,7 +54,7 @@ def run_example(
     env.update(PYTHONWARNINGS="error", MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
     out.mkdir(parents=True, exist_ok=True)
     completed = subprocess.run(
-        [sys.executable, str(EXAMPLES / f"{name}.py"), "--out", str(out)],
+        [sys.executable, str(EXAMPLES / f"{name}.py"), "--out", str(out), *args],
         cwd=out,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -295,3 +296,33 @@ def test_many_short_chains(tmp_path):
     size = assert_png(tmp_path / "many_short_chains.png")
     # docs/many_short_chains.md shows a committed copy of this plot.
     assert assert_png(ROOT / "docs" / "assets" / "many_short_chains.png") == size
+
+
+def test_sbc(tmp_path):
+    # 64 replications, not the page's 1000: the same compiled loop, within TIMEOUT.
+    output, result = run_example("sbc", tmp_path, args=("--replications", "64"))
+    replications = result["replications"]
+    assert replications == 64 and result["chains_per_replication"] == 16
+    assert result["draws"] == 224
+    quantities = ["mu", "tau"] + [
+        f"{name}[{j}]" for name in ("theta", "theta_tilde") for j in range(8)
+    ]
+    assert sorted(result["uniformity"]) == sorted(quantities)
+    # Every replication's ranks are counted once, in bins that divide 0..224 evenly.
+    assert 225 % result["bins"] == 0
+    for name in quantities:
+        assert sum(result["histograms"][name]) == replications
+    # The sampler mixed, in every replication: R-hat per problem from the run.
+    assert 0.6 < result["acceptance"]["min"] <= result["acceptance"]["mean"] < 1.0
+    assert result["nested_rhat"]["max"] < 1.02
+    assert result["rhat"]["max"] < 1.05
+    # Calibration: no quantity's ranks are far from uniform. A sampler whose
+    # likelihood halves sigma (too confident) fails both, by tau's U shape (ranks
+    # piled at 0 and 224: p below 1e-10).
+    assert result["min_ks_p"] > 1e-3 and result["min_chi2_p"] > 1e-3
+    for test in result["uniformity"].values():
+        assert test["outside_band"] <= 1
+    assert "bins outside the 99% band" in output
+    size = assert_png(tmp_path / "sbc_ranks.png")
+    # docs/sbc.md shows a committed copy of this plot, of 1000 replications.
+    assert assert_png(ROOT / "docs" / "assets" / "sbc_ranks.png") == size

@@ -1,0 +1,473 @@
+"""Simulation-based calibration of eight schools: a thousand posteriors in one run.
+
+The question: my sampler runs, its R-hat is fine, but does it sample the right
+posterior? One fit cannot tell: its truth is unknown. Simulation-based calibration
+(SBC; Talts, Betancourt, Simpson, Vehtari and Gelman, "Validating Bayesian inference
+algorithms with simulation-based calibration", arXiv 1804.06788) can: draw parameters
+from the prior, data from the model given them, and fit the data. If the sampler is
+right, the rank of the true value among the posterior draws is uniform, over many such
+replications, for every parameter. A sampler that is too confident, too vague or
+biased bends the histogram of ranks out of its band.
+
+SBC needs hundreds of fits of the same model to different data: many problems of one
+shape, which `eb.run_chains(..., data=...)` runs in ONE compiled loop. Here R = 1000
+replications of eight schools, non-centred (Rubin 1981; the classic
+sigma = [15, 10, 16, 11, 9, 11, 10, 18]):
+
+    mu ~ N(0, 5),  tau ~ half-normal(5),  theta_tilde_j ~ N(0, 1),
+    theta_j = mu + tau * theta_tilde_j,  y_j ~ N(theta_j, sigma_j),
+
+sampled in (mu, log tau, theta_tilde) by HMC written here in JAX (a unit mass matrix,
+a fixed number of leapfrog steps of a jittered size). Each replication gets 4
+superchains of 4 chains started from 4 prior draws, a fixed budget of steps, and R-hat
+per replication (`diagnostics=True`). The ranks and their histograms are computed on
+the device, by a function of pytrees (`jax.tree.map`), for the sampled parameters and
+for theta.
+
+The prior of tau is half-normal(5), not the half-Cauchy(5) of many_short_chains.py:
+a half-Cauchy draws tau above 50 in 6% of replications and above 500 in 0.6%, where
+the data pin each theta_j down to within sigma_j, so theta_tilde's posterior has a
+standard deviation of sigma_j / tau, a hundredth of its prior's: no one step size
+serves both, and a sampler with one step size for every replication is miscalibrated
+there (SBC shows it: that is its job, but it is a lesson about step-size adaptation,
+not this example's).
+
+    python examples/sbc.py [--out DIR] [--replications R]
+
+It prints the acceptance rate, R-hat and, for each quantity, a chi-square test of the
+ranks' uniformity; writes the histograms of the ranks with their 99% band to
+`DIR/sbc_ranks.png` (default `examples/out/`); and ends with one line `RESULT {...}`
+in JSON, for scripts and tests to read.
+"""
+
+import argparse
+import functools as ft
+import json
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import matplotlib
+import numpy as np
+import scipy.stats
+from jax.flatten_util import ravel_pytree
+
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+import eqx_batch as eb  # noqa: E402
+
+
+DEFAULT_OUT = pathlib.Path(__file__).parent / "out"
+SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], np.float32)
+SUPERCHAINS = 4  # per replication
+CHAINS_PER_SUPERCHAIN = 4
+CHAINS = SUPERCHAINS * CHAINS_PER_SUPERCHAIN  # per replication
+NUM_STEPS = 1000
+BURN_IN = 300
+THIN = 5  # the trace: 140 draws per chain, for R-hat
+# SBC ranks every 10th of them: draws 50 steps apart, nearly independent. Ranks among
+# autocorrelated draws are not uniform even for an exact sampler (Talts et al.,
+# section 5), and R-hat of 14 draws per chain is too noisy to read.
+RANK_THIN = 10
+DRAWS = (NUM_STEPS - BURN_IN) // THIN // RANK_THIN  # ranked per chain
+L = CHAINS * DRAWS  # posterior draws per replication: a rank is one of 0..L
+STEP_SIZE = 0.4
+LEAPFROG_STEPS = 8
+PER_BIN = 20  # Talts et al.'s advice: about 20 replications per bin, expected
+
+
+# --- The model ------------------------------------------------------------------------
+
+
+def draw_prior(key: jax.Array) -> dict:
+    """ONE draw of the parameters from the prior, in the sampled coordinates."""
+    mu_key, tau_key, theta_key = jr.split(key, 3)
+    return {
+        "mu": 5.0 * jr.normal(mu_key),
+        "log_tau": jnp.log(5.0 * jnp.abs(jr.normal(tau_key))),
+        "theta_tilde": jr.normal(theta_key, (8,)),
+    }
+
+
+def quantities(params: dict) -> dict:
+    """What SBC ranks: the sampled parameters (tau for log tau: a rank does not change
+    under an increasing map) and the schools' effects theta, the model's point."""
+    tau = jnp.exp(params["log_tau"])
+    return {
+        "mu": params["mu"],
+        "tau": tau,
+        "theta_tilde": params["theta_tilde"],
+        "theta": params["mu"] + tau * params["theta_tilde"],
+    }
+
+
+def simulate(key: jax.Array) -> tuple[dict, dict]:
+    """ONE replication: parameters from the prior and data from the model given them."""
+    params_key, noise_key = jr.split(key)
+    params = draw_prior(params_key)
+    theta = quantities(params)["theta"]
+    y = theta + SIGMA * jr.normal(noise_key, (8,))
+    return params, {"y": y, "sigma": jnp.asarray(SIGMA)}
+
+
+def log_density(params: dict, data: dict) -> jax.Array:
+    """The log posterior of ONE replication's data, in (mu, log tau, theta_tilde): the
+    log Jacobian of tau = exp(log tau) is log tau."""
+    mu, log_tau, theta_tilde = params["mu"], params["log_tau"], params["theta_tilde"]
+    tau = jnp.exp(log_tau)
+    theta = mu + tau * theta_tilde
+    return (
+        -0.5 * (mu / 5.0) ** 2
+        - 0.5 * (tau / 5.0) ** 2
+        + log_tau
+        - 0.5 * jnp.sum(theta_tilde**2)
+        - 0.5 * jnp.sum(((data["y"] - theta) / data["sigma"]) ** 2)
+    )
+
+
+# --- HMC for ONE chain, on any pytree of floats ---------------------------------------
+
+
+def hmc(
+    state: Any,
+    key: jax.Array,
+    data: Any,
+    *,
+    log_density: Callable,
+    step_size: float,
+    leapfrog_steps: int,
+) -> tuple[Any, dict]:
+    """One step of Hamiltonian Monte Carlo with a unit mass matrix, for ONE chain of
+    the problem whose data is `data`.
+
+    The step size is drawn uniformly from `[step_size / 2, step_size]` at each step,
+    so that no trajectory length resonates with a period of the target. Returns the
+    new state and, to record, the acceptance probability.
+    """
+    momentum_key, jitter_key, accept_key = jr.split(key, 3)
+    position, unravel = ravel_pytree(state)
+
+    def potential(q: jax.Array) -> jax.Array:
+        return -log_density(unravel(q), data)
+
+    gradient = jax.grad(potential)
+    eps = step_size * jr.uniform(jitter_key, minval=0.5, maxval=1.0)
+
+    def leapfrog(_: jax.Array, carry: tuple) -> tuple:
+        q, p, g = carry
+        p = p - 0.5 * eps * g
+        q = q + eps * p
+        g = gradient(q)
+        return q, p - 0.5 * eps * g, g
+
+    momentum = jr.normal(momentum_key, position.shape, position.dtype)
+    q, p, _ = jax.lax.fori_loop(
+        0, leapfrog_steps, leapfrog, (position, momentum, gradient(position))
+    )
+    energy_change = (
+        potential(q) + 0.5 * p @ p - potential(position) - 0.5 * momentum @ momentum
+    )
+    # A trajectory that diverged (NaN energy) is rejected.
+    accept_prob = jnp.where(
+        jnp.isnan(energy_change), 0.0, jnp.exp(jnp.minimum(0.0, -energy_change))
+    )
+    accept = jr.uniform(accept_key) < accept_prob
+    new = unravel(jnp.where(accept, q, position))
+    return new, {"acceptance": accept_prob}
+
+
+# --- Simulation-based calibration -----------------------------------------------------
+
+
+@ft.partial(jax.jit, static_argnums=1)
+def simulate_all(key: jax.Array, replications: int) -> tuple[dict, dict, dict]:
+    """Every replication's truth and data, and its superchains' starts (prior draws),
+    in one compiled call on the device."""
+    truth_key, start_key = jr.split(key)
+    truth, data = jax.vmap(simulate)(jr.split(truth_key, replications))
+    starts = jax.vmap(draw_prior)(jr.split(start_key, replications * SUPERCHAINS))
+    return truth, data, starts
+
+
+def fit_all(data: dict, starts: dict, key: jax.Array) -> eb.Chains:
+    """Fits every replication in ONE run: problem p is replication p, its data row
+    `data[p]`, its superchains `starts[SUPERCHAINS * p:]`, its chains rows
+    `CHAINS * p` to `CHAINS * (p + 1) - 1`."""
+    replications = data["y"].shape[0]
+    step = ft.partial(
+        hmc,
+        log_density=log_density,
+        step_size=STEP_SIZE,
+        leapfrog_steps=LEAPFROG_STEPS,
+    )
+    return eb.run_chains(
+        step,
+        starts,
+        jr.split(key, replications * CHAINS),
+        NUM_STEPS,
+        data=data,
+        superchains=replications * SUPERCHAINS,
+        burn_in=BURN_IN,
+        thin=THIN,
+        with_output=True,
+        diagnostics=True,
+    )
+
+
+@jax.jit
+def sbc_ranks(draws: Any, truth: Any) -> Any:
+    """The rank of each true value among its replication's posterior draws.
+
+    **Arguments:**
+
+    - `draws`: a pytree whose leaves are `[replications, chains, draws, ...]`.
+    - `truth`: the same pytree, leaves `[replications, ...]`.
+
+    **Returns:**
+
+    The pytree of ranks, leaves `int32[replications, ...]`: how many of the
+    replication's `chains * draws` pooled draws are below its true value, from 0 to
+    `chains * draws`.
+    """
+
+    def rank(leaf: jax.Array, true: jax.Array) -> jax.Array:
+        pooled = leaf.reshape(leaf.shape[0], -1, *leaf.shape[3:])
+        return jnp.sum(pooled < true[:, None], axis=1, dtype=jnp.int32)
+
+    return jax.tree.map(rank, draws, truth)
+
+
+@ft.partial(jax.jit, static_argnums=(1, 2))
+def rank_histograms(ranks: Any, num_ranks: int, bins: int) -> Any:
+    """Histograms of the ranks (of `num_ranks` possible values, `bins` dividing it):
+    leaves `int32[bins, ...]`, one histogram per scalar."""
+
+    def histogram(leaf: jax.Array) -> jax.Array:
+        binned = leaf * bins // num_ranks
+        return jnp.sum(jax.nn.one_hot(binned, bins, axis=1, dtype=jnp.int32), axis=0)
+
+    return jax.tree.map(histogram, ranks)
+
+
+def choose_bins(num_ranks: int, replications: int) -> int:
+    """The most bins that divide the ranks evenly and expect PER_BIN replications each
+    (at least 2)."""
+    fits = [
+        bins
+        for bins in range(2, num_ranks + 1)
+        if num_ranks % bins == 0 and replications / bins >= PER_BIN
+    ]
+    return max(fits, default=2 if num_ranks % 2 == 0 else num_ranks)
+
+
+def scalars(tree: Any) -> dict[str, np.ndarray]:
+    """Every scalar of `tree`'s leaves `[lead, ...]` by name (`mu`, `theta[3]`), each
+    its `[lead]` values."""
+    named = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = jax.tree_util.keystr(path)[2:-2]  # "['theta']" -> "theta"
+        leaf = np.asarray(leaf)
+        flat = leaf.reshape(leaf.shape[0], -1)
+        if leaf.ndim == 1:
+            named[name] = flat[:, 0]
+        else:
+            for i in range(flat.shape[1]):
+                named[f"{name}[{i}]"] = flat[:, i]
+    return named
+
+
+def uniformity(ranks: np.ndarray, histogram: np.ndarray) -> dict:
+    """Two tests of one quantity's ranks against the uniform on 0..L.
+
+    - chi-square, of the histogram: Talts et al.'s picture, made a number; its bins
+      lose the ranks' order, so it is weak with few replications.
+    - Kolmogorov-Smirnov, of the ranks themselves: the largest gap between their
+      empirical CDF and the uniform's, which a sampler too confident (a U shape),
+      too vague (a hump) or biased (a slope) widens. Its p-value, from the
+      continuous distribution's, is conservative for ranks that are discrete.
+    """
+    replications, bins = ranks.size, histogram.size
+    expected = replications / bins
+    chi2 = float(np.sum((histogram - expected) ** 2) / expected)
+    empirical = np.cumsum(np.bincount(ranks, minlength=L + 1)) / replications
+    ks = float(np.max(np.abs(empirical - np.arange(1, L + 2) / (L + 1))))
+    return {
+        "chi2": chi2,
+        "chi2_p": float(scipy.stats.chi2.sf(chi2, bins - 1)),
+        "ks": ks,
+        "ks_p": float(scipy.stats.kstwo.sf(ks, replications)),
+    }
+
+
+def band(replications: int, bins: int, level: float = 0.99) -> tuple[float, float]:
+    """The central `level` interval of one bin's count under uniform ranks:
+    Binomial(replications, 1 / bins)."""
+    low, high = scipy.stats.binom.interval(level, replications, 1.0 / bins)
+    return float(low), float(high)
+
+
+def plot(histograms: dict, replications: int, path: pathlib.Path) -> None:
+    """The histogram of each quantity's ranks, in the grey band where 99% of a
+    uniform's bins fall."""
+    names = list(histograms)
+    columns = 6
+    rows = -(-len(names) // columns)
+    fig, axes = plt.subplots(
+        rows, columns, figsize=(2.2 * columns, 1.9 * rows), sharex=True, sharey=True
+    )
+    bins = next(iter(histograms.values())).size
+    low, high = band(replications, bins)
+    for ax, name in zip(axes.flat, names, strict=False):
+        counts = histograms[name]
+        ax.axhspan(low, high, color="0.85", lw=0)
+        ax.axhline(replications / bins, color="0.5", lw=0.8)
+        width = (L + 1) / bins  # ranks per bin
+        ax.bar(width * np.arange(bins), counts, width=width, align="edge", color="C0")
+        ax.set_title(name, fontsize=9)
+    for ax in axes.flat[len(names) :]:
+        ax.axis("off")
+    fig.supxlabel(f"rank of the true value among its {L} posterior draws, {bins} bins")
+    fig.supylabel("replications")
+    fig.suptitle(
+        f"SBC of eight schools: {replications} replications, grey: 99% band of a "
+        "uniform bin"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report_mixing(result: eb.Chains, replications: int) -> dict:
+    """The acceptance rate and R-hat of each replication, summarised over them."""
+    acceptance = np.asarray(result.outputs["acceptance"])
+    acceptance = acceptance.reshape(replications, -1).mean(axis=1)
+    worst = {}
+    for statistic in ("rhat", "nested_rhat"):
+        # Leaves [replications, ...]: the worst element of each replication.
+        leaves = jax.tree.leaves(getattr(result.diagnostics, statistic))
+        worst[statistic] = np.max(
+            [np.asarray(leaf).reshape(replications, -1).max(axis=1) for leaf in leaves],
+            axis=0,
+        )
+    print(
+        f"acceptance rate: mean {acceptance.mean():.3f}, lowest replication's "
+        f"{acceptance.min():.3f}"
+    )
+    for statistic, values in worst.items():
+        print(
+            f"{statistic}, worst element of each replication: median "
+            f"{np.median(values):.4f}, worst {values.max():.4f}, above 1.01 in "
+            f"{np.sum(values > 1.01)} of {replications}"
+        )
+    return {
+        "acceptance": {
+            "mean": float(acceptance.mean()),
+            "min": float(acceptance.min()),
+        },
+        **{
+            statistic: {
+                "median": float(np.median(values)),
+                "max": float(values.max()),
+                "above_1.01": int(np.sum(values > 1.01)),
+            }
+            for statistic, values in worst.items()
+        },
+    }
+
+
+def report_uniformity(ranks: dict, histograms: dict, replications: int) -> dict:
+    """Each quantity's tests of uniformity, and its bins outside the 99% band."""
+    bins = next(iter(histograms.values())).size
+    low, high = band(replications, bins)
+    tests = {}
+    print(
+        f"{'':16}{'chi2':>8}{'p':>10}{'KS':>8}{'p':>10}  bins outside the 99% band "
+        f"(of {bins})"
+    )
+    for name, histogram in histograms.items():
+        test = uniformity(ranks[name], histogram)
+        test["outside_band"] = int(np.sum((histogram < low) | (histogram > high)))
+        tests[name] = test
+        print(
+            f"{name:16}{test['chi2']:8.2f}{test['chi2_p']:10.4f}{test['ks']:8.3f}"
+            f"{test['ks_p']:10.4f}  {test['outside_band']}"
+        )
+    return tests
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
+    parser.add_argument("--replications", type=int, default=1000)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    replications = args.replications
+
+    simulate_key, fit_key = jr.split(jr.key(0))
+    began = time.perf_counter()
+    truth, data, starts = jax.block_until_ready(
+        simulate_all(simulate_key, replications)
+    )
+    simulated = time.perf_counter()
+    result = fit_all(data, starts, fit_key)
+    jax.block_until_ready(result.trace)
+    fitted = time.perf_counter()
+    draws = jax.tree.map(
+        lambda leaf: leaf.reshape(replications, CHAINS, *leaf.shape[1:]),
+        jax.vmap(jax.vmap(quantities))(
+            jax.tree.map(lambda leaf: leaf[:, ::RANK_THIN], result.trace)
+        ),
+    )
+    ranks = sbc_ranks(draws, jax.vmap(quantities)(truth))
+    bins = choose_bins(L + 1, replications)
+    histograms = scalars(rank_histograms(ranks, L + 1, bins))
+    ranked = time.perf_counter()
+    seconds = {
+        "simulate": simulated - began,
+        "fit": fitted - simulated,
+        "rank": ranked - fitted,
+    }
+    print(
+        f"{replications} replications x {CHAINS} chains ({SUPERCHAINS} superchains of "
+        f"{CHAINS_PER_SUPERCHAIN}), {NUM_STEPS} steps of HMC each, the states after "
+        f"step {BURN_IN + 1} and every {THIN}th kept, every {THIN * RANK_THIN}th "
+        f"ranked: {L} draws per replication"
+    )
+    print(
+        f"simulated in {seconds['simulate']:.2f} s, fitted in {seconds['fit']:.1f} s "
+        f"(compiling included), ranked in {seconds['rank']:.2f} s"
+    )
+    mixing = report_mixing(result, replications)
+    tests = report_uniformity(scalars(ranks), histograms, replications)
+    png = args.out / "sbc_ranks.png"
+    plot(histograms, replications, png)
+    print(f"histograms of the ranks: {png}")
+    summary = {
+        "replications": replications,
+        "chains_per_replication": CHAINS,
+        "superchains_per_replication": SUPERCHAINS,
+        "num_steps": NUM_STEPS,
+        "draws": L,
+        "bins": bins,
+        "band": band(replications, bins),
+        "seconds": seconds,
+        **mixing,
+        "uniformity": tests,
+        "min_chi2_p": min(test["chi2_p"] for test in tests.values()),
+        "min_ks_p": min(test["ks_p"] for test in tests.values()),
+        "histograms": {name: h.tolist() for name, h in histograms.items()},
+        "png": str(png),
+    }
+    print("RESULT " + json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
