@@ -29,15 +29,16 @@ a half-Cauchy draws tau above 50 in 6% of replications and above 500 in 0.6%, wh
 the data pin each theta_j down to within sigma_j, so theta_tilde's posterior has a
 standard deviation of sigma_j / tau, a hundredth of its prior's: no one step size
 serves both, and a sampler with one step size for every replication is miscalibrated
-there (SBC shows it: that is its job, but it is a lesson about step-size adaptation,
-not this example's).
+there. SBC shows it (`--tau-prior half-cauchy`): that is its job, but the lesson is
+about step-size adaptation, not this example's.
 
-    python examples/sbc.py [--out DIR] [--replications R]
+    python examples/sbc.py [--out DIR] [--replications R] [--tau-prior half-cauchy]
 
-It prints the acceptance rate, R-hat and, for each quantity, a chi-square test of the
-ranks' uniformity; writes the histograms of the ranks with their 99% band to
-`DIR/sbc_ranks.png` (default `examples/out/`); and ends with one line `RESULT {...}`
-in JSON, for scripts and tests to read.
+It prints the acceptance rate, R-hat and, for each quantity, a chi-square and a
+Kolmogorov-Smirnov test of the ranks' uniformity; writes the histograms of the ranks
+with their 99% band to `DIR/sbc_ranks.png` (`sbc_ranks_half_cauchy.png`; default
+`examples/out/`); and ends with one line `RESULT {...}` in JSON, for scripts and
+tests to read.
 """
 
 import argparse
@@ -46,7 +47,7 @@ import json
 import pathlib
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,12 +86,32 @@ PER_BIN = 20  # Talts et al.'s advice: about 20 replications per bin, expected
 # --- The model ------------------------------------------------------------------------
 
 
-def draw_prior(key: jax.Array) -> dict:
+class TauPrior(NamedTuple):
+    """A prior of tau: how to draw it, and its log density up to a constant."""
+
+    draw: Callable[[jax.Array], jax.Array]
+    log_density: Callable[[jax.Array], jax.Array]
+
+
+TAU_PRIORS = {
+    "half-normal": TauPrior(
+        draw=lambda key: 5.0 * jnp.abs(jr.normal(key)),
+        log_density=lambda tau: -0.5 * (tau / 5.0) ** 2,
+    ),
+    # The one many_short_chains.py uses; see the docstring for what SBC says of it.
+    "half-cauchy": TauPrior(
+        draw=lambda key: 5.0 * jnp.abs(jr.cauchy(key)),
+        log_density=lambda tau: -jnp.log1p((tau / 5.0) ** 2),
+    ),
+}
+
+
+def draw_prior(key: jax.Array, tau_prior: TauPrior) -> dict:
     """ONE draw of the parameters from the prior, in the sampled coordinates."""
     mu_key, tau_key, theta_key = jr.split(key, 3)
     return {
         "mu": 5.0 * jr.normal(mu_key),
-        "log_tau": jnp.log(5.0 * jnp.abs(jr.normal(tau_key))),
+        "log_tau": jnp.log(tau_prior.draw(tau_key)),
         "theta_tilde": jr.normal(theta_key, (8,)),
     }
 
@@ -107,16 +128,16 @@ def quantities(params: dict) -> dict:
     }
 
 
-def simulate(key: jax.Array) -> tuple[dict, dict]:
+def simulate(key: jax.Array, tau_prior: TauPrior) -> tuple[dict, dict]:
     """ONE replication: parameters from the prior and data from the model given them."""
     params_key, noise_key = jr.split(key)
-    params = draw_prior(params_key)
+    params = draw_prior(params_key, tau_prior)
     theta = quantities(params)["theta"]
     y = theta + SIGMA * jr.normal(noise_key, (8,))
     return params, {"y": y, "sigma": jnp.asarray(SIGMA)}
 
 
-def log_density(params: dict, data: dict) -> jax.Array:
+def log_density(params: dict, data: dict, tau_prior: TauPrior) -> jax.Array:
     """The log posterior of ONE replication's data, in (mu, log tau, theta_tilde): the
     log Jacobian of tau = exp(log tau) is log tau."""
     mu, log_tau, theta_tilde = params["mu"], params["log_tau"], params["theta_tilde"]
@@ -124,7 +145,7 @@ def log_density(params: dict, data: dict) -> jax.Array:
     theta = mu + tau * theta_tilde
     return (
         -0.5 * (mu / 5.0) ** 2
-        - 0.5 * (tau / 5.0) ** 2
+        + tau_prior.log_density(tau)
         + log_tau
         - 0.5 * jnp.sum(theta_tilde**2)
         - 0.5 * jnp.sum(((data["y"] - theta) / data["sigma"]) ** 2)
@@ -185,24 +206,29 @@ def hmc(
 # --- Simulation-based calibration -----------------------------------------------------
 
 
-@ft.partial(jax.jit, static_argnums=1)
-def simulate_all(key: jax.Array, replications: int) -> tuple[dict, dict, dict]:
+@ft.partial(jax.jit, static_argnums=(1, 2))
+def simulate_all(
+    key: jax.Array, replications: int, tau_prior: str
+) -> tuple[dict, dict, dict]:
     """Every replication's truth and data, and its superchains' starts (prior draws),
     in one compiled call on the device."""
+    prior = TAU_PRIORS[tau_prior]
     truth_key, start_key = jr.split(key)
-    truth, data = jax.vmap(simulate)(jr.split(truth_key, replications))
-    starts = jax.vmap(draw_prior)(jr.split(start_key, replications * SUPERCHAINS))
+    keys = jr.split(truth_key, replications)
+    truth, data = jax.vmap(ft.partial(simulate, tau_prior=prior))(keys)
+    keys = jr.split(start_key, replications * SUPERCHAINS)
+    starts = jax.vmap(ft.partial(draw_prior, tau_prior=prior))(keys)
     return truth, data, starts
 
 
-def fit_all(data: dict, starts: dict, key: jax.Array) -> eb.Chains:
+def fit_all(data: dict, starts: dict, key: jax.Array, tau_prior: str) -> eb.Chains:
     """Fits every replication in ONE run: problem p is replication p, its data row
     `data[p]`, its superchains `starts[SUPERCHAINS * p:]`, its chains rows
     `CHAINS * p` to `CHAINS * (p + 1) - 1`."""
     replications = data["y"].shape[0]
     step = ft.partial(
         hmc,
-        log_density=log_density,
+        log_density=ft.partial(log_density, tau_prior=TAU_PRIORS[tau_prior]),
         step_size=STEP_SIZE,
         leapfrog_steps=LEAPFROG_STEPS,
     )
@@ -312,7 +338,9 @@ def band(replications: int, bins: int, level: float = 0.99) -> tuple[float, floa
     return float(low), float(high)
 
 
-def plot(histograms: dict, replications: int, path: pathlib.Path) -> None:
+def plot(
+    histograms: dict, replications: int, tau_prior: str, path: pathlib.Path
+) -> None:
     """The histogram of each quantity's ranks, in the grey band where 99% of a
     uniform's bins fall."""
     names = list(histograms)
@@ -335,8 +363,8 @@ def plot(histograms: dict, replications: int, path: pathlib.Path) -> None:
     fig.supxlabel(f"rank of the true value among its {L} posterior draws, {bins} bins")
     fig.supylabel("replications")
     fig.suptitle(
-        f"SBC of eight schools: {replications} replications, grey: 99% band of a "
-        "uniform bin"
+        f"SBC of eight schools, tau ~ {tau_prior}(5): {replications} replications; "
+        "grey: the 99% band of a uniform bin"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -407,6 +435,9 @@ def main() -> None:
     )
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
     parser.add_argument("--replications", type=int, default=1000)
+    parser.add_argument(
+        "--tau-prior", choices=sorted(TAU_PRIORS), default="half-normal"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     replications = args.replications
@@ -414,10 +445,10 @@ def main() -> None:
     simulate_key, fit_key = jr.split(jr.key(0))
     began = time.perf_counter()
     truth, data, starts = jax.block_until_ready(
-        simulate_all(simulate_key, replications)
+        simulate_all(simulate_key, replications, args.tau_prior)
     )
     simulated = time.perf_counter()
-    result = fit_all(data, starts, fit_key)
+    result = fit_all(data, starts, fit_key, args.tau_prior)
     jax.block_until_ready(result.trace)
     fitted = time.perf_counter()
     draws = jax.tree.map(
@@ -447,11 +478,13 @@ def main() -> None:
     )
     mixing = report_mixing(result, replications)
     tests = report_uniformity(scalars(ranks), histograms, replications)
-    png = args.out / "sbc_ranks.png"
-    plot(histograms, replications, png)
+    suffix = "" if args.tau_prior == "half-normal" else "_" + args.tau_prior
+    png = args.out / f"sbc_ranks{suffix.replace('-', '_')}.png"
+    plot(histograms, replications, args.tau_prior, png)
     print(f"histograms of the ranks: {png}")
     summary = {
         "replications": replications,
+        "tau_prior": args.tau_prior,
         "chains_per_replication": CHAINS,
         "superchains_per_replication": SUPERCHAINS,
         "num_steps": NUM_STEPS,
