@@ -73,8 +73,8 @@ NUM_STEPS = 1000
 BURN_IN = 300
 THIN = 5  # the trace: 140 draws per chain, for R-hat
 # SBC ranks every 10th of them: draws 50 steps apart, nearly independent. Ranks among
-# autocorrelated draws are not uniform even for an exact sampler (Talts et al.,
-# section 5), and R-hat of 14 draws per chain is too noisy to read.
+# autocorrelated draws are not uniform even for an exact sampler (Talts et al. thin
+# to the effective sample size), and R-hat of 14 draws per chain is too noisy to read.
 RANK_THIN = 10
 DRAWS = (NUM_STEPS - BURN_IN) // THIN // RANK_THIN  # ranked per chain
 L = CHAINS * DRAWS  # posterior draws per replication: a rank is one of 0..L
@@ -468,8 +468,8 @@ def main() -> None:
     }
     print(
         f"{replications} replications x {CHAINS} chains ({SUPERCHAINS} superchains of "
-        f"{CHAINS_PER_SUPERCHAIN}), {NUM_STEPS} steps of HMC each, the states after "
-        f"step {BURN_IN + 1} and every {THIN}th kept, every {THIN * RANK_THIN}th "
+        f"{CHAINS_PER_SUPERCHAIN}), {NUM_STEPS} steps of HMC each;\nthe states "
+        f"after step {BURN_IN + 1} and every {THIN}th kept, every {THIN * RANK_THIN}th "
         f"ranked: {L} draws per replication"
     )
     print(
