@@ -11,8 +11,10 @@ The workloads (`WORKLOADS`) are random-walk Metropolis on a dict of weights
 Equinox MLP whose activation is a function (`mlp`), and the emcee stretch move, a step
 that sees every chain (`stretch`), whose state records the step count it was given.
 With `--job --held OUT`, it makes the runs of `held_runs` and saves what each process
-holds of them and their gathered results. The test suite runs the script with a
-checkpoint and SIGKILLs it mid-run, runs it with
+holds of them and their gathered results; with `--job --problems OUT [--until]
+[CHECKPOINT]`, the run of many problems of `problems_run` (`stopping_problems_run`),
+gathered, and its problem 1. The test suite
+runs the script with a checkpoint and SIGKILLs it mid-run, runs it with
 another device count (set through `XLA_FLAGS` by the caller) to compare bits, and runs
 it as a job of several processes (`multiprocess_launch`, with `--job` first), where
 each process gathers the results (`Chains.gathered`) and saves them to
@@ -232,13 +234,105 @@ def held_runs() -> dict[str, eb.Chains]:
     }
 
 
+# NumPy: a JAX array here would start JAX before a job initialises it.
+SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], np.float32)
+
+
+def schools_step(state: dict, key: jax.Array, data: dict) -> dict:
+    """Random-walk Metropolis on eight schools (non-centred), given one problem's
+    data: `y` and `sigma` of its eight schools."""
+
+    def log_density(s: dict) -> jax.Array:
+        theta = s["mu"] + jnp.exp(s["log_tau"]) * s["eta"]
+        prior = -0.5 * (s["mu"] / 5.0) ** 2 - 0.5 * jnp.sum(s["eta"] ** 2)
+        likelihood = -0.5 * jnp.sum(((data["y"] - theta) / data["sigma"]) ** 2)
+        return prior + likelihood + s["log_tau"] - 0.5 * s["log_tau"] ** 2
+
+    move, accept = jr.split(key)
+    leaves, treedef = jtu.tree_flatten(state)
+    noise = jr.split(move, len(leaves))
+    proposal = treedef.unflatten(
+        [x + 0.3 * jr.normal(k, x.shape) for x, k in zip(leaves, noise, strict=True)]
+    )
+    log_ratio = log_density(proposal) - log_density(state)
+    take = jnp.log(jr.uniform(accept)) < log_ratio
+    return jtu.tree_map(lambda new, old: jnp.where(take, new, old), proposal, state)
+
+
+def schools_data(num_problems: int) -> dict:
+    """`num_problems` datasets of eight schools, drawn from the model."""
+    theta = 5.0 * jr.normal(jr.key(7), (num_problems, 8))
+    y = theta + SIGMA[None] * jr.normal(jr.key(8), (num_problems, 8))
+    return {"y": y, "sigma": jnp.broadcast_to(SIGMA, (num_problems, 8))}
+
+
+def schools_init(num_chains: int) -> dict:
+    starts = jnp.linspace(-1.0, 1.0, num_chains)
+    return {
+        "mu": starts,
+        "log_tau": 0.5 * starts,
+        "eta": jnp.broadcast_to(starts[:, None], (num_chains, 8)),
+    }
+
+
+def problems_run(checkpoint: str | None = None, **options) -> eb.Chains:
+    """6 problems of eight schools, 2 superchains of 3 chains each (36 chains, which
+    4 devices split only with padding), with diagnostics."""
+    return eb.run_chains(
+        schools_step,
+        schools_init(12),
+        jr.split(jr.key(5), 36),
+        60,
+        thin=2,
+        data=schools_data(6),
+        superchains=12,
+        diagnostics=True,
+        checkpoint=checkpoint,
+        checkpoint_every=None if checkpoint is None else 20,
+        **options,
+    )
+
+
+def ar1_problem(state: jax.Array, key: jax.Array, data: dict) -> jax.Array:
+    """An AR(1) chain whose correlation is its problem's: the problems mix at
+    different speeds; stationary: N(0, 1)."""
+    rho = data["rho"]
+    return rho * state + jnp.sqrt(1 - rho**2) * jr.normal(key, state.shape)
+
+
+RHOS = np.array([0.5, 0.99, 0.7, 0.9, 0.95, 0.8], np.float32)
+
+
+def stopping_problems_run(
+    checkpoint: str | None = None, num_steps: int = 3000, **options
+) -> eb.Chains:
+    """6 problems that mix at different speeds, each 4 superchains of 8 chains from
+    starts far apart, each stopped when its own nested R-hat says it has mixed
+    (between 50 and a few hundred steps)."""
+    starts = jnp.tile(jnp.linspace(-3.0, 3.0, 4)[:, None], (6, 2))
+    return eb.run_chains(
+        ar1_problem,
+        starts,
+        jr.split(jr.key(0), 6 * 4 * 8),
+        num_steps,
+        thin=2,
+        data={"rho": RHOS},
+        superchains=6 * 4,
+        until=eb.converged(every=50),
+        checkpoint=checkpoint,
+        checkpoint_every=None if checkpoint is None else 30,
+        **options,
+    )
+
+
 def everything(result: eb.Chains) -> dict:
     """What the layout test compares, bit for bit, with one process's run."""
     return {
         **outputs(result),
         "nonfinite": result.nonfinite,
         "diagnostics": result.diagnostics,
-        "steps_done": np.int64(result.steps_done),
+        "steps_done": np.asarray(result.steps_done, np.int64),
+        "draws_made": result.draws_made,
     }
 
 
@@ -293,6 +387,18 @@ def main(argv: list[str]) -> None:
             held[name] = held_here(result)
             eb.save(f"{out}.{name}.{process_id}", everything(result.gathered()))
         pathlib.Path(f"{out}.{process_id}.json").write_text(json.dumps(held))
+        jax.distributed.shutdown()
+        return
+    if argv[0] == "--problems":
+        # Many problems in a job: every chain gathered, and problem 1's own result.
+        out = argv[1]
+        make = problems_run
+        if argv[2:3] == ["--until"]:
+            make, argv = stopping_problems_run, argv[:2] + argv[3:]
+        result = make(argv[2] if len(argv) > 2 else None)
+        one = result.problem(1)
+        eb.save(f"{out}.{process_id}", everything(result.gathered()))
+        eb.save(f"{out}.one.{process_id}", everything(one.gathered()))
         jax.distributed.shutdown()
         return
     workload = "metropolis"

@@ -44,7 +44,7 @@ def _run(step=fast, num_steps=2000, **kwargs):
 
 
 def _stopped(result: eb.Chains) -> eb.Stopped:
-    assert result.stopped is not None
+    assert isinstance(result.stopped, eb.Stopped)
     return result.stopped
 
 
@@ -76,7 +76,7 @@ def test_stops_early_on_chains_that_mix():
     assert result.trace.shape == (128, made, 2)
     # The chains after `steps_done` steps: what a plain run of that many steps gives.
     plain = eb.run_chains(
-        fast, STARTS, KEYS, result.steps_done, superchains=4, burn_in=5, thin=3
+        fast, STARTS, KEYS, int(result.steps_done), superchains=4, burn_in=5, thin=3
     )
     assert_trees_identical(
         (result.final, result.keys, result.trace),

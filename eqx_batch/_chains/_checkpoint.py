@@ -52,6 +52,7 @@ from ._disk_trace import ListedFile
 from ._identity import RunIdentity
 from ._job import every_process, raise_if_any_failed
 from ._lock import is_writer, WriteAccess
+from ._problem_records import ProblemRecords
 from ._stopping import Record
 
 
@@ -70,7 +71,7 @@ class Restored(NamedTuple):
 
     steps_done: int
     rows: RowReader  # reads the chains and draws of any rows, to place them
-    record: Record | None  # the checks of `until`; None without it
+    record: Record | ProblemRecords | None  # the checks of `until`; None without it
 
 
 class Snapshot(NamedTuple):
@@ -85,7 +86,7 @@ class Snapshot(NamedTuple):
     chains: ChainState
     draws: Any
     files: SegmentFiles | None
-    record: Record | None  # with `until`: the checks so far
+    record: Record | ProblemRecords | None  # with `until`: the checks so far
 
 
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -173,7 +174,7 @@ class Checkpoint:
         *,
         num_steps: int,
         draws: Draws,
-        with_record: bool,
+        record_kind: type[Record] | type[ProblemRecords] | None,
     ) -> Restored | None:
         """The run as last checkpointed; None if there is no checkpoint, or no step
         whose state files cover every chain.
@@ -181,7 +182,7 @@ class Checkpoint:
         `chains_like` and `trace_like` (the whole trace, or None) are shape-dtype
         structs. Only the files' metadata are read here: the arrays are read when
         placed (`RowReader`), each process reading the rows its devices hold. Nothing
-        is written. A run with `until` (`with_record`) reads the record of its checks.
+        is written. A run with `until` reads the record of its checks, a `record_kind`.
 
         Raises if a file is not a checkpoint's, is corrupt, or belongs to another run;
         in a job, in every process if any process raises, or if the processes found
@@ -194,7 +195,7 @@ class Checkpoint:
                 trace_like,
                 num_steps=num_steps,
                 draws=draws,
-                with_record=with_record,
+                record_kind=record_kind,
             )
         except BatchError as e:
             failure = e
@@ -224,7 +225,7 @@ class Checkpoint:
         *,
         num_steps: int,
         draws: Draws,
-        with_record: bool,
+        record_kind: type[Record] | type[ProblemRecords] | None,
     ) -> Restored | None:
         if not self.path.exists():
             return None
@@ -251,9 +252,9 @@ class Checkpoint:
         progress = [self._progress(tile, num_steps) for tile in tiles]
         steps_done = tiles[0].step
         record = None
-        if with_record:
+        if record_kind is not None:
             try:
-                record = Record.from_json(progress[0]["stopping"], draws.burn_in)
+                record = record_kind.from_json(progress[0]["stopping"], draws.burn_in)
             except (ValueError, TypeError, KeyError) as e:
                 raise self.damaged(
                     f"its record of `until`'s checks does not parse ({e!r})"

@@ -6,15 +6,27 @@ import contextlib
 import pathlib
 from typing import Any, NamedTuple
 
+import jax
 import jax.tree_util as jtu
 import numpy as np
 
 from .._progress import ProgressBar
 from ._checkpoint import Checkpoint, Restored, SegmentFiles, Snapshot
 from ._common import ChainState, structs
+from ._compaction import (
+    batch_size,
+    draws_written_back,
+    gathered,
+    padded_rows,
+    sliced_draws,
+    written_back,
+    zeroed_rows,
+)
 from ._lock import WriteAccess
 from ._placement import Placement
 from ._plan import RunPlan
+from ._problem_records import ProblemRecords
+from ._problems import ProblemStep
 from ._segment import run_segment, SegmentProgress
 from ._stopping import Record
 
@@ -70,6 +82,14 @@ class ChunkRun:
             # The checks of `until` as this chunk's checkpoint has them.
             self.record = None if restored is None else restored.record
             self.placement = plan.placement(num_chains)
+            # With `data`, each chain's problem (on the host), and one copy of the
+            # data on every device of the chunk's chains.
+            self.problem_of_row = None
+            if job.chains.problem is not None:
+                self.problem_of_row = np.asarray(job.chains.problem)
+            self.step = plan.step
+            if isinstance(plan.step, ProblemStep):
+                self.step = plan.step.placed(self.placement.everywhere)
             self.steps_done, self.chains, self.trace = _start(
                 self.placement,
                 job.chains,
@@ -107,18 +127,27 @@ class ChunkRun:
             trace_like,
             num_steps=plan.num_steps,
             draws=plan.draws,
-            with_record=plan.until is not None,
+            record_kind=plan.record_kind,
         )
         done = restored is not None and (
             restored.steps_done == plan.num_steps
-            or (restored.record is not None and restored.record.stopped is not None)
+            or (
+                restored.record is not None
+                and restored.steps_done >= restored.record.end(plan.num_steps)
+            )
         )
         if not done:
             self.store.start_writing()
         return restored
 
-    def advance(self, stop: int) -> None:
-        """Runs the chains from `steps_done` to step `stop`, in one segment."""
+    def advance(self, stop: int, running: np.ndarray | None = None) -> None:
+        """Runs the chains from `steps_done` to step `stop`, in one segment: of the
+        problems still `running` (`bool[problems]`), if some have stopped."""
+        if running is not None:
+            assert self.problem_of_row is not None
+            rows = np.flatnonzero(running[self.problem_of_row])
+            if len(rows) < len(self.problem_of_row):
+                return self._advance_running(stop, rows)
         plan = self.plan
         files = None
         if self.store is not None and plan.records:
@@ -140,7 +169,7 @@ class ChunkRun:
             trace = spare
         result = run_segment(
             plan.prepared.segment(plan.segment, stop - self.steps_done, emit),
-            plan.step,
+            self.step,
             plan.shared,
             self.chains,
             np.int32(self.steps_done),
@@ -153,7 +182,61 @@ class ChunkRun:
         self.steps_done = stop
         self._unwritten = (result.new_draws, files)
 
-    def write(self, record: Record | None = None) -> None:
+    def _advance_running(self, stop: int, rows: np.ndarray) -> None:
+        """`advance` for the chains of `rows` only (`_compaction.py`): the others'
+        problems have stopped, and their rows stay as they are."""
+        plan, start = self.plan, self.steps_done
+        split = self.placement.split
+        files = None
+        if self.store is not None and plan.records:
+            files = self.store.segment_files(plan.draws, start, stop)
+        first, end = plan.draws.before(start), plan.draws.before(stop)
+        made = None  # the segment's own draws, from its first, in the batch's rows
+        if len(rows):
+            size = batch_size(len(rows), self.placement.num_chains)
+            batch = plan.prepared.placement(size, 0, pad=True)
+            index = jax.device_put(
+                padded_rows(rows, batch.num_rows), self.placement.everywhere
+            )
+            emit = plan.draws.most_in(stop - start) if end > first else 0
+            own = None
+            if plan.records and emit:
+                own = batch.zeros(plan.draws_like(batch.num_chains, emit))
+            result = run_segment(
+                plan.prepared.segment(plan.streamed_segment, stop - start, emit),
+                self.step,
+                plan.shared,
+                gathered(self.chains, index, batch.split),
+                np.int32(start),
+                self.progress,
+                own,
+            )
+            self.chains = written_back(self.chains, result.chains, index, split)
+            if self.progress is not None:
+                self.progress = self.progress._replace(due=result.due)
+            if result.new_draws is not None:
+                made = (result.new_draws, index, np.int32(end - first))
+        new_draws = None
+        if self.trace is not None:
+            if made is not None:
+                self.trace = draws_written_back(
+                    self.trace, made[0], made[1], np.int32(first), made[2], split
+                )
+            if files is not None:
+                new_draws = sliced_draws(self.trace, np.int32(first), files.emit)
+        elif plan.segment.streams and files is not None:
+            # The stopped chains' draws are zeros, as in a trace buffer.
+            files = files._replace(offset=0)
+            like = plan.draws_like(self.placement.num_chains, files.emit)
+            new_draws = self.placement.zeros(like)
+            if made is not None:
+                new_draws = draws_written_back(
+                    new_draws, made[0], made[1], np.int32(0), made[2], split
+                )
+        self.steps_done = stop
+        self._unwritten = (new_draws, files)
+
+    def write(self, record: Record | ProblemRecords | None = None) -> None:
         """Checkpoints the chains after the last segment (in the background), with
         `until`'s `record`."""
         assert self._unwritten is not None
@@ -180,11 +263,21 @@ class ChunkRun:
         every process."""
         return np.asarray(self.placement.whole_real_chains(self.chains.first_bad))
 
-    def discard_moments(self) -> None:
-        """Starts the moments afresh: a failed check's window is discarded."""
-        self.chains = self.chains._replace(
-            moments=self.placement.zeros(structs(self.chains.moments))
-        )
+    def discard_moments(self, failed: np.ndarray | None = None) -> None:
+        """Starts the moments afresh: a failed check's window is discarded; with
+        `failed` (`bool[problems]`), those problems' only."""
+        if failed is None:
+            self.chains = self.chains._replace(
+                moments=self.placement.zeros(structs(self.chains.moments))
+            )
+            return
+        assert self.problem_of_row is not None
+        rows = failed[self.problem_of_row]
+        if rows.any():
+            moments = zeroed_rows(
+                self.chains.moments, self.placement.put(rows), self.placement.split
+            )
+            self.chains = self.chains._replace(moments=moments)
 
     def result(self) -> tuple[ChainState, Any]:
         """The chains and their trace: the trace buffer (in a job of several

@@ -28,6 +28,8 @@ class ChainState(NamedTuple):
     # The running moments of the recorded draws (`_moments.py`) with
     # `diagnostics=True`; else None.
     moments: Any = None
+    # With `data`, each chain's problem (`int32`, `_problems.py`); else None.
+    problem: Any = None
 
 
 class OneChain(NamedTuple):

@@ -158,6 +158,31 @@ def diagnose(moments: Moments, num_superchains: int | None) -> Diagnostics:
     return _diagnose(jtu.tree_map(_on_one_device, moments), num_superchains)
 
 
+def diagnose_problems(
+    moments: Moments, num_superchains: int | None, num_problems: int | None
+) -> Diagnostics:
+    """`diagnose` of each problem's chains (`data=`), stacked: each statistic with a
+    leading axis of `num_problems`; of every chain, as `diagnose`, if it is None.
+
+    The chains of one problem are one block (`_problems.py`), so the moments are split
+    into blocks and one program computes every problem's statistics at once.
+    """
+    if num_problems is None:
+        return diagnose(moments, num_superchains)
+    moments = jtu.tree_map(_on_one_device, moments)
+    blocks = jtu.tree_map(
+        lambda x: x.reshape(num_problems, x.shape[0] // num_problems, *x.shape[1:]),
+        moments,
+    )
+    per_problem = None if num_superchains is None else num_superchains // num_problems
+    return _diagnose_each(blocks, per_problem)
+
+
+@eqx.filter_jit
+def _diagnose_each(blocks: Moments, num_superchains: int | None) -> Diagnostics:
+    return jax.vmap(lambda m: _diagnose(m, num_superchains))(blocks)
+
+
 def _on_one_device(x: Any) -> Any:
     if not isinstance(x, jax.Array):
         return x

@@ -273,12 +273,22 @@ class DiskArray:
         path: str,
         holds_keys: bool = False,
         dtype: Any = None,
+        chains: range | None = None,
+        draws: range | None = None,
     ):
         self._files = files
         self._path = path
         self.holds_keys = holds_keys
         stored = files.leaves[path]
-        self.shape: tuple[int, ...] = tuple(stored.shape)
+        # The chains and draws of the files this leaf shows (`Chains.problem`: one
+        # problem's).
+        self._chains = range(stored.shape[0]) if chains is None else chains
+        self._draws = range(stored.shape[1]) if draws is None else draws
+        self.shape: tuple[int, ...] = (
+            len(self._chains),
+            len(self._draws),
+            *stored.shape[2:],
+        )
         self.dtype = np.dtype(stored.dtype if dtype is None else dtype)
 
     @property
@@ -302,7 +312,31 @@ class DiskArray:
 
     def astype(self, dtype: Any) -> "DiskArray":
         """This leaf, read as `dtype`."""
-        return DiskArray(self._files, self._path, self.holds_keys, dtype)
+        return DiskArray(
+            self._files, self._path, self.holds_keys, dtype, self._chains, self._draws
+        )
+
+    def chains(self, start: int, stop: int) -> "DiskArray":
+        """The chains `start` to `stop` of this leaf, read as lazily."""
+        return DiskArray(
+            self._files,
+            self._path,
+            self.holds_keys,
+            self.dtype,
+            self._chains[start:stop],
+            self._draws,
+        )
+
+    def draws(self, start: int, stop: int) -> "DiskArray":
+        """The draws `start` to `stop` of this leaf, read as lazily."""
+        return DiskArray(
+            self._files,
+            self._path,
+            self.holds_keys,
+            self.dtype,
+            self._chains,
+            self._draws[start:stop],
+        )
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         values = self[...]
@@ -330,7 +364,10 @@ class DiskArray:
                 )
         if self.ndim < 2:
             raise IndexError("a trace leaf has axes chains and draws")
-        values = self._files.read(self._path, bounds[0], bounds[1], basic[2:])
+        chain, draw = self._chains.start, self._draws.start
+        rows = (chain + bounds[0][0], chain + bounds[0][1])
+        slots = (draw + bounds[1][0], draw + bounds[1][1])
+        values = self._files.read(self._path, rows, slots, basic[2:])
         return values[tuple(picks)].astype(self.dtype, copy=False)
 
 

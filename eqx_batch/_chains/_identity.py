@@ -209,6 +209,7 @@ _EXPLAINED = {
         "`functools.partial`)"
     ),
     "init values": "`init` holds other values",
+    "data values": "`data` holds other values",
     "keys": "the chains' keys differ (another `key`)",
     "step callbacks": (
         "the code or data of a host callback of `step` differs (an edited function)"
@@ -246,9 +247,11 @@ class RunIdentity:
         init: Any,
         keys: jax.Array,
         options: RunOptions,
+        data: Any = None,
     ) -> "RunIdentity":
         """The identity of a run of the traced step `program` from `init` (the whole
-        state, non-array leaves included) and `keys`, with `options`."""
+        state, non-array leaves included) and `keys`, with `options` (and `data`, of
+        many problems)."""
         leaves, treedef = jtu.tree_flatten_with_path(init)
         fields = {
             "init structure": _without_addresses(str(treedef)),
@@ -263,6 +266,10 @@ class RunIdentity:
             **_step_digests(program),
             **_jax_versions(),
         }
+        if data is not None:
+            # Only for runs of many problems: every other run keeps its identity.
+            fields["data structure"] = _without_addresses(str(jtu.tree_structure(data)))
+            fields["data values"] = _values_digest(data)
         return cls(fields)
 
     @property

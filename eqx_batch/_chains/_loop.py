@@ -10,23 +10,25 @@ import contextlib
 from typing import Any
 
 import jax
+import jax.tree_util as jtu
 import numpy as np
 
 from ._chunk import ChunkJob, ChunkRun, RunContext
 from ._common import ChainState
-from ._convergence import diagnose
+from ._convergence import diagnose, diagnose_problems
 from ._placement import joined, whole_here
-from ._stopping import check, postfix, Record
+from ._problem_records import ProblemRecords
+from ._stopping import Check, check, postfix, Record
 
 
 def run_chunks(
     context: RunContext, jobs: list[ChunkJob]
-) -> tuple[list[tuple[ChainState, Any]], Record]:
+) -> tuple[list[tuple[ChainState, Any]], Record | ProblemRecords]:
     """Every chunk's chains and trace after the run, and the record of `until`'s
-    checks (empty without it)."""
+    checks (empty without it; one per problem with `data`)."""
     together = context.plan.until is not None
     groups = [jobs] if together else [[job] for job in jobs]
-    results, record = [], Record()
+    results, record = [], context.plan.empty_record()
     for group in groups:
         with contextlib.ExitStack() as stack:
             chunks = [stack.enter_context(ChunkRun(context, job)) for job in group]
@@ -47,23 +49,30 @@ def run_chunks(
     return results, record
 
 
-def _run_group(context: RunContext, chunks: list[ChunkRun], separate: bool) -> Record:
+def _run_group(
+    context: RunContext, chunks: list[ChunkRun], separate: bool
+) -> Record | ProblemRecords:
     """Moves `chunks` to the run's end, boundary by boundary, checkpointing each after
-    every segment; with `until`, checks the rule where due (every chunk there)."""
+    every segment; with `until`, checks the rule where due (every chunk there). With
+    `data`, each problem is checked on its own, and a segment runs only the chains of
+    the problems still running."""
     plan = context.plan
     # Resumed chunks may stand at different steps (a kill between two chunks'
     # writes): the one furthest on holds the decisions of the others' next checks.
     record = max(
-        (chunk.record or Record() for chunk in chunks),
-        key=lambda r: (len(r.checks), r.stopped is not None),
+        (chunk.record or plan.empty_record() for chunk in chunks),
+        key=lambda r: r.progress,
     )
     while (here := min(chunk.steps_done for chunk in chunks)) < record.end(
         plan.num_steps
     ):
         stop = plan.next_boundary(here)
         moving = [chunk for chunk in chunks if chunk.steps_done == here]
+        running = None
+        if isinstance(record, ProblemRecords):
+            running = record.running(here)
         for chunk in moving:
-            chunk.advance(stop)
+            chunk.advance(stop, running)
             if len(chunks) > 1:
                 # As between groups: one chunk's working memory at a time.
                 jax.block_until_ready(chunk.chains)
@@ -72,9 +81,14 @@ def _run_group(context: RunContext, chunks: list[ChunkRun], separate: bool) -> R
                 moments = [chunk.moments() for chunk in chunks]
                 _show(context, stop, moments, _nonfinite(_first_bad(chunks)))
         elif plan.until.is_check(stop, plan.num_steps) and not record.decided(stop):
-            record = _decide(context, record, stop, chunks)
+            if isinstance(record, ProblemRecords):
+                record = _decide_each(context, record, stop, chunks)
+            else:
+                record = _decide(context, record, stop, chunks)
         for chunk in moving:
-            if record.failed(stop):
+            if isinstance(record, ProblemRecords):
+                chunk.discard_moments(record.failed(stop))
+            elif record.failed(stop):
                 chunk.discard_moments()
             chunk.write(None if plan.until is None else record.as_of(stop))
     return record
@@ -112,6 +126,69 @@ def _decide(
     return record.with_check(stop, result, result.passed or at_cap, burn_in)
 
 
+def _decide_each(
+    context: RunContext, records: ProblemRecords, stop: int, chunks: list[ChunkRun]
+) -> ProblemRecords:
+    """The records with the checks at step `stop` of every problem still running,
+    each made on its own chains, as `_decide` makes it for a run of one problem."""
+    plan = context.plan
+    assert plan.until is not None and plan.problems is not None
+    at_cap = stop == plan.num_steps
+    burn_in = plan.draws.burn_in
+    diagnostics = diagnose_problems(
+        joined([chunk.moments() for chunk in chunks]), plan.superchains, plan.problems
+    )
+    nonfinite = _nonfinite(_first_bad(chunks))
+    per_problem = plan.num_chains // plan.problems
+    decided, checked = [], {}
+    for p, record in enumerate(records.records):
+        if record.stopped is not None:
+            decided.append(record)
+            continue
+        start = record.window_start(stop)
+        if plan.draws.before(stop) == plan.draws.before(start):
+            if at_cap:
+                reason = (
+                    f"reached the cap, num_steps={stop}, with no draw recorded since "
+                    f"step {start} to check"
+                )
+                record = record.stop(stop, False, reason, burn_in)
+            decided.append(record)
+            continue
+        own = (nonfinite >= p * per_problem) & (nonfinite < (p + 1) * per_problem)
+        result = check(
+            plan.until,
+            jtu.tree_map(lambda x, p=p: x[p], diagnostics),
+            nonfinite[own] - p * per_problem,
+        )
+        if at_cap and not result.passed:
+            result = result._replace(
+                reason=f"reached the cap, num_steps={stop}: {result.reason}"
+            )
+        checked[p] = result
+        decided.append(
+            record.with_check(stop, result, result.passed or at_cap, burn_in)
+        )
+    records = ProblemRecords(tuple(decided))
+    if context.bar is not None:
+        context.bar.show(stop, _problems_postfix(records, checked, stop))
+    return records
+
+
+def _problems_postfix(
+    records: ProblemRecords, checked: dict[int, Check], stop: int
+) -> str:
+    """What the bar shows of a run of many problems: how many still run, and the
+    worst of them (by the first criterion) at its check at `stop`."""
+    running = [int(p) for p in np.flatnonzero(records.running(stop))]
+    text = f"{len(running)} of {len(records.records)} problems running"
+    worst = [(checked[p].worst, p) for p in running if p in checked]
+    if not worst:
+        return text
+    _, p = max(worst, key=lambda pair: (not np.isnan(pair[0]), pair[0]))
+    return f"{text}; worst: problem {p}, {checked[p].reason}"
+
+
 def _shows_moments(context: RunContext) -> bool:
     """Whether the bar shows the statistics so far (`progress` and `diagnostics`)."""
     return context.bar is not None and context.plan.options.diagnostics
@@ -123,7 +200,8 @@ def _show(
     """The bar at `done` steps, with the worst (nested) R-hat and smallest ESS of the
     chunks' `moments`, and the `nonfinite` chains."""
     assert context.bar is not None
-    diagnostics = diagnose(joined(moments), context.plan.superchains)
+    plan = context.plan
+    diagnostics = diagnose_problems(joined(moments), plan.superchains, plan.problems)
     context.bar.show(done, postfix(diagnostics, nonfinite))
 
 

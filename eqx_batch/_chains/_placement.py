@@ -49,6 +49,8 @@ class Placement:
         self.num_rows = -(-max(num_chains, pad_to) // size) * size
         # Every leaf placed here is split along its axis 0, one row per chain.
         self.split = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names[0]))
+        # A whole copy on each of those devices, for what every chain reads.
+        self.everywhere = NamedSharding(self.mesh, PartitionSpec())
         # With one device in all, every array on the devices is where it would go.
         self._one_device = jax.device_count() == 1
         # A run asks for the zeros of the same few structs on every call.

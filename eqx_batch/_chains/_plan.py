@@ -17,9 +17,11 @@ from ._identity import RunIdentity, RunOptions
 from ._moments import check_diagnostics
 from ._placement import Placement
 from ._prepared import prepared_run, PreparedRun
+from ._problem_records import ProblemRecords
+from ._problems import ProblemStep
 from ._segment import SegmentPlan
 from ._step import trace_step
-from ._stopping import Schedule, StoppingRule
+from ._stopping import Record, Schedule, StoppingRule
 
 
 # With `trace="disk"`, a segment records at most this many bytes of draws (of a whole
@@ -43,6 +45,7 @@ class RunPlan:
     checkpoint_every: int | None
     until: Schedule | None  # when to check whether to stop, and what
     superchains: int | None
+    problems: int | None  # with `data`, how many problems (P); else None
     # `step`, traced: for the run's identity (None without a checkpoint).
     program: jax.extend.core.ClosedJaxpr | None
     # With `trace="disk"`: the most steps of a segment, which bound its draws to
@@ -89,6 +92,27 @@ class RunPlan:
         )
 
     @property
+    def streamed_segment(self) -> SegmentPlan:
+        """`segment`, recording each segment's own draws (`streams`): for a batch of
+        the running problems' chains, whose draws are then written over their rows
+        (`ChunkRun._advance_running`)."""
+        return dataclasses.replace(self.segment, keep_trace=False, streams=True)
+
+    @property
+    def record_kind(self) -> type[Record] | type[ProblemRecords] | None:
+        """What keeps `until`'s checks: one `Record`, one per problem with `data`
+        (`ProblemRecords`), or nothing without `until`."""
+        if self.until is None:
+            return None
+        return Record if self.problems is None else ProblemRecords
+
+    def empty_record(self) -> Record | ProblemRecords:
+        """The record of `until`'s checks before any."""
+        if self.problems is None:
+            return Record()
+        return ProblemRecords.empty(self.problems)
+
+    @property
     def records(self) -> bool:
         """Whether the run records draws: in a trace buffer, or streamed to files."""
         return self.segment.keep_trace or self.segment.streams
@@ -111,7 +135,8 @@ class RunPlan:
         """The identity of the run of these chains (at their start)."""
         assert self.program is not None
         init = eqx.combine(chains.states, self.shared)
-        return RunIdentity.of(self.program, init, chains.keys, self.options)
+        data = self.step.data if isinstance(self.step, ProblemStep) else None
+        return RunIdentity.of(self.program, init, chains.keys, self.options, data)
 
 
 def plan_run(
@@ -126,6 +151,7 @@ def plan_run(
     diagnostics: bool,
     until: StoppingRule | None,
     superchains: int | None,
+    problems: int | None,
     checkpointed: bool,
 ) -> RunPlan:
     """The plan of a run of `step` from `init`, one row per chain.
@@ -154,7 +180,15 @@ def plan_run(
         check_diagnostics(prepared.one_chain.state, draws.total, asked_by)
     schedule = None
     if until is not None:
-        schedule = until.schedule(counts.num_steps, superchains, num_chains)
+        if problems is None:
+            schedule = until.schedule(counts.num_steps, superchains, num_chains)
+        else:
+            # Each problem is checked on its own superchains and chains.
+            schedule = until.schedule(
+                counts.num_steps,
+                None if superchains is None else superchains // problems,
+                num_chains // problems,
+            )
     chunk_size = min(counts.chunk_size or num_chains, num_chains)
     records = trace is not False and draws.total > 0
     streams = records and trace == "disk"
@@ -190,6 +224,7 @@ def plan_run(
         checkpoint_every=counts.checkpoint_every,
         until=schedule,
         superchains=superchains,
+        problems=problems,
         program=None if traced is None else traced.program,
         streamed_steps=streamed_steps,
     )

@@ -10,9 +10,11 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError, leaf_name
+from .._errors import BatchError, check_int, leaf_name
+from .._tree import is_array
 from ._arviz import trace_to_arviz
 from ._convergence import Diagnostics
+from ._disk_trace import DiskArray
 from ._placement import whole_here
 from ._stopping import Stopped
 
@@ -80,6 +82,15 @@ class Chains(eqx.Module):
         stopped the run early.
     - `stopped`: with `until`, an [`eb.Stopped`][]: when the run stopped and why, and
         the checks made; `None` without `until`.
+    - `problems`: with `data`, how many problems the chains ran (P); `None` without.
+        Each statistic of `diagnostics` then has a leading axis of P, one entry per
+        problem, and [`problem(p)`][eqx_batch.Chains.problem] is one problem's result.
+        With `until` too, each problem stops on its own: `steps_done` is each
+        problem's steps (NumPy `int64[P]`), `stopped` a tuple of each problem's
+        `Stopped`, and the trace holds the draws of the problem that ran longest.
+    - `draws_made`: with `data` and `until`, how many of the trace's draws each
+        problem made (NumPy `int64[P]`); its rows hold zeros after them. `None`
+        otherwise.
 
     !!! Example
 
@@ -105,8 +116,109 @@ class Chains(eqx.Module):
     nonfinite: NonFinite
     superchain: np.ndarray | None = None
     diagnostics: Diagnostics | None = None
-    steps_done: int = 0
-    stopped: Stopped | None = None
+    steps_done: int | np.ndarray = 0
+    stopped: Stopped | tuple[Stopped, ...] | None = None
+    problems: int | None = None
+    draws_made: np.ndarray | None = None
+
+    def problem(self, p: int) -> "Chains":
+        """Problem `p`'s chains alone, from a run of many problems (`data=`).
+
+        Its chains are rows `p * M` to `(p + 1) * M` of every array (M chains a
+        problem), as if problem `p` had run alone: its `nonfinite` chains and
+        `superchain` ids counted within it, its own `diagnostics`, and `to_arviz()`;
+        with `until`, its own `steps_done` and `stopped`, and only the draws it
+        made.
+        In a job of several processes, slicing the global arrays is a program over
+        every process's rows: every process must call it, as for `gathered`.
+
+        **Arguments:**
+
+        - `p`: the problem, `0 <= p < problems`.
+
+        **Returns:**
+
+        A `Chains` of the problem's chains, with `problems=None`.
+
+        **Raises:**
+
+        `eb.BatchError` if these chains ran without `data`, or `p` is out of range.
+
+        !!! Example
+
+            ```python
+            def step(x, key, data):  # an AR(1) chain around its problem's centre
+                return 0.5 * x + data["centre"] + jr.normal(key, x.shape)
+
+            data = {"centre": jnp.array([0.0, 10.0, 20.0])}  # 3 problems
+            init = jnp.zeros((3 * 4, 2))  # 4 chains a problem
+            result = eb.run_chains(step, init, jr.key(0), 100, data=data)
+            result.problem(2).trace.shape  # (4, 100, 2)
+            ```
+        """
+        if self.problems is None:
+            raise BatchError(
+                "these chains ran without `data`, so they are one problem: use them "
+                "as they are, or run many problems with `run_chains(..., data=data)`."
+            )
+        p = check_int(
+            p,
+            "p",
+            maximum=self.problems - 1,
+            hint=f"The chains ran {self.problems} problems.",
+        )
+        per_problem = self.keys.shape[0] // self.problems
+        start, stop = p * per_problem, (p + 1) * per_problem
+
+        def rows(x: Any) -> Any:
+            if isinstance(x, DiskArray):
+                return x.chains(start, stop)
+            return x[start:stop] if is_array(x) else x
+
+        made = None if self.draws_made is None else int(self.draws_made[p])
+
+        def draws(x: Any) -> Any:
+            x = rows(x)
+            if made is None or not (is_array(x) or isinstance(x, DiskArray)):
+                return x
+            return x.draws(0, made) if isinstance(x, DiskArray) else x[:, :made]
+
+        mine = (self.nonfinite.chains >= start) & (self.nonfinite.chains < stop)
+        superchain = None
+        if self.superchain is not None:
+            superchain = self.superchain[start:stop] - self.superchain[start]
+        diagnostics = None
+        if self.diagnostics is not None:
+            diagnostics = jtu.tree_map(lambda x: x[p], self.diagnostics)
+        final, keys = jtu.tree_map(rows, (self.final, self.keys))
+        trace, outputs = jtu.tree_map(
+            draws,
+            (self.trace, self.outputs),
+            is_leaf=lambda x: isinstance(x, DiskArray),
+        )
+        steps_done, stopped = self.steps_done, self.stopped
+        if isinstance(stopped, tuple):
+            stopped = stopped[p]
+        if isinstance(steps_done, np.ndarray):
+            steps_done = int(steps_done[p])
+        return assembled(
+            Chains,
+            final=final,
+            trace=trace,
+            outputs=outputs,
+            keys=keys,
+            nonfinite=assembled(
+                NonFinite,
+                chains=self.nonfinite.chains[mine] - start,
+                steps=self.nonfinite.steps[mine],
+            ),
+            superchain=superchain,
+            diagnostics=diagnostics,
+            steps_done=steps_done,
+            stopped=stopped,
+            problems=None,
+            draws_made=None,
+        )
 
     def gathered(self) -> "Chains":
         """The chains with whole copies of their arrays in this process: for a job
@@ -189,6 +301,8 @@ class Chains(eqx.Module):
         **Raises:**
 
         - `ImportError` if ArviZ is not installed, naming the extra to install.
+        - `eb.BatchError` for the chains of many problems (`data=`): convert each
+            with `result.problem(p).to_arviz()`.
         - `eb.BatchError` if there is no trace (the chains ran with `trace=False`) or it
             holds no array.
         - `eb.BatchError` in a job of several processes, where each process holds
@@ -219,6 +333,12 @@ class Chains(eqx.Module):
             arviz_stats.summary(data)  # state[0], state[1], state[2]: not converged
             ```
         """
+        if self.problems is not None:
+            raise BatchError(
+                f"these chains ran {self.problems} problems (`data`), each its own "
+                "posterior, and ArviZ would pool them as the chains of one. Convert "
+                "one problem at a time: `result.problem(p).to_arviz()`."
+            )
         _refuse_partial({"trace": self.trace, "outputs": self.outputs})
         return trace_to_arviz(self.trace, self.outputs, superchain_ids=self.superchain)
 

@@ -30,13 +30,15 @@ from ._arguments import (
 from ._checkpoint import chunk_path, longest_file_name, warn_of_other_chunkings
 from ._chunk import ChunkJob, RunContext
 from ._common import ChainState
-from ._convergence import diagnose, Diagnostics
+from ._convergence import diagnose_problems, Diagnostics
 from ._disk_trace import disk_trace
 from ._lock import check_folder, refuse_if_in_use, WriteAccess
 from ._loop import run_chunks
 from ._moments import zeros
 from ._placement import joined_chains, whole_here, without_copies
 from ._plan import plan_run, RunPlan
+from ._problem_records import ProblemRecords
+from ._problems import problem_ids, problem_step
 from ._result import assembled, Chains, NonFinite
 from ._step import pytree_step
 from ._stopping import Record, StoppingRule
@@ -60,6 +62,7 @@ def run_chains(
     superchains: int | None = None,
     diagnostics: bool = False,
     until: StoppingRule | None = None,
+    data: Any = None,
 ) -> Chains:
     """Runs many independent Markov chains in parallel, from a step written for one.
 
@@ -114,6 +117,13 @@ def run_chains(
     - `until`: a rule of [`eb.converged`][]: stop before `num_steps` once the chains
         have converged, checked between segments ([Stopping when
         converged](../chains.md#stopping-when-converged)). Implies `diagnostics`.
+    - `data`: many problems in one run: a pytree whose array leaves hold one row per
+        problem along axis 0 (P problems). `step` is then `step(state, key, data)`,
+        given its chain's problem's row, and chain `c` belongs to problem
+        `c // (chains // P)`; with `superchains=K`, superchain `s` to problem
+        `s // (K // P)`. [`Chains.problem`][eqx_batch.Chains.problem] is one
+        problem's result alone ([Many problems in one
+        run](../chains.md#many-problems-in-one-run)).
 
     **Returns:**
 
@@ -180,8 +190,12 @@ def run_chains(
         whole, superchain_ids = expand_superchains(whole, key, superchains)
         superchains = int(superchains)
     keys, legacy = chain_keys(key, whole.num_chains)
+    step, num_problems, problems = pytree_step(step), None, None
+    if data is not None:
+        step, num_problems = problem_step(step, data, whole.num_chains, superchains)
+        problems = problem_ids(whole.num_chains, num_problems)
     plan = plan_run(
-        pytree_step(step),
+        step,
         whole,
         keys,
         legacy,
@@ -191,6 +205,7 @@ def run_chains(
         diagnostics=diagnostics,
         until=until,
         superchains=superchains,
+        problems=num_problems,
         checkpointed=checkpoint is not None,
     )
     start = ChainState(
@@ -198,6 +213,7 @@ def run_chains(
         keys,
         np.zeros(whole.num_chains, np.int32),
         zeros(plan.prepared.one_chain.state, whole.num_chains) if diagnostics else None,
+        problems,
     )
     with contextlib.ExitStack() as stack:
         bar = None
@@ -259,15 +275,16 @@ def _jobs(
 def _result(
     plan: RunPlan,
     results: list[tuple[ChainState, Any]],
-    record: Record,
+    record: Record | ProblemRecords,
     superchain_ids: np.ndarray | None,
     checkpoint: pathlib.Path | None,
 ) -> Chains:
     """The chunks' chains and traces joined into `Chains`; with `trace="disk"`, the
     trace read lazily from the chunks' draw files."""
     chains = joined_chains([chains for chains, _ in results])
-    stopped = record.stopped if plan.until is not None else None
-    steps_done = plan.num_steps if stopped is None else stopped.step
+    stopped, steps_done, draws_made = _stops(plan, record)
+    # The trace holds the draws made by the problem that ran longest.
+    last = int(np.max(steps_done))
     states = outputs = recorded = None
     if plan.segment.streams:
         assert checkpoint is not None
@@ -278,13 +295,13 @@ def _result(
             for chunk, (_, files) in zip(plan.chunks, results, strict=True)
             for entry in files
         ]
-        like = plan.draws_like(plan.num_chains, plan.draws.before(steps_done))
+        like = plan.draws_like(plan.num_chains, plan.draws.before(last))
         recorded = disk_trace(checkpoint, listing, like)
     elif results[0][1] is not None:
         recorded = joined_chains([trace for _, trace in results])
-        if steps_done < plan.num_steps:
+        if last < plan.num_steps:
             # Only the draws made: the buffer was sized for the cap.
-            made = plan.draws.before(steps_done)
+            made = plan.draws.before(last)
             recorded = jtu.tree_map(lambda x: x[:, :made], recorded)
     if recorded is not None:
         # The leaves of a draw that are the same in every draw (an MLP's activation)
@@ -322,12 +339,32 @@ def _result(
         else None,
         steps_done=steps_done,
         stopped=stopped,
+        problems=plan.problems,
+        draws_made=draws_made,
     )
+
+
+def _stops(
+    plan: RunPlan, record: Record | ProblemRecords
+) -> tuple[Any, int | np.ndarray, np.ndarray | None]:
+    """`Chains.stopped`, `steps_done` and `draws_made` of a run that ended with
+    `record`: with `data` and `until`, each problem's."""
+    if plan.until is None:
+        return None, plan.num_steps, None
+    if isinstance(record, ProblemRecords):
+        stopped = tuple(r.stopped for r in record.records)
+        steps = np.array([plan.num_steps if s is None else s.step for s in stopped])
+        made = np.array([plan.draws.before(int(s)) for s in steps], np.int64)
+        return stopped, steps.astype(np.int64), made
+    stopped = record.stopped
+    return stopped, plan.num_steps if stopped is None else stopped.step, None
 
 
 def _diagnostics(moments: Any, plan: RunPlan) -> Diagnostics:
     # Moments are per chain, not per draw: small enough to gather in a job.
-    diagnostics = diagnose(whole_here(moments), plan.superchains)
+    diagnostics = diagnose_problems(
+        whole_here(moments), plan.superchains, plan.problems
+    )
     if plan.until is not None:
         # Its halves are those of the planned draws, which an early stop never makes.
         diagnostics = dataclasses.replace(diagnostics, split_rhat=None)

@@ -125,17 +125,19 @@ def _segment(
         key, subkey = jr.split(key)
         return key, jr.key_data(subkey) if plan.legacy else subkey
 
-    def advance(states: Any, step_keys: Any, *count: jax.Array) -> tuple:
-        # `step` on one chain's state, or every chain's with their `count`.
-        result = step(eqx.combine(states, shared), step_keys, *count)
+    def advance(states: Any, step_keys: Any, *extra: jax.Array) -> tuple:
+        # `step` on one chain's state (and its problem, with `data`), or on every
+        # chain's with their `count`.
+        result = step(eqx.combine(states, shared), step_keys, *extra)
         new, output = result if plan.with_output else (result, None)
         # Only arrays are recorded: the output's other leaves are the same every step.
         output = eqx.filter(numbers_as_arrays(output), is_array)
         return eqx.filter(new, is_array), output
 
-    def one_chain(state: Any, key: jax.Array) -> tuple:
+    def one_chain(state: Any, key: jax.Array, *problem: jax.Array) -> tuple:
+        # With `data`, the chain's problem: the step reads its row of the data.
         key, step_key = next_key(key)
-        return key, *advance(state, step_key)
+        return key, *advance(state, step_key, *problem)
 
     def every_chain(states: Any, keys: jax.Array, t: jax.Array) -> tuple:
         keys, step_keys = jax.vmap(next_key)(keys)
@@ -158,7 +160,7 @@ def _segment(
         )
 
     def body(carry: tuple, _: None) -> tuple:
-        (states, keys, first_bad, moments), buffer, t, due = carry
+        (states, keys, first_bad, moments, problem), buffer, t, due = carry
         # The states carried in are those after step `t` (counted from 1; at `t = 0`
         # no step has run, and 0 stays 0). They are read where they are held, so
         # XLA does not repeat the step's arithmetic to check them.
@@ -166,7 +168,8 @@ def _segment(
         if isinstance(step, AllChains):
             keys, states, output = every_chain(states, keys, t)
         else:
-            keys, states, output = jax.vmap(one_chain)(states, keys)
+            problems = () if problem is None else (problem,)
+            keys, states, output = jax.vmap(one_chain)(states, keys, *problems)
         moments = add_draw(moments, states, t, draws)
         if records:
             recorded = (states, output) if plan.with_output else states
@@ -174,7 +177,8 @@ def _segment(
         if progress is not None:
             # Counted over the whole run: chains run earlier (in chunks) included.
             due = progress.handle(progress.steps_before + t + 1, due)
-        return (ChainState(states, keys, first_bad, moments), buffer, t + 1, due), None
+        chains = ChainState(states, keys, first_bad, moments, problem)
+        return (chains, buffer, t + 1, due), None
 
     due = None if progress is None else progress.due
     (chains, trace, end, due), _ = lax.scan(

@@ -14,6 +14,7 @@ import jax.tree_util as jtu
 from .._errors import BatchError, bullet_list, describe, leaf_name
 from ._all_chains import AllChains
 from ._common import is_struct, structs
+from ._problems import ProblemStep
 
 
 def pytree_step(step: Callable) -> Callable:
@@ -62,8 +63,9 @@ class TracedStep(NamedTuple):
 def trace_step(
     step: Callable, states: Any, key: jax.Array, legacy: bool, with_output: bool
 ) -> TracedStep:
-    """Traces `step` on one chain of `states` with one of `key`'s keys; an
-    `eb.all_chains` step on all of them, with all the keys and an `int32` count.
+    """Traces `step` on one chain of `states` with one of `key`'s keys (and an `int32`
+    problem, for a `ProblemStep`); an `eb.all_chains` step on all of them, with all the
+    keys and an `int32` count.
 
     **Raises:**
 
@@ -86,9 +88,18 @@ def trace_step(
         )
     else:
         like = structs(states, drop=1)
-        program, dynamic, static = eqx.filter_make_jaxpr(lambda s, k: step(s, k))(
-            like, one_key
-        )
+        if isinstance(step, ProblemStep):
+            # With `data`, the chain's problem too, whose row of the data the step
+            # gets. The data is an argument, not a constant of the program: the run's
+            # identity names it on its own (`RunIdentity.of`).
+            inner = step.step
+            program, dynamic, static = eqx.filter_make_jaxpr(
+                lambda s, k, p, d: ProblemStep(inner, d)(s, k, p)
+            )(like, one_key, jax.ShapeDtypeStruct((), jnp.int32), structs(step.data))
+        else:
+            program, dynamic, static = eqx.filter_make_jaxpr(lambda s, k: step(s, k))(
+                like, one_key
+            )
     result = eqx.combine(dynamic, static)
     if with_output:
         if not isinstance(result, tuple) or len(result) != 2:

@@ -396,6 +396,12 @@ class Record(NamedTuple):
             )
         return None
 
+    @property
+    def progress(self) -> tuple[int, int]:
+        """How far this record has come: checks made, and whether it stopped (to pick
+        the furthest of the chunks' records on resume)."""
+        return len(self.checks), int(self.stopped is not None)
+
     def end(self, num_steps: int) -> int:
         """The step the run ends at: where it stopped, else `num_steps`."""
         return num_steps if self.stopped is None else self.stopped.step

@@ -1,0 +1,104 @@
+"""Compaction: once some problems have stopped (`data=` with `until=`), a segment runs
+only the chains of the problems still running, so that the compute follows them rather
+than the slowest problem.
+
+Before a segment, the running chains are gathered into a smaller batch; after it, their
+states (and draws) are written back over their rows, and the stopped chains' rows stay
+as they stopped. The batch is padded to one of a few sizes (`batch_size`), each a
+compiled program of its own: powers of two and 1.5 times powers of two, so at most
+two programs an octave, and a batch at most a third larger than the chains it runs.
+The padding rows repeat a running chain, whose results they equal: written back over
+its row, they change no bit.
+"""
+
+import functools as ft
+from typing import Any
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import NamedSharding
+
+
+def batch_size(running: int, most: int) -> int:
+    """The size of the batch that runs `running` chains: the smallest of 1, 2, 3, 4,
+    6, 8, 12, 16, 24, ... (powers of two, and 1.5 times them) at least `running`;
+    never more than `most`."""
+    size = 1
+    while size < running:
+        power = 1 << (size.bit_length() - 1)
+        size = power * 3 // 2 if size == power and power >= 2 else 2 * power
+    return min(size, most)
+
+
+def padded_rows(rows: np.ndarray, size: int) -> np.ndarray:
+    """`rows` (the running chains, at least one) padded to `size` with its first."""
+    return np.concatenate([rows, np.full(size - len(rows), rows[0], rows.dtype)])
+
+
+@ft.partial(jax.jit, static_argnums=2)
+def gathered(tree: Any, rows: jax.Array, sharding: NamedSharding) -> Any:
+    """The `rows` of every leaf of `tree` (one row per chain), split as `sharding`."""
+    return jtu.tree_map(lambda x: lax.with_sharding_constraint(x[rows], sharding), tree)
+
+
+# Not donated: the checkpoint may still be writing the chains of the last segment.
+@ft.partial(jax.jit, static_argnums=3)
+def written_back(
+    full: Any, batch: Any, rows: jax.Array, sharding: NamedSharding
+) -> Any:
+    """`full` with row `rows[i]` of each leaf replaced by row `i` of `batch`'s."""
+    return jtu.tree_map(
+        lambda x, y: lax.with_sharding_constraint(x.at[rows].set(y), sharding),
+        full,
+        batch,
+    )
+
+
+@ft.partial(jax.jit, static_argnums=5, donate_argnums=0)
+def draws_written_back(
+    trace: Any,
+    draws: Any,
+    rows: jax.Array,
+    first: jax.Array,
+    count: jax.Array,
+    sharding: NamedSharding,
+) -> Any:
+    """`trace` (`[chains, slots, ...]` per leaf) with the first `count` draws of each
+    row of `draws` (`[batch, emit, ...]`) written at slots `first`, `first + 1`, ...
+    of its row `rows[i]`; slots past `count` are left alone.
+
+    `trace` is donated and updated in place, as a segment updates it: the
+    checkpoint writes a copy of the new draws (`sliced_draws`), not the buffer."""
+
+    def leaf(x: jax.Array, y: jax.Array) -> jax.Array:
+        emit = y.shape[1]
+        offsets = jnp.arange(emit, dtype=jnp.int32)
+        # Past `count` (the draws the segment made), out of bounds: dropped.
+        slots = jnp.where(offsets < count, first + offsets, x.shape[1])
+        updated = x.at[rows[:, None], slots[None, :]].set(y, mode="drop")
+        return lax.with_sharding_constraint(updated, sharding)
+
+    return jtu.tree_map(leaf, trace, draws)
+
+
+@ft.partial(jax.jit, static_argnums=2)
+def zeroed_rows(tree: Any, mask: jax.Array, sharding: NamedSharding) -> Any:
+    """`tree` with the rows where `mask` holds set to zeros."""
+
+    def leaf(x: jax.Array) -> jax.Array:
+        shaped = mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+        return lax.with_sharding_constraint(
+            jnp.where(shaped, jnp.zeros_like(x), x), sharding
+        )
+
+    return jtu.tree_map(leaf, tree)
+
+
+@ft.partial(jax.jit, static_argnums=2)
+def sliced_draws(trace: Any, first: jax.Array, emit: int) -> Any:
+    """The `emit` draws of `trace` from slot `first` on (the last `emit`, near its
+    end), as a segment returns them for the checkpoint."""
+    return jtu.tree_map(lambda x: lax.dynamic_slice_in_dim(x, first, emit, 1), trace)

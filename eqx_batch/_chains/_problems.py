@@ -1,0 +1,120 @@
+"""Many problems in one run: `run_chains(..., data=data)` gives each block of chains a
+row of `data`, its problem's, so that one compiled loop fits one model to many datasets.
+
+Chain `c` of `C` belongs to problem `c // (C // P)`. Each chain carries its problem's
+index (`ChainState.problem`), so chunks, devices, padding and checkpoints move it with
+the chain, and the step reads its row of `data` by that index inside the compiled
+loop: `data` is held once (one row per problem, on every device of the run), never
+once per chain.
+"""
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from .._errors import BatchError, describe, qualified_name
+from .._tree import axis_sizes, common_size, host_array, is_array, mapped_leaves
+from ._all_chains import AllChains
+
+
+class ProblemStep(eqx.Module):
+    """A step of one chain given its problem's row of `data`.
+
+    A pytree whose leaves are the step's and `data`'s: `data`'s arrays are arguments of
+    the compiled loop, so new datasets of the same shapes do not recompile it.
+    """
+
+    step: Callable
+    data: Any
+
+    def __call__(self, state: Any, key: Any, problem: Any) -> Any:
+        row = jtu.tree_map(lambda x: x[problem] if is_array(x) else x, self.data)
+        return self.step(state, key, row)
+
+    def placed(self, sharding: jax.sharding.Sharding) -> "ProblemStep":
+        """This step with `data` on the devices of `sharding` (replicated): from the
+        host, so that every process of a job places the same values."""
+        data = jtu.tree_map(
+            lambda x: jax.device_put(host_array(x), sharding) if is_array(x) else x,
+            self.data,
+        )
+        return ProblemStep(self.step, data)
+
+
+def problem_step(
+    step: Callable, data: Any, num_chains: int, superchains: int | None
+) -> tuple[ProblemStep, int]:
+    """`step` given its chain's row of `data`, and the number of problems P.
+
+    `data`'s NumPy leaves get the dtypes JAX gives them, as `init`'s do.
+
+    **Raises:**
+
+    `BatchError` if `data`'s array leaves disagree on P or there is none, if P does not
+    divide the chains (or the superchains), if `step` is an `eb.all_chains` step, or if
+    `step` cannot be called as `step(state, key, data)`.
+    """
+    if isinstance(step, AllChains):
+        raise BatchError(
+            "`data` is given with an `eb.all_chains` step: the step sees every chain "
+            "at once, so there is no one problem to give it the row of. Pass the data "
+            "to the step yourself (`functools.partial(step, data=data)`) and index it "
+            "by each chain's problem inside, or use a per-chain "
+            "`step(state, key, data)`."
+        )
+    _check_signature(step)
+    data = jtu.tree_map(
+        lambda x: (
+            np.asarray(x, jax.dtypes.canonicalize_dtype(x.dtype))
+            if isinstance(x, np.ndarray)
+            else x
+        ),
+        data,
+    )
+    num_problems = common_size(
+        axis_sizes(mapped_leaves(eqx.filter(data, is_array), 0, "data"), "data"),
+        what="problem axis (axis 0)",
+        fix="Every array leaf of `data` holds one row per problem along axis 0.",
+    )
+    if superchains is not None and superchains % num_problems:
+        raise BatchError(
+            f"`data` holds {num_problems} problems, which do not divide "
+            f"`superchains={superchains}`: `superchains` counts the superchains of "
+            f"every problem, superchain `s` belonging to problem "
+            f"`s // (superchains // problems)`. Pass {num_problems} * K superchains."
+        )
+    if num_chains % num_problems:
+        raise BatchError(
+            f"`data` holds {num_problems} problems, which do not divide the "
+            f"{num_chains} chains: every problem has the same number of chains, chain "
+            f"`c` belonging to problem `c // (chains // problems)`. Pass "
+            f"{num_problems} * M chains in `init` (or keys, with superchains)."
+        )
+    return ProblemStep(step, data), int(num_problems)
+
+
+def problem_ids(num_chains: int, num_problems: int) -> np.ndarray:
+    """Each chain's problem, `int32[chains]`: chain `c` is in `c // (C // P)`."""
+    return (np.arange(num_chains) // (num_chains // num_problems)).astype(np.int32)
+
+
+def _check_signature(step: Callable) -> None:
+    """Refuses, before tracing, a step that cannot be called as `step(state, key,
+    data)`: most often a step written for one problem, `step(state, key)`."""
+    try:
+        signature = inspect.signature(step)
+    except (TypeError, ValueError):
+        return  # no signature to read (some builtins): calling it will tell
+    try:
+        signature.bind(None, None, None)
+    except TypeError as e:
+        raise BatchError(
+            f"`step` is {qualified_name(step) or describe(step)}{signature}, but with "
+            "`data` it is called as `step(state, key, data)`, `data` its chain's "
+            f"problem's row: {e}. Take the third argument, or leave `data` out."
+        ) from None

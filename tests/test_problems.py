@@ -1,0 +1,389 @@
+"""Many problems in one run (`run_chains(..., data=data)`): each problem's chains are
+those of running it alone, bit for bit, however the run is chunked, placed, split over
+processes, checkpointed or killed; and bad input is refused naming the fix."""
+
+import functools as ft
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from chains_worker import (
+    ar1_problem,
+    everything,
+    problems_run,
+    RHOS,
+    schools_data,
+    schools_init,
+    schools_step,
+    stopping_problems_run,
+)
+from helpers import assert_trees_identical, checkpoint_steps_done, tree_allclose
+from multiprocess_launch import launch
+
+import eqx_batch as eb
+
+
+CHAINS_WORKER = pathlib.Path(__file__).with_name("chains_worker.py")
+
+
+def _alone(result: eb.Chains, p: int, **options) -> eb.Chains:
+    """Problem `p` of `problems_run` run alone: its starts, keys and row of the data,
+    the row an argument of the loop (a partial), as `data` is."""
+    row = jax.tree.map(lambda x: x[p], schools_data(6))
+    return eb.run_chains(
+        ft.partial(schools_step, data=row),
+        jax.tree.map(lambda x: x[2 * p : 2 * p + 2], schools_init(12)),
+        jr.split(jr.key(5), 36)[6 * p : 6 * p + 6],
+        60,
+        thin=2,
+        superchains=2,
+        diagnostics=True,
+        **options,
+    )
+
+
+def _read(tree):
+    """`tree` with its `trace="disk"` leaves read."""
+    return jax.tree.map(
+        lambda x: jnp.asarray(np.asarray(x)) if isinstance(x, eb.DiskArray) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, eb.DiskArray),
+    )
+
+
+def _own(result: eb.Chains) -> dict:
+    """What a problem's result holds that its run alone must equal bit for bit."""
+    return {
+        "final": result.final,
+        "trace": result.trace,
+        "keys": result.keys,
+        "superchain": result.superchain,
+        "nonfinite": result.nonfinite,
+    }
+
+
+@pytest.mark.parametrize("chunk_size", [None, 10])
+def test_each_problem_is_its_run_alone(chunk_size):
+    # 36 chains over 4 devices (padded), and in chunks of 10 that cut problems apart.
+    result = problems_run(chunk_size=chunk_size)
+    assert result.problems == 6
+    assert result.trace["eta"].shape == (36, 30, 8)
+    assert result.diagnostics is not None
+    assert result.diagnostics.nested_rhat["eta"].shape == (6, 8)
+    for p in range(6):
+        mine, alone = result.problem(p), _alone(result, p)
+        assert_trees_identical(_own(mine), _own(alone))
+        assert mine.problems is None and mine.steps_done == 60
+        assert np.asarray(mine.superchain).tolist() == [0, 0, 0, 1, 1, 1]
+        # Computed for every problem in one program: equal to the last bits or so.
+        assert tree_allclose(mine.diagnostics, alone.diagnostics, rtol=1e-6)
+    # The problems differ: each chain read its own problem's row.
+    assert not np.array_equal(
+        result.problem(0).trace["mu"], result.problem(1).trace["mu"]
+    )
+
+
+def test_outputs_and_a_nonfinite_chain_are_the_problems_own():
+    def step(x, key, data):
+        new = data["scale"] * x + jr.normal(key, x.shape)
+        return new, {"size": jnp.sum(new**2)}
+
+    data = {"scale": jnp.array([0.5, 1.0, 1e30])}  # problem 2 overflows
+    init = jnp.ones((6, 2))
+    result = eb.run_chains(step, init, jr.key(1), 5, data=data, with_output=True)
+    keys = jr.split(jr.key(1), 6)
+    for p in range(3):
+        alone = eb.run_chains(
+            ft.partial(step, data={"scale": data["scale"][p]}),
+            init[2 * p : 2 * p + 2],
+            keys[2 * p : 2 * p + 2],
+            5,
+            with_output=True,
+        )
+        mine = result.problem(p)
+        assert_trees_identical(
+            (mine.trace, mine.outputs, mine.nonfinite),
+            (alone.trace, alone.outputs, alone.nonfinite),
+        )
+    assert result.nonfinite.chains.tolist() == [4, 5]
+    assert result.problem(2).nonfinite.chains.tolist() == [0, 1]
+    assert result.problem(1).nonfinite.chains.tolist() == []
+
+
+def test_new_data_of_the_same_shapes_runs_the_same_program():
+    # `data` is an argument of the compiled loop, not a constant baked into it.
+    def step(x, key, data):
+        return x + data
+
+    init = jnp.zeros(4)
+    first = eb.run_chains(step, init, jr.key(0), 3, data=jnp.array([1.0, 2.0]))
+    with jax.log_compiles():
+        import logging
+
+        records: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: records.append(record.getMessage())
+        logger = logging.getLogger("jax")
+        logger.addHandler(handler)
+        try:
+            second = eb.run_chains(step, init, jr.key(0), 3, data=jnp.array([3.0, 4.0]))
+        finally:
+            logger.removeHandler(handler)
+    assert not [r for r in records if "Compiling" in r and "segment" in r], records
+    assert first.final.tolist() == [3.0, 3.0, 6.0, 6.0]
+    assert second.final.tolist() == [9.0, 9.0, 12.0, 12.0]
+
+
+def test_a_disk_trace_of_one_problem_is_read_lazily(tmp_path):
+    result = problems_run(str(tmp_path / "run"), trace="disk")
+    memory = problems_run()
+    mine = result.problem(4)
+    leaf = mine.trace["eta"]
+    assert isinstance(leaf, eb.DiskArray) and leaf.shape == (6, 30, 8)
+    assert np.array_equal(
+        leaf[2, -3:, 1], np.asarray(memory.problem(4).trace["eta"])[2, -3:, 1]
+    )
+    assert_trees_identical(_read(mine.trace), _read(memory.problem(4).trace))
+    posterior = mine.to_arviz()["posterior"]
+    assert posterior["eta"].shape == (6, 30, 8)
+    assert np.asarray(posterior["superchain"]).tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_other_data_is_another_run(tmp_path):
+    path = str(tmp_path / "run")
+    problems_run(path)
+    other = schools_data(6)
+    other["y"] = other["y"].at[3, 0].add(1.0)
+    with pytest.raises(eb.BatchError, match="data values: `data` holds other values"):
+        eb.run_chains(
+            schools_step,
+            schools_init(12),
+            jr.split(jr.key(5), 36),
+            60,
+            thin=2,
+            data=other,
+            superchains=12,
+            diagnostics=True,
+            checkpoint=path,
+            checkpoint_every=20,
+        )
+    # The same data reads the finished run back.
+    assert_trees_identical(everything(problems_run(path)), everything(problems_run()))
+
+
+_KILLED = textwrap.dedent(
+    """
+    import sys
+    import jax.random as jr
+    from chains_worker import schools_data, schools_init, schools_step
+    import eqx_batch as eb
+
+    eb.run_chains(
+        schools_step, schools_init(12), jr.split(jr.key(5), 36), 20000, thin=50,
+        data=schools_data(6), superchains=12, checkpoint=sys.argv[1],
+        checkpoint_every=200,
+    )
+    """
+)
+
+
+def test_killed_and_resumed_equals_one_run(tmp_path):
+    path = tmp_path / "run"
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _KILLED, str(path)], cwd=CHAINS_WORKER.parent
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while checkpoint_steps_done(path) < 400:
+            assert worker.poll() is None, "the run ended before it was killed"
+            assert time.monotonic() < deadline, "no checkpoint in 240 s"
+            time.sleep(0.05)
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+    assert 400 <= checkpoint_steps_done(path) < 20000
+
+    def run(checkpoint):
+        return eb.run_chains(
+            schools_step,
+            schools_init(12),
+            jr.split(jr.key(5), 36),
+            20000,
+            thin=50,
+            data=schools_data(6),
+            superchains=12,
+            checkpoint=checkpoint,
+            checkpoint_every=None if checkpoint is None else 200,
+        )
+
+    resumed, plain = run(path), run(None)
+    assert_trees_identical(everything(resumed), everything(plain))
+    assert_trees_identical(everything(resumed.problem(5)), everything(plain.problem(5)))
+
+
+@pytest.mark.parametrize("until", [False, True], ids=["fixed", "until"])
+def test_a_job_of_two_processes_runs_each_problem_as_one(tmp_path, until):
+    out = tmp_path / "problems"
+    args = ["--job", "--problems", str(out)] + (["--until"] if until else [])
+    launch(CHAINS_WORKER, args, timeout=480)
+    here = stopping_problems_run() if until else problems_run()
+    for process_id in range(2):
+        whole = eb.load(f"{out}.{process_id}", everything(here))
+        assert_trees_identical(whole, everything(here))
+        one = eb.load(f"{out}.one.{process_id}", everything(here.problem(1)))
+        assert_trees_identical(one, everything(here.problem(1)))
+
+
+def _alone_until(p: int, num_steps: int = 3000) -> eb.Chains:
+    """Problem `p` of `stopping_problems_run` run alone, with its own `until`."""
+    starts = jnp.tile(jnp.linspace(-3.0, 3.0, 4)[:, None], (6, 2))
+    return eb.run_chains(
+        ft.partial(ar1_problem, data={"rho": jnp.asarray(RHOS[p])}),
+        starts[4 * p : 4 * p + 4],
+        jr.split(jr.key(0), 6 * 4 * 8)[32 * p : 32 * p + 32],
+        num_steps,
+        thin=2,
+        superchains=4,
+        until=eb.converged(every=50),
+    )
+
+
+def _stops(result: eb.Chains) -> dict:
+    stopped = result.stopped
+    assert isinstance(stopped, eb.Stopped)
+    return {
+        "steps_done": np.int64(result.steps_done),
+        "stopped": (stopped.step, stopped.converged, stopped.reason),
+        "window": stopped.window_start,
+        "checks": stopped.checks,
+        "worst": stopped.worst,
+    }
+
+
+@pytest.fixture(scope="module")
+def alone_until() -> list[eb.Chains]:
+    return [_alone_until(p) for p in range(6)]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"chunk_size": 40}, {"trace": "disk"}, {"progress": True, "chunk_size": 80}],
+    ids=["whole", "chunks", "disk", "bar"],
+)
+def test_each_problem_stops_where_it_would_alone(tmp_path, alone_until, options):
+    # Each problem's check is made on its own chains, and a problem that stops
+    # leaves the batch (compaction): what is left of it is its run alone, bit for
+    # bit, its trace cut at its own stop.
+    checkpoint = str(tmp_path / "run") if options.get("trace") == "disk" else None
+    result = stopping_problems_run(checkpoint, **options)
+    steps = np.asarray(result.steps_done)
+    assert steps.shape == (6,) and len(set(steps.tolist())) > 2, steps
+    assert isinstance(result.stopped, tuple) and len(result.stopped) == 6
+    assert result.draws_made is not None
+    assert result.draws_made.tolist() == (steps // 2).tolist()
+    assert result.trace.shape == (192, steps.max() // 2, 2)
+    for p, alone in enumerate(alone_until):
+        mine = result.problem(p)
+        assert_trees_identical(_stops(mine), _stops(alone))
+        assert_trees_identical(_read(_own(mine)), _own(alone))
+        # A stopped problem's rows hold zeros after its draws.
+        rows = np.asarray(result.trace)[32 * p : 32 * (p + 1)]
+        assert not rows[:, result.draws_made[p] :].any()
+
+
+def test_problems_that_stop_early_are_compacted_out():
+    # Half the problems stop at the first check, the other half run far longer: the
+    # longer half runs alone in a smaller batch, and still each problem is its run
+    # alone (the test above); here, that the run is not the slowest problem's for
+    # all: the fast problems' final states are those at their own stops.
+    result = stopping_problems_run()
+    fast = int(np.argmin(result.steps_done))
+    alone = _alone_until(fast, num_steps=int(np.max(result.steps_done)))
+    assert_trees_identical(result.problem(fast).final, alone.final)
+
+
+_KILLED_UNTIL = textwrap.dedent(
+    """
+    import sys
+    from chains_worker import stopping_problems_run
+
+    stopping_problems_run(sys.argv[1], num_steps=20000)
+    """
+)
+
+
+def test_killed_after_some_problems_stopped_resumes_bit_for_bit(tmp_path):
+    path = tmp_path / "run"
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_UNTIL, str(path)], cwd=CHAINS_WORKER.parent
+    )
+    try:
+        deadline = time.monotonic() + 300
+        # Past the first checks (50, 100): some problems have stopped.
+        while checkpoint_steps_done(path) < 120:
+            assert worker.poll() is None, "the run ended before it was killed"
+            assert time.monotonic() < deadline, "no checkpoint in 300 s"
+            time.sleep(0.02)
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+    done = checkpoint_steps_done(path)
+    resumed = stopping_problems_run(str(path), num_steps=20000)
+    plain = stopping_problems_run(num_steps=20000)
+    assert done < int(np.max(plain.steps_done)), done
+    assert_trees_identical(everything(resumed), everything(plain))
+    for p in (0, 1):
+        assert_trees_identical(_stops(resumed.problem(p)), _stops(plain.problem(p)))
+
+
+def _step(x, key, data):
+    return x + data["shift"]
+
+
+def test_bad_input_is_refused_naming_the_fix():
+    init = jnp.zeros((6, 2))
+    data = {"shift": jnp.ones(3)}
+    cases: list[tuple[dict[str, Any], str]] = [
+        (
+            dict(data={"shift": jnp.ones(4)}),
+            "4 problems, which do not divide the 6 chains",
+        ),
+        (
+            dict(data={"shift": jnp.ones(3), "other": jnp.ones((2, 5))}),
+            r"`data\['other'\]`: 2",
+        ),
+    ]
+    for options, message in cases:
+        with pytest.raises(eb.BatchError, match=message):
+            eb.run_chains(_step, init, jr.key(0), 20, **options)
+    with pytest.raises(eb.BatchError, match=r"called as `step\(state, key, data\)`"):
+        eb.run_chains(lambda x, key: x, init, jr.key(0), 20, data=data)
+    with pytest.raises(eb.BatchError, match="do not divide `superchains=4`"):
+        eb.run_chains(
+            _step,
+            jnp.zeros((4, 2)),
+            jr.split(jr.key(0), 8),
+            20,
+            data=data,
+            superchains=4,
+        )
+    with pytest.raises(eb.BatchError, match="`eb.all_chains` step"):
+        eb.run_chains(
+            eb.all_chains(lambda s, k, count: s), init, jr.key(0), 20, data=data
+        )
+    result = eb.run_chains(_step, init, jr.key(0), 20, data=data)
+    with pytest.raises(eb.BatchError, match=r"result.problem\(p\).to_arviz\(\)"):
+        result.to_arviz()
+    with pytest.raises(eb.BatchError, match="`p`"):
+        result.problem(3)
+    with pytest.raises(eb.BatchError, match="ran without `data`"):
+        eb.run_chains(lambda x, key: x, init, jr.key(0), 2).problem(0)
