@@ -282,14 +282,11 @@ def rank_histograms(ranks: Any, num_ranks: int, bins: int) -> Any:
 
 
 def choose_bins(num_ranks: int, replications: int) -> int:
-    """The most bins that divide the ranks evenly and expect PER_BIN replications each
-    (at least 2)."""
-    fits = [
-        bins
-        for bins in range(2, num_ranks + 1)
-        if num_ranks % bins == 0 and replications / bins >= PER_BIN
-    ]
-    return max(fits, default=2 if num_ranks % 2 == 0 else num_ranks)
+    """The most bins that divide the ranks evenly and expect PER_BIN replications
+    each; with too few replications for any, the fewest that divide them."""
+    divisors = [bins for bins in range(2, num_ranks + 1) if num_ranks % bins == 0]
+    fits = [bins for bins in divisors if replications / bins >= PER_BIN]
+    return max(fits, default=divisors[0])
 
 
 def scalars(tree: Any) -> dict[str, np.ndarray]:
@@ -311,8 +308,9 @@ def scalars(tree: Any) -> dict[str, np.ndarray]:
 def uniformity(ranks: np.ndarray, histogram: np.ndarray) -> dict:
     """Two tests of one quantity's ranks against the uniform on 0..L.
 
-    - chi-square, of the histogram: Talts et al.'s picture, made a number; its bins
-      lose the ranks' order, so it is weak with few replications.
+    - chi-square, of the histogram: Talts et al.'s picture, made a number. Its bins
+      lose the ranks' order, so it is weak with few replications, but it sees a
+      spike in one bin (chains stuck in some replications) that KS hardly does.
     - Kolmogorov-Smirnov, of the ranks themselves: the largest gap between their
       empirical CDF and the uniform's, which a sampler too confident (a U shape),
       too vague (a hump) or biased (a slope) widens. Its p-value, from the
