@@ -81,6 +81,16 @@ L = CHAINS * DRAWS  # posterior draws per replication: a rank is one of 0..L
 STEP_SIZE = 0.4
 LEAPFROG_STEPS = 8
 PER_BIN = 20  # Talts et al.'s advice: about 20 replications per bin, expected
+# Stopping per replication: the warmup ends at the first check nested R-hat passes
+# (every CHECK_EVERY steps, NUM_STEPS the cap), then a sampling phase as long as the
+# fixed budget's, ranked the same way.
+CHECK_EVERY = 50
+SAMPLE_STEPS = NUM_STEPS - BURN_IN
+# The window that passed, and the first window of the fresh sample (its control),
+# ranked on the same draws: every 10th step, 5 per chain, 80 per replication.
+WINDOW_RANK_THIN = 2
+WINDOW_DRAWS = CHECK_EVERY // THIN // WINDOW_RANK_THIN
+L_WINDOW = CHAINS * WINDOW_DRAWS
 
 
 # --- The model ------------------------------------------------------------------------
@@ -221,25 +231,63 @@ def simulate_all(
     return truth, data, starts
 
 
-def fit_all(data: dict, starts: dict, key: jax.Array, tau_prior: str) -> eb.Chains:
-    """Fits every replication in ONE run: problem p is replication p, its data row
-    `data[p]`, its superchains `starts[SUPERCHAINS * p:]`, its chains rows
-    `CHAINS * p` to `CHAINS * (p + 1) - 1`."""
-    replications = data["y"].shape[0]
-    step = ft.partial(
+def make_step(tau_prior: str) -> Callable:
+    """HMC of ONE chain of ONE replication, for `run_chains(..., data=...)`."""
+    return ft.partial(
         hmc,
         log_density=ft.partial(log_density, tau_prior=TAU_PRIORS[tau_prior]),
         step_size=STEP_SIZE,
         leapfrog_steps=LEAPFROG_STEPS,
     )
+
+
+def fit_all(data: dict, starts: dict, key: jax.Array, tau_prior: str) -> eb.Chains:
+    """Fits every replication in ONE run of a fixed budget: problem p is replication
+    p, its data row `data[p]`, its superchains `starts[SUPERCHAINS * p:]`, its chains
+    rows `CHAINS * p` to `CHAINS * (p + 1) - 1`."""
+    replications = data["y"].shape[0]
     return eb.run_chains(
-        step,
+        make_step(tau_prior),
         starts,
         jr.split(key, replications * CHAINS),
         NUM_STEPS,
         data=data,
         superchains=replications * SUPERCHAINS,
         burn_in=BURN_IN,
+        thin=THIN,
+        with_output=True,
+        diagnostics=True,
+    )
+
+
+def warm_up_all(data: dict, starts: dict, key: jax.Array, tau_prior: str) -> eb.Chains:
+    """The warmup of every replication in ONE run, each stopping on its own: at the
+    first check (every CHECK_EVERY steps) where nested R-hat of its own superchains
+    passes `eb.converged()`'s default, or at the fixed budget's NUM_STEPS. Every
+    THIN-th state is kept, to rank the window that passed."""
+    replications = data["y"].shape[0]
+    return eb.run_chains(
+        make_step(tau_prior),
+        starts,
+        jr.split(key, replications * CHAINS),
+        NUM_STEPS,
+        data=data,
+        superchains=replications * SUPERCHAINS,
+        thin=THIN,
+        with_output=True,
+        until=eb.converged(every=CHECK_EVERY),
+    )
+
+
+def sample_all(warm: eb.Chains, data: dict, tau_prior: str) -> eb.Chains:
+    """A fresh sampling phase of SAMPLE_STEPS for every replication, continuing each
+    chain exactly where its warmup stopped: draws that no check selected."""
+    return eb.run_chains(
+        make_step(tau_prior),
+        warm.final,
+        warm.keys,
+        SAMPLE_STEPS,
+        data=data,
         thin=THIN,
         with_output=True,
         diagnostics=True,
@@ -289,6 +337,49 @@ def choose_bins(num_ranks: int, replications: int) -> int:
     return max(fits, default=divisors[0])
 
 
+@jax.jit
+def window_draws(trace: Any, first_draw: jax.Array) -> Any:
+    """The draws ranked from each replication's window of CHECK_EVERY steps.
+
+    **Arguments:**
+
+    - `trace`: a trace kept every THIN steps, leaves `[replications * CHAINS, draws,
+        ...]`; draw `i` is the state after step `THIN * (i + 1)`.
+    - `first_draw`: `int[replications]`, each replication's first draw of its window.
+
+    **Returns:**
+
+    Leaves `[replications * CHAINS, WINDOW_DRAWS, ...]`: every WINDOW_RANK_THIN-th
+    state of the window, ending at its last step.
+    """
+
+    def window(leaf: jax.Array) -> jax.Array:
+        per_replication = leaf.reshape(first_draw.size, CHAINS, *leaf.shape[1:])
+
+        def take(rows: jax.Array, start: jax.Array) -> jax.Array:
+            kept = jax.lax.dynamic_slice_in_dim(rows, start, CHECK_EVERY // THIN, 1)
+            return kept[:, WINDOW_RANK_THIN - 1 :: WINDOW_RANK_THIN]
+
+        taken = jax.vmap(take)(per_replication, first_draw)
+        return taken.reshape(-1, *taken.shape[2:])
+
+    return jax.tree.map(window, trace)
+
+
+def rank(draws: Any, truth: Any, num_ranks: int) -> tuple[dict, dict]:
+    """The ranks and their histograms, per scalar quantity, of the truths among
+    `draws` (states, leaves `[replications * CHAINS, draws, ...]`), of `num_ranks`
+    possible values."""
+    replications = jax.tree.leaves(truth)[0].shape[0]
+    posterior = jax.tree.map(
+        lambda leaf: leaf.reshape(replications, CHAINS, *leaf.shape[1:]),
+        jax.vmap(jax.vmap(quantities))(draws),
+    )
+    ranks = sbc_ranks(posterior, jax.vmap(quantities)(truth))
+    bins = choose_bins(num_ranks, replications)
+    return scalars(ranks), scalars(rank_histograms(ranks, num_ranks, bins))
+
+
 def scalars(tree: Any) -> dict[str, np.ndarray]:
     """Every scalar of `tree`'s leaves `[lead, ...]` by name (`mu`, `theta[3]`), each
     its `[lead]` values."""
@@ -305,8 +396,8 @@ def scalars(tree: Any) -> dict[str, np.ndarray]:
     return named
 
 
-def uniformity(ranks: np.ndarray, histogram: np.ndarray) -> dict:
-    """Two tests of one quantity's ranks against the uniform on 0..L.
+def uniformity(ranks: np.ndarray, histogram: np.ndarray, num_ranks: int) -> dict:
+    """Two tests of one quantity's ranks against the uniform on 0..num_ranks - 1.
 
     - chi-square, of the histogram: Talts et al.'s picture, made a number. Its bins
       lose the ranks' order, so it is weak with few replications, but it sees a
@@ -319,8 +410,8 @@ def uniformity(ranks: np.ndarray, histogram: np.ndarray) -> dict:
     replications, bins = ranks.size, histogram.size
     expected = replications / bins
     chi2 = float(np.sum((histogram - expected) ** 2) / expected)
-    empirical = np.cumsum(np.bincount(ranks, minlength=L + 1)) / replications
-    ks = float(np.max(np.abs(empirical - np.arange(1, L + 2) / (L + 1))))
+    empirical = np.cumsum(np.bincount(ranks, minlength=num_ranks)) / replications
+    ks = float(np.max(np.abs(empirical - np.arange(1, num_ranks + 1) / num_ranks)))
     return {
         "chi2": chi2,
         "chi2_p": float(scipy.stats.chi2.sf(chi2, bins - 1)),
@@ -370,13 +461,16 @@ def plot(
 
 
 def report_mixing(result: eb.Chains, replications: int) -> dict:
-    """The acceptance rate and R-hat of each replication, summarised over them."""
+    """The acceptance rate and R-hat of each replication, summarised over them
+    (nested R-hat only for a run of superchains)."""
     acceptance = np.asarray(result.outputs["acceptance"])
     acceptance = acceptance.reshape(replications, -1).mean(axis=1)
     worst = {}
     for statistic in ("rhat", "nested_rhat"):
         # Leaves [replications, ...]: the worst element of each replication.
         leaves = jax.tree.leaves(getattr(result.diagnostics, statistic))
+        if not leaves:
+            continue
         worst[statistic] = np.max(
             [np.asarray(leaf).reshape(replications, -1).max(axis=1) for leaf in leaves],
             axis=0,
@@ -407,7 +501,9 @@ def report_mixing(result: eb.Chains, replications: int) -> dict:
     }
 
 
-def report_uniformity(ranks: dict, histograms: dict, replications: int) -> dict:
+def report_uniformity(
+    ranks: dict, histograms: dict, replications: int, num_ranks: int
+) -> dict:
     """Each quantity's tests of uniformity, and its bins outside the 99% band."""
     bins = next(iter(histograms.values())).size
     low, high = band(replications, bins)
@@ -417,7 +513,7 @@ def report_uniformity(ranks: dict, histograms: dict, replications: int) -> dict:
         f"(of {bins})"
     )
     for name, histogram in histograms.items():
-        test = uniformity(ranks[name], histogram)
+        test = uniformity(ranks[name], histogram, num_ranks)
         test["outside_band"] = int(np.sum((histogram < low) | (histogram > high)))
         tests[name] = test
         print(
@@ -425,6 +521,89 @@ def report_uniformity(ranks: dict, histograms: dict, replications: int) -> dict:
             f"{test['ks_p']:10.4f}  {test['outside_band']}"
         )
     return tests
+
+
+def ecdf_gap(ranks: np.ndarray, num_ranks: int) -> np.ndarray:
+    """The empirical CDF of the ranks minus the uniform's, at ranks 0..num_ranks - 1."""
+    empirical = np.cumsum(np.bincount(ranks, minlength=num_ranks)) / ranks.size
+    return empirical - np.arange(1, num_ranks + 1) / num_ranks
+
+
+def plot_stopping(
+    variants: dict, steps_done: np.ndarray, chain_steps: dict, path: pathlib.Path
+) -> None:
+    """The steps each replication's warmup took, the chain-steps of each way, and
+    for each variant the gap of each quantity's rank ECDF from the uniform's, in the
+    pointwise 99% band of a uniform's."""
+    fig, axes = plt.subplots(2, 3, figsize=(13.2, 7.0))
+    replications = steps_done.size
+    stops, counts = np.unique(steps_done, return_counts=True)
+    axes[0, 0].bar(stops, counts, width=0.8 * CHECK_EVERY, color="C0")
+    axes[0, 0].set_xlabel("steps of warmup (the step nested R-hat passed)")
+    axes[0, 0].set_ylabel("replications")
+    axes[0, 0].set_title(f"where each of {replications} replications stopped")
+    names = list(chain_steps)
+    axes[1, 0].barh(names, [chain_steps[name] / 1e6 for name in names], color="C0")
+    axes[1, 0].invert_yaxis()
+    axes[1, 0].set_xlabel("million chain-steps")
+    axes[1, 0].set_title("the cost of each way")
+    for ax, (title, (ranks, num_ranks)) in zip(
+        axes[:, 1:].T.flat, variants.items(), strict=True
+    ):
+        fraction = np.arange(1, num_ranks + 1) / num_ranks
+        low, high = scipy.stats.binom.interval(0.99, replications, fraction)
+        ax.fill_between(
+            fraction,
+            low / replications - fraction,
+            high / replications - fraction,
+            color="0.85",
+            lw=0,
+            step="post",
+        )
+        for name, quantity_ranks in ranks.items():
+            ax.plot(
+                fraction,
+                ecdf_gap(quantity_ranks, num_ranks),
+                color="C3" if name == "tau" else "C0",
+                lw=1.2 if name == "tau" else 0.6,
+                alpha=1.0 if name == "tau" else 0.5,
+                drawstyle="steps-post",
+            )
+        ax.axhline(0.0, color="0.5", lw=0.8)
+        ax.set_title(f"{title}: {num_ranks - 1} draws", fontsize=10)
+        ax.set_xlabel("rank / draws")
+        ax.set_ylabel("ECDF - uniform")
+    fig.suptitle(
+        "SBC of eight schools with a warmup that stops per replication: each "
+        "quantity's rank ECDF minus the uniform's (red: tau); grey: pointwise 99% "
+        "band",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report_stopping(warm: eb.Chains, replications: int) -> dict:
+    """Where each replication's warmup stopped, summarised over them."""
+    steps_done = np.asarray(warm.steps_done)
+    converged = sum(stopped.converged for stopped in warm.stopped)
+    stops, counts = np.unique(steps_done, return_counts=True)
+    print(
+        f"warmup steps per replication: median {np.median(steps_done):.0f}, mean "
+        f"{steps_done.mean():.1f}, max {steps_done.max()}; converged in {converged} "
+        f"of {replications} (the others ran to the cap, {NUM_STEPS})"
+    )
+    at_each = zip(stops, counts, strict=True)
+    print(
+        "replications stopping at each check: "
+        + ", ".join(f"{stop}: {count}" for stop, count in at_each)
+    )
+    return {
+        "steps_done": steps_done.tolist(),
+        "converged": int(converged),
+        "window_start": [stopped.window_start for stopped in warm.stopped],
+    }
 
 
 def main() -> None:
@@ -439,6 +618,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     replications = args.replications
+    suffix = "" if args.tau_prior == "half-normal" else "_" + args.tau_prior
+    suffix = suffix.replace("-", "_")
 
     simulate_key, fit_key = jr.split(jr.key(0))
     began = time.perf_counter()
@@ -449,15 +630,9 @@ def main() -> None:
     result = fit_all(data, starts, fit_key, args.tau_prior)
     jax.block_until_ready(result.trace)
     fitted = time.perf_counter()
-    draws = jax.tree.map(
-        lambda leaf: leaf.reshape(replications, CHAINS, *leaf.shape[1:]),
-        jax.vmap(jax.vmap(quantities))(
-            jax.tree.map(lambda leaf: leaf[:, ::RANK_THIN], result.trace)
-        ),
+    ranks, histograms = rank(
+        jax.tree.map(lambda leaf: leaf[:, ::RANK_THIN], result.trace), truth, L + 1
     )
-    ranks = sbc_ranks(draws, jax.vmap(quantities)(truth))
-    bins = choose_bins(L + 1, replications)
-    histograms = scalars(rank_histograms(ranks, L + 1, bins))
     ranked = time.perf_counter()
     seconds = {
         "simulate": simulated - began,
@@ -475,11 +650,75 @@ def main() -> None:
         f"(compiling included), ranked in {seconds['rank']:.2f} s"
     )
     mixing = report_mixing(result, replications)
-    tests = report_uniformity(scalars(ranks), histograms, replications)
-    suffix = "" if args.tau_prior == "half-normal" else "_" + args.tau_prior
-    png = args.out / f"sbc_ranks{suffix.replace('-', '_')}.png"
+    tests = report_uniformity(ranks, histograms, replications, L + 1)
+    png = args.out / f"sbc_ranks{suffix}.png"
     plot(histograms, replications, args.tau_prior, png)
     print(f"histograms of the ranks: {png}")
+
+    # The same replications (truths, data, starts), other chains: a warmup that
+    # stops per replication, then a fresh sample as long as the fixed budget's.
+    began = time.perf_counter()
+    warm = warm_up_all(data, starts, jr.fold_in(fit_key, 1), args.tau_prior)
+    jax.block_until_ready(warm.final)
+    warmed = time.perf_counter()
+    sample = sample_all(warm, data, args.tau_prior)
+    jax.block_until_ready(sample.trace)
+    sampled = time.perf_counter()
+    steps_done = np.asarray(warm.steps_done)
+    chain_steps = {
+        "fixed budget": replications * CHAINS * NUM_STEPS,
+        "stopping + fresh sample": CHAINS
+        * int(steps_done.sum() + SAMPLE_STEPS * replications),
+    }
+    stopping_seconds = {"warmup": warmed - began, "sample": sampled - warmed}
+    print(
+        f"\nSTOPPING: a warmup of at most {NUM_STEPS} steps stopping per replication "
+        f"(nested R-hat checked every {CHECK_EVERY}), then {SAMPLE_STEPS} fresh "
+        f"steps ranked as above"
+    )
+    print(
+        f"warmed up in {stopping_seconds['warmup']:.1f} s, sampled in "
+        f"{stopping_seconds['sample']:.1f} s (compiling included), against "
+        f"{seconds['fit']:.1f} s for the fixed budget"
+    )
+    stopping = report_stopping(warm, replications)
+    print(
+        f"chain-steps: {chain_steps['stopping + fresh sample']:,} against "
+        f"{chain_steps['fixed budget']:,} for the fixed budget ("
+        f"{chain_steps['stopping + fresh sample'] / chain_steps['fixed budget']:.3f})"
+    )
+    print("the fresh sample:")
+    fresh_mixing = report_mixing(sample, replications)
+    # The stopped window: the one the check passed on, `window_start` to the stop;
+    # its control: the fresh sample's first window, ranked on the same draws.
+    window_starts = np.asarray(stopping["window_start"])
+    variants = {
+        "fresh sample": (
+            jax.tree.map(lambda leaf: leaf[:, ::RANK_THIN], sample.trace),
+            L + 1,
+        ),
+        "stopped window": (
+            window_draws(warm.trace, jnp.asarray(window_starts // THIN)),
+            L_WINDOW + 1,
+        ),
+        "fresh first window": (
+            window_draws(sample.trace, jnp.zeros(replications, jnp.int32)),
+            L_WINDOW + 1,
+        ),
+    }
+    stopping_tests = {}
+    ecdfs = {"fixed budget": (ranks, L + 1)}
+    for name, (draws, num_ranks) in variants.items():
+        variant_ranks, variant_histograms = rank(draws, truth, num_ranks)
+        print(f"{name}: {num_ranks - 1} draws per replication")
+        stopping_tests[name] = report_uniformity(
+            variant_ranks, variant_histograms, replications, num_ranks
+        )
+        ecdfs[name] = (variant_ranks, num_ranks)
+    stopping_png = args.out / f"sbc_stopping{suffix}.png"
+    plot_stopping(ecdfs, steps_done, chain_steps, stopping_png)
+    print(f"the comparison: {stopping_png}")
+
     summary = {
         "replications": replications,
         "tau_prior": args.tau_prior,
@@ -487,8 +726,8 @@ def main() -> None:
         "superchains_per_replication": SUPERCHAINS,
         "num_steps": NUM_STEPS,
         "draws": L,
-        "bins": bins,
-        "band": band(replications, bins),
+        "bins": histograms["mu"].size,
+        "band": band(replications, histograms["mu"].size),
         "seconds": seconds,
         **mixing,
         "uniformity": tests,
@@ -496,6 +735,25 @@ def main() -> None:
         "min_ks_p": min(test["ks_p"] for test in tests.values()),
         "histograms": {name: h.tolist() for name, h in histograms.items()},
         "png": str(png),
+        "stopping": {
+            "check_every": CHECK_EVERY,
+            "sample_steps": SAMPLE_STEPS,
+            "window_draws": L_WINDOW,
+            **stopping,
+            "chain_steps": chain_steps,
+            "seconds": stopping_seconds,
+            "fresh_mixing": fresh_mixing,
+            "uniformity": stopping_tests,
+            "min_p": {
+                name: min(min(t["chi2_p"], t["ks_p"]) for t in tests.values())
+                for name, tests in stopping_tests.items()
+            },
+            "outside_band": {
+                name: sum(t["outside_band"] for t in tests.values())
+                for name, tests in stopping_tests.items()
+            },
+            "png": str(stopping_png),
+        },
     }
     print("RESULT " + json.dumps(summary))
 
