@@ -32,12 +32,25 @@ serves both, and a sampler with one step size for every replication is miscalibr
 there. SBC shows it (`--tau-prior half-cauchy`): that is its job, but the lesson is
 about step-size adaptation, not this example's.
 
+Then it fits the same replications again (other chains), with a warmup that stops
+per replication: `until=eb.converged(every=50)` with `data=`, each replication
+checked on its own superchains and leaving the run when nested R-hat passes (the
+fixed budget's 1000 steps the cap), followed by a fresh sampling phase of 700 steps
+from each chain's `final` and `keys`, ranked as the fixed budget's draws are. It
+also ranks the draws of the window each stop was decided on (`window_start` to
+`steps_done`), and, as their control, the same number of draws from the first window
+of the fresh sample: a window chosen because it passed may be biased, a fresh one is
+not.
+
     python examples/sbc.py [--out DIR] [--replications R] [--tau-prior half-cauchy]
 
 It prints the acceptance rate, R-hat and, for each quantity, a chi-square and a
-Kolmogorov-Smirnov test of the ranks' uniformity; writes the histograms of the ranks
-with their 99% band to `DIR/sbc_ranks.png` (`sbc_ranks_half_cauchy.png`; default
-`examples/out/`); and ends with one line `RESULT {...}` in JSON, for scripts and
+Kolmogorov-Smirnov test of the ranks' uniformity; for the second run, the steps each
+replication's warmup took, the chain-steps and seconds of both ways, and the same
+tests of each of its three sets of ranks. It writes the histograms of the fixed
+budget's ranks with their 99% band to `DIR/sbc_ranks.png` and the comparison to
+`DIR/sbc_stopping.png` (`_half_cauchy` before `.png` with that prior; default
+`examples/out/`), and ends with one line `RESULT {...}` in JSON, for scripts and
 tests to read.
 """
 
@@ -587,7 +600,9 @@ def plot_stopping(
 def report_stopping(warm: eb.Chains, replications: int) -> dict:
     """Where each replication's warmup stopped, summarised over them."""
     steps_done = np.asarray(warm.steps_done)
-    converged = sum(stopped.converged for stopped in warm.stopped)
+    each = warm.stopped
+    assert isinstance(each, tuple)  # with `data=`: one `eb.Stopped` per replication
+    converged = sum(stopped.converged for stopped in each)
     stops, counts = np.unique(steps_done, return_counts=True)
     print(
         f"warmup steps per replication: median {np.median(steps_done):.0f}, mean "
@@ -602,7 +617,7 @@ def report_stopping(warm: eb.Chains, replications: int) -> dict:
     return {
         "steps_done": steps_done.tolist(),
         "converged": int(converged),
-        "window_start": [stopped.window_start for stopped in warm.stopped],
+        "window_start": [stopped.window_start for stopped in each],
     }
 
 

@@ -328,3 +328,40 @@ def test_sbc(tmp_path):
     size = assert_png(tmp_path / "sbc_ranks.png")
     # docs/sbc.md shows a committed copy of this plot, of 1000 replications.
     assert assert_png(ROOT / "docs" / "assets" / "sbc_ranks.png") == size
+
+    # The same replications with a warmup that stops per replication, each on its
+    # own superchains, at a check (every 50 steps) and at or before the cap.
+    stopping = result["stopping"]
+    steps_done = np.array(stopping["steps_done"])
+    assert steps_done.shape == (replications,)
+    assert np.all((steps_done > 0) & (steps_done <= result["num_steps"]))
+    assert np.all(steps_done % stopping["check_every"] == 0)
+    # The window that passed is the last one, of one interval, before each stop.
+    assert stopping["window_start"] == (steps_done - stopping["check_every"]).tolist()
+    # With the half-normal prior every replication converges, most well before the
+    # fixed budget's 300 steps of warmup (this run: 30 of 64 at the first check), so
+    # warmup + fresh sample costs fewer chain-steps than the fixed budget.
+    assert stopping["converged"] == replications
+    assert np.median(steps_done) < 300
+    chain_steps = stopping["chain_steps"]
+    assert chain_steps["stopping + fresh sample"] == 16 * (
+        steps_done.sum() + stopping["sample_steps"] * replications
+    )
+    assert chain_steps["stopping + fresh sample"] < chain_steps["fixed budget"]
+    # The fresh sample, continuing each chain exactly, mixes and is calibrated by the
+    # same bounds as the fixed budget (this run's smallest p-value: 0.02).
+    assert 0.6 < stopping["fresh_mixing"]["acceptance"]["min"]
+    assert stopping["fresh_mixing"]["rhat"]["max"] < 1.05
+    assert set(stopping["uniformity"]) == {
+        "fresh sample",
+        "stopped window",
+        "fresh first window",
+    }
+    for tests in stopping["uniformity"].values():
+        assert sorted(tests) == sorted(quantities)
+    assert stopping["min_p"]["fresh sample"] > 1e-3
+    for test in stopping["uniformity"]["fresh sample"].values():
+        assert test["outside_band"] <= 1
+    assert "replications stopping at each check" in output
+    size = assert_png(tmp_path / "sbc_stopping.png")
+    assert assert_png(ROOT / "docs" / "assets" / "sbc_stopping.png") == size
