@@ -366,5 +366,9 @@ def test_sbc(tmp_path):
     for test in stopping["uniformity"]["fresh sample"].values():
         assert test["outside_band"] <= 1
     assert "replications stopping at each check" in output
+    # The spread of the stopped window's draws over its control's, per quantity: a
+    # ratio of positive standard deviations.
+    assert sorted(stopping["spread_ratio"]) == sorted(quantities)
+    assert all(0.0 < ratio < np.inf for ratio in stopping["spread_ratio"].values())
     size = assert_png(tmp_path / "sbc_stopping.png")
     assert assert_png(ROOT / "docs" / "assets" / "sbc_stopping.png") == size
