@@ -37,14 +37,15 @@ SCRIPTS = [
     "multi_process",
     "parallel_markov_chains",
     "pmap_outputs_to_list",
+    "sbc",
     "vmap_affine",
 ]
 
 
 def run_example(
-    name: str, out: pathlib.Path, timeout: int = TIMEOUT
+    name: str, out: pathlib.Path, timeout: int = TIMEOUT, args: tuple[str, ...] = ()
 ) -> tuple[str, dict]:
-    """Runs `examples/<name>.py --out OUT`; returns its output and its RESULT."""
+    """Runs `examples/<name>.py --out OUT [ARGS]`; returns its output and its RESULT."""
     env = {
         key: value
         for key, value in os.environ.items()
@@ -53,7 +54,7 @@ def run_example(
     env.update(PYTHONWARNINGS="error", MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
     out.mkdir(parents=True, exist_ok=True)
     completed = subprocess.run(
-        [sys.executable, str(EXAMPLES / f"{name}.py"), "--out", str(out)],
+        [sys.executable, str(EXAMPLES / f"{name}.py"), "--out", str(out), *args],
         cwd=out,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -295,3 +296,79 @@ def test_many_short_chains(tmp_path):
     size = assert_png(tmp_path / "many_short_chains.png")
     # docs/many_short_chains.md shows a committed copy of this plot.
     assert assert_png(ROOT / "docs" / "assets" / "many_short_chains.png") == size
+
+
+def test_sbc(tmp_path):
+    # 64 replications, not the page's 1000: the same compiled loop, within TIMEOUT.
+    output, result = run_example("sbc", tmp_path, args=("--replications", "64"))
+    replications = result["replications"]
+    assert replications == 64 and result["chains_per_replication"] == 16
+    assert result["draws"] == 224
+    quantities = ["mu", "tau"] + [
+        f"{name}[{j}]" for name in ("theta", "theta_tilde") for j in range(8)
+    ]
+    assert sorted(result["uniformity"]) == sorted(quantities)
+    # Every replication's ranks are counted once, in bins that divide 0..224 evenly.
+    assert 225 % result["bins"] == 0
+    for name in quantities:
+        assert sum(result["histograms"][name]) == replications
+    # The sampler mixed, in every replication: R-hat per problem from the run.
+    assert 0.6 < result["acceptance"]["min"] <= result["acceptance"]["mean"] < 1.0
+    assert result["nested_rhat"]["max"] < 1.02
+    assert result["rhat"]["max"] < 1.05
+    # Calibration: no quantity's ranks are far from uniform (the smallest p-value of
+    # this run is 0.02). A sampler whose likelihood halves sigma, its step size
+    # halved so that it still mixes, fails here: the data then look too spread for
+    # their noise, tau's posterior sits above the truth, and its ranks pile at the
+    # bottom ([51, 9, 4] in 3 bins; p = 3e-14 and 2e-16), 3 bins outside the band.
+    assert result["min_ks_p"] > 1e-3 and result["min_chi2_p"] > 1e-3
+    for test in result["uniformity"].values():
+        assert test["outside_band"] <= 1
+    assert "bins outside the 99% band" in output
+    size = assert_png(tmp_path / "sbc_ranks.png")
+    # docs/sbc.md shows a committed copy of this plot, of 1000 replications.
+    assert assert_png(ROOT / "docs" / "assets" / "sbc_ranks.png") == size
+
+    # The same replications with a warmup that stops per replication, each on its
+    # own superchains, at a check (every 50 steps) and at or before the cap.
+    stopping = result["stopping"]
+    steps_done = np.array(stopping["steps_done"])
+    assert steps_done.shape == (replications,)
+    assert np.all((steps_done > 0) & (steps_done <= result["num_steps"]))
+    assert np.all(steps_done % stopping["check_every"] == 0)
+    # The window that passed is the last one, of one interval, before each stop.
+    assert stopping["window_start"] == (steps_done - stopping["check_every"]).tolist()
+    # With the half-normal prior every replication converges, most well before the
+    # fixed budget's 300 steps of warmup (this run: 30 of 64 at the first check), so
+    # warmup + fresh sample costs fewer chain-steps than the fixed budget.
+    assert stopping["converged"] == replications
+    assert np.median(steps_done) < 300
+    chain_steps = stopping["chain_steps"]
+    assert chain_steps["stopping + fresh sample"] == 16 * (
+        steps_done.sum() + stopping["sample_steps"] * replications
+    )
+    assert chain_steps["stopping + fresh sample"] < chain_steps["fixed budget"]
+    # The fresh sample, continuing each chain exactly, mixes and is calibrated by the
+    # same bounds as the fixed budget (this run's smallest p-value: 0.02). A fresh
+    # sample whose likelihood halves sigma fails here: with the step size it diverges
+    # (lowest acceptance 0.004); with a quarter of it, it mixes too slowly (R-hat
+    # 1.18) and tau's ranks are far from uniform (p = 8e-15, 3 bins outside).
+    assert 0.6 < stopping["fresh_mixing"]["acceptance"]["min"]
+    assert stopping["fresh_mixing"]["rhat"]["max"] < 1.05
+    assert set(stopping["uniformity"]) == {
+        "fresh sample",
+        "stopped window",
+        "fresh first window",
+    }
+    for tests in stopping["uniformity"].values():
+        assert sorted(tests) == sorted(quantities)
+    assert stopping["min_p"]["fresh sample"] > 1e-3
+    for test in stopping["uniformity"]["fresh sample"].values():
+        assert test["outside_band"] <= 1
+    assert "replications stopping at each check" in output
+    # The spread of the stopped window's draws over its control's, per quantity: a
+    # ratio of positive standard deviations.
+    assert sorted(stopping["spread_ratio"]) == sorted(quantities)
+    assert all(0.0 < ratio < np.inf for ratio in stopping["spread_ratio"].values())
+    size = assert_png(tmp_path / "sbc_stopping.png")
+    assert assert_png(ROOT / "docs" / "assets" / "sbc_stopping.png") == size
