@@ -502,9 +502,12 @@ def fixed_budget_rows() -> None:
 UNTIL_EVERY = 250  # eight schools: a window of 250 draws passes at different checks
 UNTIL_CAP = 1500
 UNTIL_REPEAT = 3
-AR1_EVERY = 50
-AR1_CAP = 3000
-AR1_RHOS = (0.8, 0.99)  # the even problems mix fast, the odd ones slowly
+MEAN_OBSERVATIONS = 256  # a problem's data: its observations
+MEAN_EVERY = 25
+MEAN_CAP = 3000
+# The proposal's scale (the posterior's sd is about 1): the even problems' near the
+# best, the odd ones' 16 times smaller, which mixes about 10 times slower.
+MEAN_SCALES = (2.4, 0.15)
 
 
 def until_call(
@@ -532,10 +535,10 @@ def assert_stops_as_alone(name: str, ours: eb.Chains, p: int, alone: eb.Chains) 
     """Problem p of a run with `until` stopped where its run alone did, with its
     draws."""
     mine = ours.problem(p)
-    assert int(ours.steps_done[p]) == int(alone.steps_done), (
+    assert int(mine.steps_done) == int(alone.steps_done), (
         name,
         p,
-        ours.steps_done[p],
+        mine.steps_done,
         alone.steps_done,
     )
     assert_same(f"{name}, problem {p}: final", mine.final, alone.final)
@@ -607,11 +610,18 @@ def until_rows() -> None:
     )
 
 
-def ar1_step(state: jax.Array, key: jax.Array, data: dict) -> jax.Array:
-    """An AR(1) chain whose correlation is its problem's (`data["rho"]`), so that the
-    problems mix at speeds the data sets; stationary: N(0, 1)."""
-    rho = data["rho"]
-    return rho * state + jnp.sqrt(1 - rho**2) * jr.normal(key, state.shape)
+def mean_step(mu: jax.Array, key: jax.Array, data: dict) -> jax.Array:
+    """One random-walk Metropolis step for the mean of a problem's observations
+    (`data["y"]`, each N(mu, sqrt(n)), flat prior: the posterior's sd is about 1),
+    with the problem's proposal scale (`data["scale"]`)."""
+    noise_key, accept_key = jr.split(key)
+    proposal = mu + data["scale"] * jr.normal(noise_key, mu.shape)
+
+    def log_density(m: jax.Array) -> jax.Array:
+        return -0.5 * jnp.sum((data["y"] - m) ** 2) / MEAN_OBSERVATIONS
+
+    log_ratio = log_density(proposal) - log_density(mu)
+    return jnp.where(jnp.log(jr.uniform(accept_key)) < log_ratio, proposal, mu)
 
 
 def executed_chain_steps(steps_done: np.ndarray, every: int, cap: int) -> tuple:
@@ -636,19 +646,24 @@ def executed_chain_steps(steps_done: np.ndarray, every: int, cap: int) -> tuple:
 
 
 def compaction_rows() -> None:
-    """Half the problems mix ten times slower: the one call with `until=` (which
-    compacts) against the same chains run to the slowest problem's stop."""
+    """Half the problems mix about ten times slower (their proposal's scale): the one
+    call with `until=` (which compacts) against the same chains run to the slowest
+    problem's stop."""
     w = workload()
-    rho = jnp.asarray(
-        np.resize(np.array(AR1_RHOS, np.float32), PROBLEMS)
-    )  # even problems fast, odd slow
-    data = {"rho": rho}
-    # Each problem's superchains start far apart, at -3, -1, 1 and 3.
-    starts = jnp.tile(jnp.linspace(-3.0, 3.0, SUPERCHAINS), PROBLEMS)[:, None]
-    rule = eb.converged(every=AR1_EVERY)
+    even_odd = np.resize(np.array(MEAN_SCALES, np.float32), PROBLEMS)
+    y_key = jr.key(1)
+    n = MEAN_OBSERVATIONS
+    data = {
+        "scale": jnp.asarray(even_odd),
+        "y": n**0.5 * jr.normal(y_key, (PROBLEMS, n)),
+    }
+    # Each problem's superchains start apart, at -3, -1, 1 and 3 posterior sds
+    # around 0 (its observations' mean is about N(0, 1)).
+    starts = jnp.tile(jnp.linspace(-3.0, 3.0, SUPERCHAINS), PROBLEMS)
+    rule = eb.converged(every=MEAN_EVERY)
 
     def compacted() -> eb.Chains:
-        return until_call(ar1_step, starts, w.keys, data, AR1_CAP, until=rule)
+        return until_call(mean_step, starts, w.keys, data, MEAN_CAP, until=rule)
 
     with compiles() as cold:
         start = time.perf_counter()
@@ -658,23 +673,25 @@ def compaction_rows() -> None:
     slowest = int(steps.max())
 
     def to_the_slowest() -> eb.Chains:
-        return until_call(ar1_step, starts, w.keys, data, slowest)
+        return until_call(mean_step, starts, w.keys, data, slowest)
 
     everyone = to_the_slowest()
     # The same chains: each problem's draws are the first of its chains run on.
     for p in sorted({0, 1, int(steps.argmin()), int(steps.argmax())}):
-        made = int(ours.draws_made[p])
+        made = int(np.asarray(ours.draws_made)[p])
         mine, theirs = ours.problem(p), everyone.problem(p)
-        assert_same(f"compaction, problem {p}", mine.trace, theirs.trace[:, :made])
+        first = jax.tree.map(lambda x, made=made: x[:, :made], theirs.trace)
+        assert_same(f"compaction, problem {p}", mine.trace, first)
     t = interleaved_medians(
         {"compacted": compacted, "to the slowest": to_the_slowest}, UNTIL_REPEAT
     )
 
     fast, slow = steps[0::2], steps[1::2]
     what = (
-        f"AR(1), rho {AR1_RHOS[0]} (half) or {AR1_RHOS[1]}, {PROBLEMS} problems x "
-        f"{SUPERCHAINS} superchains x {CHAINS_PER_SUPERCHAIN} chains, "
-        f"until=converged(every={AR1_EVERY}), cap {AR1_CAP}"
+        f"mean of {n} observations RWM, scale {MEAN_SCALES[0]} (half) or "
+        f"{MEAN_SCALES[1]}, {PROBLEMS} problems x {SUPERCHAINS} superchains x "
+        f"{CHAINS_PER_SUPERCHAIN} chains, until=converged(every={MEAN_EVERY}), "
+        f"cap {MEAN_CAP}"
     )
     ours_s, theirs_s = t["compacted"].seconds, t["to the slowest"].seconds
     ratio = ours_s / theirs_s
@@ -698,7 +715,7 @@ def compaction_rows() -> None:
         f"compiling) vs {ours_s:.2f}s",
     )
     needed = int(steps.sum()) * CHAINS
-    padded, unpadded = executed_chain_steps(steps, AR1_EVERY, AR1_CAP)
+    padded, unpadded = executed_chain_steps(steps, MEAN_EVERY, MEAN_CAP)
     report(
         f"{what}: chain-steps executed (padding included) / needed",
         padded / needed,
