@@ -39,10 +39,32 @@ every chain).
 Before timing, problem p's chains of the one call are checked equal, bit for bit, to
 the partial loop's, the closure loop's and NumPyro's runs of p alone, for a few p,
 and all its chains to the loop by hand's.
+
+Each problem stopping on its own (section `until`): the same eight schools, the one
+call with `until=eb.converged(every=250)` and a cap of 1500 steps (windows of 250
+draws pass at checks from the first to the cap: the problems stop at different
+steps) against the loop of 256 calls of `run_chains(partial(step, data=row), ...,
+until=)` with the same rule. Problem p's steps and draws are checked equal, bit for
+bit, to its call's, for the first and last problem to stop and the ends. Both are
+timed warm (the loop's programs compiled by a first pass over every problem, the one
+call's by its first call, which is its own row).
+
+Compaction (section `compaction`): the mean of 256 observations (flat prior, the
+posterior's sd about 1), sampled by random-walk Metropolis whose proposal scale is
+the problem's data: 2.4 for the even problems, 0.15 (mixing about ten times slower)
+for the odd ones; scalar state, so that nested R-hat passes on windows of 25 draws;
+the likelihood of 256 observations gives a step real compute. The one call with
+`until=eb.converged(every=25)` against the same chains with no `until` and
+`num_steps` the slowest problem's stop (what a run that does not compact computes);
+each problem's draws are checked equal to the first of its chains' in that run. Then
+the chain-steps the compacted run executed, padding included
+(`executed_chain_steps`), against the chain-steps its problems needed.
+
 Times are medians of repeats in which the sides alternate, so that the load of a
 shared machine falls on all of them. The per-problem starts, keys and data rows of the
 loops are sliced before timing (a loop pays only for its calls). Usage:
-`python benchmarks/bench_problems.py` (or through `benchmarks/run.py problems`).
+`python benchmarks/bench_problems.py [fixed] [until] [compaction]`, every section
+when none is named (or through `benchmarks/run.py problems`).
 """
 
 import functools as ft
