@@ -39,15 +39,39 @@ every chain).
 Before timing, problem p's chains of the one call are checked equal, bit for bit, to
 the partial loop's, the closure loop's and NumPyro's runs of p alone, for a few p,
 and all its chains to the loop by hand's.
+
+Each problem stopping on its own (section `until`): the same eight schools, the one
+call with `until=eb.converged(every=250)` and a cap of 1500 steps (windows of 250
+draws pass at checks from the first to the cap: the problems stop at different
+steps) against the loop of 256 calls of `run_chains(partial(step, data=row), ...,
+until=)` with the same rule. Problem p's steps and draws are checked equal, bit for
+bit, to its call's, for the first and last problem to stop and the ends. Both are
+timed warm (the loop's programs compiled by a first pass over every problem, the one
+call's by its first call, which is its own row).
+
+Compaction (section `compaction`): the mean of 256 observations (flat prior, the
+posterior's sd about 1), sampled by random-walk Metropolis whose proposal scale is
+the problem's data: 2.4 for the even problems, 0.15 (mixing about ten times slower)
+for the odd ones; scalar state, so that nested R-hat passes on windows of 25 draws;
+the likelihood of 256 observations gives a step real compute. The one call with
+`until=eb.converged(every=25)` against the same chains with no `until` and
+`num_steps` the slowest problem's stop (what a run that does not compact computes);
+each problem's draws are checked equal to the first of its chains' in that run. Then
+the chain-steps the compacted run executed, padding included
+(`executed_chain_steps`), against the chain-steps its problems needed.
+
 Times are medians of repeats in which the sides alternate, so that the load of a
 shared machine falls on all of them. The per-problem starts, keys and data rows of the
 loops are sliced before timing (a loop pays only for its calls). Usage:
-`python benchmarks/bench_problems.py` (or through `benchmarks/run.py problems`).
+`python benchmarks/bench_problems.py [fixed] [until] [compaction]`, every section
+when none is named (or through `benchmarks/run.py problems`).
 """
 
 import functools as ft
 import importlib
+import itertools
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,6 +84,7 @@ import numpy as np
 from _report import report
 
 import eqx_batch as eb
+from eqx_batch._chains._compaction import batch_size
 
 
 PROBLEMS = 256
@@ -380,7 +405,8 @@ def optional(module: str) -> tuple[Any, str]:
         return None, f"{type(error).__name__}: {error}"
 
 
-def main() -> None:
+def fixed_budget_rows() -> None:
+    """The rows of the fixed budget: 500 steps for every problem, on every side."""
     w = workload()
     numpyro, why_not = optional("numpyro")
     sides = {
@@ -491,6 +517,249 @@ def main() -> None:
         f"{ours:.3f}s vs {less:.2f}s (NumPyro's wall less the tracing, lowering and "
         f"compiling JAX reports in it; {per_run})",
     )
+
+
+# -- Each problem stops on its own (`until=`) -------------------------------------
+
+UNTIL_EVERY = 250  # eight schools: a window of 250 draws passes at different checks
+UNTIL_CAP = 1500
+UNTIL_REPEAT = 3
+MEAN_OBSERVATIONS = 256  # a problem's data: its observations
+MEAN_EVERY = 25
+MEAN_CAP = 3000
+# The proposal's scale (the posterior's sd is about 1): the even problems' near the
+# best, the odd ones' 16 times smaller, which mixes about 10 times slower.
+MEAN_SCALES = (2.4, 0.15)
+
+
+def until_call(
+    problem_step: Callable,
+    starts: Any,
+    keys: jax.Array,
+    data: dict,
+    cap: int,
+    **options,
+) -> eb.Chains:
+    return jax.block_until_ready(
+        eb.run_chains(
+            problem_step,
+            starts,
+            keys,
+            cap,
+            superchains=PROBLEMS * SUPERCHAINS,
+            data=data,
+            **options,
+        )
+    )
+
+
+def assert_stops_as_alone(name: str, ours: eb.Chains, p: int, alone: eb.Chains) -> None:
+    """Problem p of a run with `until` stopped where its run alone did, with its
+    draws."""
+    mine = ours.problem(p)
+    assert int(mine.steps_done) == int(alone.steps_done), (
+        name,
+        p,
+        mine.steps_done,
+        alone.steps_done,
+    )
+    assert_same(f"{name}, problem {p}: final", mine.final, alone.final)
+    assert_same(f"{name}, problem {p}: trace", mine.trace, alone.trace)
+
+
+def until_rows() -> None:
+    """Eight schools with `until=`: the one call against the loop of calls, each
+    problem stopping on its own."""
+    w = workload()
+    rule = eb.converged(every=UNTIL_EVERY)
+
+    def one() -> eb.Chains:
+        return until_call(step, w.starts, w.keys, w.data, UNTIL_CAP, until=rule)
+
+    def alone(p: int) -> eb.Chains:
+        return jax.block_until_ready(
+            eb.run_chains(
+                partial_step(w, p),
+                w.problem_starts[p],
+                w.problem_keys[p],
+                UNTIL_CAP,
+                superchains=SUPERCHAINS,
+                until=rule,
+            )
+        )
+
+    def loop_of_calls() -> list:
+        return [alone(p) for p in range(PROBLEMS)]
+
+    with compiles() as cold:
+        start = time.perf_counter()
+        ours = one()
+        cold_seconds = time.perf_counter() - start
+    steps = np.asarray(ours.steps_done)
+    # The first problem to stop, the last, and the ends: bit for bit.
+    for p in sorted({0, PROBLEMS - 1, int(steps.argmin()), int(steps.argmax())}):
+        assert_stops_as_alone("until", ours, p, alone(p))
+    # Problems that stop at other steps take other paths: compiled before timing.
+    loop_of_calls()
+    t = interleaved_medians({"one call": one, "loop": loop_of_calls}, UNTIL_REPEAT)
+    assert t["loop"].compiles == (0, 0), t["loop"].compiles
+
+    values, counts = np.unique(steps, return_counts=True)
+    stops = ", ".join(f"{n} at {s}" for s, n in zip(values, counts, strict=True))
+    what = (
+        f"eight schools RWM, {PROBLEMS} problems x {SUPERCHAINS} superchains x "
+        f"{CHAINS_PER_SUPERCHAIN} chains, until=converged(every={UNTIL_EVERY}), "
+        f"cap {UNTIL_CAP}"
+    )
+    ours_s, loop_s = t["one call"].seconds, t["loop"].seconds
+    ratio = ours_s / loop_s
+    report(
+        f"{what}: run_chains(data=, until=) / loop of run_chains(partial, until=)",
+        ratio,
+        "<= 0.25",
+        ratio <= 0.25,
+        f"{ours_s:.2f}s vs {loop_s:.2f}s (warm; {t['one call'].compiles[1]} and "
+        f"{t['loop'].compiles[1]} compiles); stops: {stops}; each problem's steps "
+        "and draws as its call's, bit for bit",
+    )
+    report(
+        f"{what}: run_chains(data=, until=) cold / warm",
+        cold_seconds / ours_s,
+        "report",
+        True,
+        f"{cold_seconds:.2f}s ({cold[0].number} compiles, {cold[0].seconds:.2f}s "
+        f"compiling) vs {ours_s:.2f}s",
+    )
+
+
+def mean_step(mu: jax.Array, key: jax.Array, data: dict) -> jax.Array:
+    """One random-walk Metropolis step for the mean of a problem's observations
+    (`data["y"]`, each N(mu, sqrt(n)), flat prior: the posterior's sd is about 1),
+    with the problem's proposal scale (`data["scale"]`)."""
+    noise_key, accept_key = jr.split(key)
+    proposal = mu + data["scale"] * jr.normal(noise_key, mu.shape)
+
+    def log_density(m: jax.Array) -> jax.Array:
+        return -0.5 * jnp.sum((data["y"] - m) ** 2) / MEAN_OBSERVATIONS
+
+    log_ratio = log_density(proposal) - log_density(mu)
+    return jnp.where(jnp.log(jr.uniform(accept_key)) < log_ratio, proposal, mu)
+
+
+def executed_chain_steps(steps_done: np.ndarray, every: int, cap: int) -> tuple:
+    """The chain-steps a compacted run executes, padding included, and without it.
+
+    A segment runs from one check to the next (multiples of `every`, and the cap);
+    before it, the problems still running are those whose `steps_done` is past its
+    start. While every problem runs, the batch is all the chains; once some have
+    stopped, it is `_compaction.batch_size` of the running chains (a power of two,
+    at most all of them: one device here)."""
+    everyone = len(steps_done) * CHAINS
+    padded = unpadded = 0
+    boundaries = [*range(0, cap, every), cap]
+    for start, end in itertools.pairwise(boundaries):
+        running = int((steps_done > start).sum()) * CHAINS
+        if running == 0:
+            break
+        size = everyone if running == everyone else batch_size(running, everyone)
+        padded += (end - start) * size
+        unpadded += (end - start) * running
+    return padded, unpadded
+
+
+def compaction_rows() -> None:
+    """Half the problems mix about ten times slower (their proposal's scale): the one
+    call with `until=` (which compacts) against the same chains run to the slowest
+    problem's stop."""
+    w = workload()
+    even_odd = np.resize(np.array(MEAN_SCALES, np.float32), PROBLEMS)
+    y_key = jr.key(1)
+    n = MEAN_OBSERVATIONS
+    data = {
+        "scale": jnp.asarray(even_odd),
+        "y": n**0.5 * jr.normal(y_key, (PROBLEMS, n)),
+    }
+    # Each problem's superchains start apart, at -3, -1, 1 and 3 posterior sds
+    # around 0 (its observations' mean is about N(0, 1)).
+    starts = jnp.tile(jnp.linspace(-3.0, 3.0, SUPERCHAINS), PROBLEMS)
+    rule = eb.converged(every=MEAN_EVERY)
+
+    def compacted() -> eb.Chains:
+        return until_call(mean_step, starts, w.keys, data, MEAN_CAP, until=rule)
+
+    with compiles() as cold:
+        start = time.perf_counter()
+        ours = compacted()
+        cold_seconds = time.perf_counter() - start
+    steps = np.asarray(ours.steps_done)
+    slowest = int(steps.max())
+
+    def to_the_slowest() -> eb.Chains:
+        return until_call(mean_step, starts, w.keys, data, slowest)
+
+    everyone = to_the_slowest()
+    # The same chains: each problem's draws are the first of its chains run on.
+    for p in sorted({0, 1, int(steps.argmin()), int(steps.argmax())}):
+        made = int(np.asarray(ours.draws_made)[p])
+        mine, theirs = ours.problem(p), everyone.problem(p)
+        first = jax.tree.map(lambda x, made=made: x[:, :made], theirs.trace)
+        assert_same(f"compaction, problem {p}", mine.trace, first)
+    t = interleaved_medians(
+        {"compacted": compacted, "to the slowest": to_the_slowest}, UNTIL_REPEAT
+    )
+
+    fast, slow = steps[0::2], steps[1::2]
+    what = (
+        f"mean of {n} observations RWM, scale {MEAN_SCALES[0]} (half) or "
+        f"{MEAN_SCALES[1]}, {PROBLEMS} problems x {SUPERCHAINS} superchains x "
+        f"{CHAINS_PER_SUPERCHAIN} chains, until=converged(every={MEAN_EVERY}), "
+        f"cap {MEAN_CAP}"
+    )
+    ours_s, theirs_s = t["compacted"].seconds, t["to the slowest"].seconds
+    ratio = ours_s / theirs_s
+    report(
+        f"{what}: run_chains(data=, until=) / run_chains(data=) to the slowest stop",
+        ratio,
+        "<= 0.65",
+        ratio <= 0.65,
+        f"{ours_s:.2f}s vs {theirs_s:.2f}s (warm; {slowest} steps, "
+        f"{t['compacted'].compiles[1]} and {t['to the slowest'].compiles[1]} "
+        f"compiles); median stop {np.median(fast):g} (fast) and {np.median(slow):g} "
+        f"(slow), from {steps.min()} to {slowest}; draws as the run to the slowest's, "
+        "bit for bit",
+    )
+    report(
+        f"{what}: run_chains(data=, until=) cold / warm",
+        cold_seconds / ours_s,
+        "report",
+        True,
+        f"{cold_seconds:.2f}s ({cold[0].number} compiles, {cold[0].seconds:.2f}s "
+        f"compiling) vs {ours_s:.2f}s",
+    )
+    needed = int(steps.sum()) * CHAINS
+    padded, unpadded = executed_chain_steps(steps, MEAN_EVERY, MEAN_CAP)
+    report(
+        f"{what}: chain-steps executed (padding included) / needed",
+        padded / needed,
+        "<= 1.25",
+        padded / needed <= 1.25,
+        f"{padded} vs {needed} (sum of steps_done x {CHAINS}); without padding "
+        f"{unpadded / needed:.3f}; the run to the slowest executes "
+        f"{PROBLEMS * CHAINS * slowest / needed:.2f}x",
+    )
+
+
+SECTIONS = {
+    "fixed": fixed_budget_rows,
+    "until": until_rows,
+    "compaction": compaction_rows,
+}
+
+
+def main() -> None:
+    """Every section, or those named on the command line."""
+    for name in sys.argv[1:] or SECTIONS:
+        SECTIONS[name]()
 
 
 if __name__ == "__main__":
