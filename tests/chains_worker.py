@@ -275,20 +275,26 @@ def schools_init(num_chains: int) -> dict:
     }
 
 
-def problems_run(checkpoint: str | None = None, **options) -> eb.Chains:
+def problems_run(
+    checkpoint: str | None = None,
+    num_steps: int = 60,
+    thin: int = 2,
+    checkpoint_every: int = 20,
+    **options,
+) -> eb.Chains:
     """6 problems of eight schools, 2 superchains of 3 chains each (36 chains, which
     4 devices split only with padding), with diagnostics."""
     return eb.run_chains(
         schools_step,
         schools_init(12),
         jr.split(jr.key(5), 36),
-        60,
-        thin=2,
+        num_steps,
+        thin=thin,
         data=schools_data(6),
         superchains=12,
         diagnostics=True,
         checkpoint=checkpoint,
-        checkpoint_every=None if checkpoint is None else 20,
+        checkpoint_every=None if checkpoint is None else checkpoint_every,
         **options,
     )
 

@@ -202,3 +202,19 @@ def checkpoint_steps_done(path: pathlib.Path) -> int:
     """The steps of the checkpoint at `path`'s newest complete step; 0 before one."""
     progress = checkpoint_progress(path)
     return 0 if progress is None else progress["steps_done"]
+
+
+def compilations(run: Callable[[], Any]) -> int:
+    """How many programs XLA compiles while `run()` runs."""
+    seen = []
+
+    def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        run()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return len(seen)

@@ -32,6 +32,7 @@ from helpers import (
     assert_trees_identical,
     checkpoint_progress,
     checkpoint_steps_done,
+    compilations,
     counted_metropolis,
     made_read_only,
     mounted,
@@ -52,22 +53,6 @@ def _progress(path: pathlib.Path) -> dict:
 
 
 _steps_done = checkpoint_steps_done
-
-
-def _compilations(run: Any) -> int:
-    """How many programs XLA compiles while `run()` runs."""
-    seen = []
-
-    def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        run()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    return len(seen)
 
 
 def test_checkpointed_run_equals_plain_run(tmp_path):
@@ -156,10 +141,10 @@ def test_reading_back_compiles_the_same_whatever_the_number_of_draw_files(tmp_pa
     eb.run_chains(metropolis, init, jr.key(0), 48, checkpoint=many, checkpoint_every=4)
     assert len(_progress(few)["draws"]) == 2
     assert len(_progress(many)["draws"]) == 12
-    read_few = _compilations(
+    read_few = compilations(
         lambda: eb.run_chains(metropolis, init, jr.key(0), 40, checkpoint=few)
     )
-    read_many = _compilations(
+    read_many = compilations(
         lambda: eb.run_chains(metropolis, init, jr.key(0), 48, checkpoint=many)
     )
     assert read_many == read_few <= 4

@@ -7,7 +7,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from typing import Any
 
@@ -26,7 +25,12 @@ from chains_worker import (
     schools_step,
     stopping_problems_run,
 )
-from helpers import assert_trees_identical, checkpoint_steps_done, tree_allclose
+from helpers import (
+    assert_trees_identical,
+    checkpoint_steps_done,
+    compilations,
+    tree_allclose,
+)
 from multiprocess_launch import launch
 
 import eqx_batch as eb
@@ -124,23 +128,15 @@ def test_new_data_of_the_same_shapes_runs_the_same_program():
     def step(x, key, data):
         return x + data
 
-    init = jnp.zeros(4)
-    first = eb.run_chains(step, init, jr.key(0), 3, data=jnp.array([1.0, 2.0]))
-    with jax.log_compiles():
-        import logging
+    def run(data):
+        return eb.run_chains(step, jnp.zeros(4), jr.key(0), 3, data=jnp.array(data))
 
-        records: list[str] = []
-        handler = logging.Handler()
-        handler.emit = lambda record: records.append(record.getMessage())
-        logger = logging.getLogger("jax")
-        logger.addHandler(handler)
-        try:
-            second = eb.run_chains(step, init, jr.key(0), 3, data=jnp.array([3.0, 4.0]))
-        finally:
-            logger.removeHandler(handler)
-    assert not [r for r in records if "Compiling" in r and "segment" in r], records
+    first = run([1.0, 2.0])
+    assert compilations(lambda: run([3.0, 4.0])) == 0
+    # The control: data of another shape is another program.
+    assert compilations(lambda: run([1.0, 2.0, 3.0, 4.0])) > 0
     assert first.final.tolist() == [3.0, 3.0, 6.0, 6.0]
-    assert second.final.tolist() == [9.0, 9.0, 12.0, 12.0]
+    assert run([3.0, 4.0]).final.tolist() == [9.0, 9.0, 12.0, 12.0]
 
 
 def test_a_disk_trace_of_one_problem_is_read_lazily(tmp_path):
@@ -180,52 +176,34 @@ def test_other_data_is_another_run(tmp_path):
     assert_trees_identical(everything(problems_run(path)), everything(problems_run()))
 
 
-_KILLED = textwrap.dedent(
-    """
-    import sys
-    import jax.random as jr
-    from chains_worker import schools_data, schools_init, schools_step
-    import eqx_batch as eb
-
-    eb.run_chains(
-        schools_step, schools_init(12), jr.split(jr.key(5), 36), 20000, thin=50,
-        data=schools_data(6), superchains=12, checkpoint=sys.argv[1],
-        checkpoint_every=200,
+def _killed_at(run: str, path: pathlib.Path, steps: int) -> int:
+    """Runs `run` (a call of `chains_worker`, given the checkpoint's path as
+    `path`) in a process SIGKILLed once its checkpoint holds `steps` steps; the steps
+    it holds then."""
+    script = f"import sys\nfrom chains_worker import *\npath = sys.argv[1]\n{run}\n"
+    worker = subprocess.Popen(
+        [sys.executable, "-c", script, str(path)], cwd=CHAINS_WORKER.parent
     )
-    """
-)
+    try:
+        deadline = time.monotonic() + 300
+        while checkpoint_steps_done(path) < steps:
+            assert worker.poll() is None, "the run ended before it was killed"
+            assert time.monotonic() < deadline, "no checkpoint in 300 s"
+            time.sleep(0.02)
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+    return checkpoint_steps_done(path)
 
 
 def test_killed_and_resumed_equals_one_run(tmp_path):
     path = tmp_path / "run"
-    worker = subprocess.Popen(
-        [sys.executable, "-c", _KILLED, str(path)], cwd=CHAINS_WORKER.parent
+    run = ft.partial(problems_run, num_steps=20000, thin=50, checkpoint_every=200)
+    done = _killed_at(
+        "problems_run(path, num_steps=20000, thin=50, checkpoint_every=200)", path, 400
     )
-    try:
-        deadline = time.monotonic() + 240
-        while checkpoint_steps_done(path) < 400:
-            assert worker.poll() is None, "the run ended before it was killed"
-            assert time.monotonic() < deadline, "no checkpoint in 240 s"
-            time.sleep(0.05)
-    finally:
-        worker.send_signal(signal.SIGKILL)
-        worker.wait()
-    assert 400 <= checkpoint_steps_done(path) < 20000
-
-    def run(checkpoint):
-        return eb.run_chains(
-            schools_step,
-            schools_init(12),
-            jr.split(jr.key(5), 36),
-            20000,
-            thin=50,
-            data=schools_data(6),
-            superchains=12,
-            checkpoint=checkpoint,
-            checkpoint_every=None if checkpoint is None else 200,
-        )
-
-    resumed, plain = run(path), run(None)
+    assert 400 <= done < 20000
+    resumed, plain = run(str(path)), run()
     assert_trees_identical(everything(resumed), everything(plain))
     assert_trees_identical(everything(resumed.problem(5)), everything(plain.problem(5)))
 
@@ -276,8 +254,14 @@ def alone_until() -> list[eb.Chains]:
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"chunk_size": 40}, {"trace": "disk"}, {"progress": True, "chunk_size": 80}],
-    ids=["whole", "chunks", "disk", "bar"],
+    [
+        {},
+        {"chunk_size": 40},
+        {"trace": "disk"},
+        {"progress": True, "chunk_size": 80},
+        {"trace": False},
+    ],
+    ids=["whole", "chunks", "disk", "bar", "no trace"],
 )
 def test_each_problem_stops_where_it_would_alone(tmp_path, alone_until, options):
     # Each problem's check is made on its own chains, and a problem that stops
@@ -290,14 +274,21 @@ def test_each_problem_stops_where_it_would_alone(tmp_path, alone_until, options)
     assert isinstance(result.stopped, tuple) and len(result.stopped) == 6
     assert result.draws_made is not None
     assert result.draws_made.tolist() == (steps // 2).tolist()
-    assert result.trace.shape == (192, steps.max() // 2, 2)
     for p, alone in enumerate(alone_until):
         mine = result.problem(p)
         assert_trees_identical(_stops(mine), _stops(alone))
+        if result.trace is None:
+            assert_trees_identical(_own(mine), {**_own(alone), "trace": None})
+            continue
         assert_trees_identical(_read(_own(mine)), _own(alone))
         # A stopped problem's rows hold zeros after its draws.
         rows = np.asarray(result.trace)[32 * p : 32 * (p + 1)]
         assert not rows[:, result.draws_made[p] :].any()
+    if result.trace is None:
+        return
+    assert result.trace.shape == (192, steps.max() // 2, 2)
+    posterior = result.problem(1).to_arviz()["posterior"]
+    assert posterior["state"].shape == (32, result.draws_made[1], 2)
 
 
 def test_problems_that_stop_early_are_compacted_out():
@@ -311,32 +302,10 @@ def test_problems_that_stop_early_are_compacted_out():
     assert_trees_identical(result.problem(fast).final, alone.final)
 
 
-_KILLED_UNTIL = textwrap.dedent(
-    """
-    import sys
-    from chains_worker import stopping_problems_run
-
-    stopping_problems_run(sys.argv[1], num_steps=20000)
-    """
-)
-
-
 def test_killed_after_some_problems_stopped_resumes_bit_for_bit(tmp_path):
     path = tmp_path / "run"
-    worker = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_UNTIL, str(path)], cwd=CHAINS_WORKER.parent
-    )
-    try:
-        deadline = time.monotonic() + 300
-        # Past the first checks (50, 100): some problems have stopped.
-        while checkpoint_steps_done(path) < 120:
-            assert worker.poll() is None, "the run ended before it was killed"
-            assert time.monotonic() < deadline, "no checkpoint in 300 s"
-            time.sleep(0.02)
-    finally:
-        worker.send_signal(signal.SIGKILL)
-        worker.wait()
-    done = checkpoint_steps_done(path)
+    # Past the first checks (50, 100): some problems have stopped.
+    done = _killed_at("stopping_problems_run(path, num_steps=20000)", path, 120)
     resumed = stopping_problems_run(str(path), num_steps=20000)
     plain = stopping_problems_run(num_steps=20000)
     assert done < int(np.max(plain.steps_done)), done

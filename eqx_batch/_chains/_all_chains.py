@@ -6,13 +6,13 @@ and mapped. Marking such a step, rather than adding a flag to `run_chains`, keep
 kind of step with the step: whatever runs it asks the step what it takes.
 """
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 
-from .._errors import BatchError, describe, qualified_name
+from .._errors import BatchError, describe
+from ._common import call_mismatch
 from ._placement import chain_devices
 
 
@@ -106,20 +106,16 @@ def all_chains(step: Callable) -> AllChains:
 def _check_signature(step: Callable) -> None:
     """Refuses a step that cannot be called as `step(states, keys, count)`, such as a
     per-chain `step(state, key)` marked by mistake, before it is traced."""
-    try:
-        signature = inspect.signature(step)
-    except (TypeError, ValueError):
-        return  # no signature to read (some builtins): calling it will tell
-    try:
-        signature.bind(None, None, None)
-    except TypeError as e:
+    mismatch = call_mismatch(step, 3)
+    if mismatch is not None:
+        shown, reason = mismatch
         raise BatchError(
-            f"`step` is {qualified_name(step) or describe(step)}{signature}, but an "
-            "`eb.all_chains` step is called as `step(states, keys, count)` (every "
-            f"chain's state, one key per chain, the step number): {e}. Take the three "
-            "arguments (`count` may be ignored), or pass a per-chain "
-            "`step(state, key)` to `run_chains` without `eb.all_chains`."
-        ) from None
+            f"`step` is {shown}, but an `eb.all_chains` step is called as "
+            "`step(states, keys, count)` (every chain's state, one key per chain, the "
+            f"step number): {reason}. Take the three arguments (`count` may be "
+            "ignored), or pass a per-chain `step(state, key)` to `run_chains` without "
+            "`eb.all_chains`."
+        )
 
 
 def check_all_chains_run(num_chains: int, chunk_size: int | None) -> None:

@@ -198,9 +198,11 @@ class ChunkRun:
             index = jax.device_put(
                 padded_rows(rows, batch.num_rows), self.placement.everywhere
             )
-            emit = plan.draws.most_in(stop - start) if end > first else 0
+            emit = (
+                plan.draws.most_in(stop - start) if plan.records and end > first else 0
+            )
             own = None
-            if plan.records and emit:
+            if emit:
                 own = batch.zeros(plan.draws_like(batch.num_chains, emit))
             result = run_segment(
                 plan.prepared.segment(plan.streamed_segment, stop - start, emit),

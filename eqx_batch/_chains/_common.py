@@ -4,6 +4,8 @@ chain's layout, which steps are draws, and shape-dtype structs.
 Nothing here runs or writes anything; the drivers above it do.
 """
 
+import inspect
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -11,6 +13,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
+from .._errors import describe, qualified_name
 from .._tree import is_array
 
 
@@ -98,3 +101,18 @@ def structs(tree: Any, *, drop: int = 0, add: tuple[int, ...] = ()) -> Any:
 
 def is_struct(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def call_mismatch(step: Callable, num_args: int) -> tuple[str, str] | None:
+    """Why `step` cannot be called with `num_args` positional arguments, before it is
+    traced: its name and signature, and Python's reason. None if it can, or if it has
+    no signature to read (some builtins: calling it will tell)."""
+    try:
+        signature = inspect.signature(step)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*[None] * num_args)
+    except TypeError as e:
+        return f"{qualified_name(step) or describe(step)}{signature}", str(e)
+    return None

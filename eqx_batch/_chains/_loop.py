@@ -18,7 +18,7 @@ from ._common import ChainState
 from ._convergence import diagnose, diagnose_problems
 from ._placement import joined, whole_here
 from ._problem_records import ProblemRecords
-from ._stopping import Check, check, postfix, Record
+from ._stopping import Check, check, passes_each, postfix, Record
 
 
 def run_chunks(
@@ -135,12 +135,32 @@ def _decide_each(
     assert plan.until is not None and plan.problems is not None
     at_cap = stop == plan.num_steps
     burn_in = plan.draws.burn_in
-    diagnostics = diagnose_problems(
-        joined([chunk.moments() for chunk in chunks]), plan.superchains, plan.problems
+    # On the host at once: each problem's check reads its row of every statistic.
+    diagnostics = jax.device_get(
+        diagnose_problems(
+            joined([chunk.moments() for chunk in chunks]),
+            plan.superchains,
+            plan.problems,
+        )
     )
     nonfinite = _nonfinite(_first_bad(chunks))
     per_problem = plan.num_chains // plan.problems
-    decided, checked = [], {}
+    has_nonfinite = np.zeros(plan.problems, bool)
+    has_nonfinite[nonfinite // per_problem] = True
+    schedule = plan.until
+    passed, worst = passes_each(schedule, diagnostics, has_nonfinite)
+
+    def checked(p: int) -> Check:
+        """Problem `p`'s check with its reason, as `check` makes it."""
+        own = nonfinite[nonfinite // per_problem == p] - p * per_problem
+        result = check(schedule, jtu.tree_map(lambda x: x[p], diagnostics), own)
+        if at_cap and not result.passed:
+            result = result._replace(
+                reason=f"reached the cap, num_steps={stop}: {result.reason}"
+            )
+        return result
+
+    decided, made = [], {}
     for p, record in enumerate(records.records):
         if record.stopped is not None:
             decided.append(record)
@@ -155,38 +175,23 @@ def _decide_each(
                 record = record.stop(stop, False, reason, burn_in)
             decided.append(record)
             continue
-        own = (nonfinite >= p * per_problem) & (nonfinite < (p + 1) * per_problem)
-        result = check(
-            plan.until,
-            jtu.tree_map(lambda x, p=p: x[p], diagnostics),
-            nonfinite[own] - p * per_problem,
+        # A reason is kept only where the problem stops.
+        made[p] = result = (
+            checked(p) if passed[p] or at_cap else Check(False, float(worst[p]), "")
         )
-        if at_cap and not result.passed:
-            result = result._replace(
-                reason=f"reached the cap, num_steps={stop}: {result.reason}"
-            )
-        checked[p] = result
         decided.append(
             record.with_check(stop, result, result.passed or at_cap, burn_in)
         )
     records = ProblemRecords(tuple(decided))
     if context.bar is not None:
-        context.bar.show(stop, _problems_postfix(records, checked, stop))
+        text = f"{int(records.running(stop).sum())} of {plan.problems} problems running"
+        running = [p for p in made if records.running(stop)[p]]
+        if running:
+            # The worst by the first criterion, NaN (nothing to compare) last.
+            p = max(running, key=lambda p: (not np.isnan(worst[p]), worst[p]))
+            text = f"{text}; worst: problem {p}, {checked(p).reason}"
+        context.bar.show(stop, text)
     return records
-
-
-def _problems_postfix(
-    records: ProblemRecords, checked: dict[int, Check], stop: int
-) -> str:
-    """What the bar shows of a run of many problems: how many still run, and the
-    worst of them (by the first criterion) at its check at `stop`."""
-    running = [int(p) for p in np.flatnonzero(records.running(stop))]
-    text = f"{len(running)} of {len(records.records)} problems running"
-    worst = [(checked[p].worst, p) for p in running if p in checked]
-    if not worst:
-        return text
-    _, p = max(worst, key=lambda pair: (not np.isnan(pair[0]), pair[0]))
-    return f"{text}; worst: problem {p}, {checked[p].reason}"
 
 
 def _shows_moments(context: RunContext) -> bool:

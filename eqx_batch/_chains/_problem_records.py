@@ -34,26 +34,13 @@ class ProblemRecords(NamedTuple):
         return cls(tuple(Record.from_json(r, burn_in) for r in saved["problems"]))
 
     def disagreement(self, steps_done: int) -> str | None:
-        """What contradicts a progress of `steps_done` steps: a problem's checks out
-        of order, a check or a stop after them, or a stop before its last check."""
+        """What contradicts a progress of `steps_done` steps in any problem's record:
+        checks out of order, a check or a stop after them, a stop before its last
+        check."""
         for p, record in enumerate(self.records):
-            if list(record.checks) != sorted(set(record.checks)):
-                return f"problem {p}'s record of `until`'s checks is out of order"
-            if record.checks and record.checks[-1] > steps_done:
-                return (
-                    f"problem {p}'s record of `until`'s checks has a check at step "
-                    f"{record.checks[-1]}, but its progress says {steps_done} steps "
-                    "were done"
-                )
-            if record.stopped is not None and (
-                record.stopped.step > steps_done
-                or (record.checks and record.checks[-1] > record.stopped.step)
-            ):
-                return (
-                    f"problem {p}'s record says it stopped at step "
-                    f"{record.stopped.step}, after its progress ({steps_done} steps) "
-                    "or before its last check"
-                )
+            problem = record.disagreement(steps_done, stops_last=False)
+            if problem is not None:
+                return f"problem {p}: {problem}"
         return None
 
     def running(self, step: int) -> np.ndarray:

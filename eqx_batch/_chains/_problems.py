@@ -8,7 +8,6 @@ loop: `data` is held once (one row per problem, on every device of the run), nev
 once per chain.
 """
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -17,9 +16,10 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError, describe, qualified_name
+from .._errors import BatchError
 from .._tree import axis_sizes, common_size, host_array, is_array, mapped_leaves
 from ._all_chains import AllChains
+from ._common import call_mismatch
 
 
 class ProblemStep(eqx.Module):
@@ -106,15 +106,11 @@ def problem_ids(num_chains: int, num_problems: int) -> np.ndarray:
 def _check_signature(step: Callable) -> None:
     """Refuses, before tracing, a step that cannot be called as `step(state, key,
     data)`: most often a step written for one problem, `step(state, key)`."""
-    try:
-        signature = inspect.signature(step)
-    except (TypeError, ValueError):
-        return  # no signature to read (some builtins): calling it will tell
-    try:
-        signature.bind(None, None, None)
-    except TypeError as e:
+    mismatch = call_mismatch(step, 3)
+    if mismatch is not None:
+        shown, reason = mismatch
         raise BatchError(
-            f"`step` is {qualified_name(step) or describe(step)}{signature}, but with "
-            "`data` it is called as `step(state, key, data)`, `data` its chain's "
-            f"problem's row: {e}. Take the third argument, or leave `data` out."
-        ) from None
+            f"`step` is {shown}, but with `data` it is called as "
+            "`step(state, key, data)`, `data` its chain's problem's row: "
+            f"{reason}. Take the third argument, or leave `data` out."
+        )

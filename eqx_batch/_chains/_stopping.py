@@ -13,6 +13,7 @@ import operator
 from typing import Any, NamedTuple
 
 import equinox as eqx
+import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import BatchError, check_int, describe, is_bool
@@ -286,6 +287,49 @@ def worst_of(diagnostics: Diagnostics, statistic: str) -> tuple[str, float]:
     return path + "".join(f"[{i}]" for i in element), value
 
 
+def passes_each(
+    schedule: Schedule, diagnostics: Diagnostics, has_nonfinite: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """What `check` decides for every problem at once, from their stacked
+    diagnostics on the host (each statistic with a leading axis of problems):
+    whether each passes, and each one's worst value of the first criterion. The
+    reasons, which cost a `check` each, are left to the problems that need one.
+
+    `has_nonfinite` says which problems have a chain gone NaN or infinite.
+    """
+    passed, first = ~has_nonfinite, np.full(len(has_nonfinite), math.nan)
+    for index, criterion in enumerate(schedule.criteria):
+        # In float64, as `check` compares a Python float with the threshold.
+        value = _worst_each(diagnostics, criterion.statistic).astype(np.float64)
+        if criterion.statistic == "ess":
+            passed = passed & (value >= criterion.threshold)
+        else:
+            passed = passed & (value <= criterion.threshold)
+        if index == 0:
+            first = value
+    return passed, first
+
+
+def _worst_each(diagnostics: Diagnostics, statistic: str) -> np.ndarray:
+    """`Diagnostics.worst`'s worst value of each problem, as `worst_of` reads it: over
+    every element of every leaf, NaNs passed over unless every one is NaN."""
+    largest = statistic != "ess"
+    per_leaf = []
+    for leaf in jtu.tree_leaves(getattr(diagnostics, statistic)):
+        flat = np.asarray(leaf).reshape(np.shape(leaf)[0], -1)
+        if flat.shape[1]:
+            per_leaf.append(_nan_extreme(flat, largest))
+    return _nan_extreme(np.stack(per_leaf, axis=1), largest)
+
+
+def _nan_extreme(x: np.ndarray, largest: bool) -> np.ndarray:
+    """The largest (or smallest) of each row of `x` that is not NaN; NaN for a row
+    of NaNs."""
+    filled = np.where(np.isnan(x), -np.inf if largest else np.inf, x)
+    extreme = filled.max(axis=1) if largest else filled.min(axis=1)
+    return np.where(np.isnan(x).all(axis=1), np.nan, extreme)
+
+
 def postfix(diagnostics: Diagnostics, nonfinite: np.ndarray) -> str:
     """What the progress bar shows: the worst (nested) R-hat and smallest ESS, and
     the chains that went NaN or infinite, if any."""
@@ -378,9 +422,11 @@ class Record(NamedTuple):
             stopped = None
         return Record(self.checks[:kept], self.worst[:kept], stopped)
 
-    def disagreement(self, steps_done: int) -> str | None:
+    def disagreement(self, steps_done: int, *, stops_last: bool = True) -> str | None:
         """What in this record contradicts a progress of `steps_done` steps, if
-        anything: a check after them, checks out of order, or a stop elsewhere."""
+        anything: a check after them, checks out of order, or a stop elsewhere than
+        at `steps_done` (with `stops_last=False`, one of many problems', after them
+        or before its last check)."""
         if list(self.checks) != sorted(set(self.checks)):
             return f"its record of `until`'s checks is out of order ({self.checks})"
         if self.checks and self.checks[-1] > steps_done:
@@ -388,10 +434,18 @@ class Record(NamedTuple):
                 f"its record of `until`'s checks has a check at step "
                 f"{self.checks[-1]}, but its progress says {steps_done} steps were done"
             )
-        if self.stopped is not None and self.stopped.step != steps_done:
+        stopped = self.stopped
+        if stopped is not None and not stops_last:
+            if stopped.step > steps_done or stopped.step < max(self.checks, default=0):
+                return (
+                    f"its record of `until`'s checks says it stopped at step "
+                    f"{stopped.step}, after its progress ({steps_done} steps) or "
+                    "before its last check"
+                )
+        elif stopped is not None and stopped.step != steps_done:
             return (
                 f"its record of `until`'s checks says the run stopped at step "
-                f"{self.stopped.step}, but its progress says {steps_done} steps were "
+                f"{stopped.step}, but its progress says {steps_done} steps were "
                 "done"
             )
         return None
