@@ -652,8 +652,8 @@ def executed_chain_steps(steps_done: np.ndarray, every: int, cap: int) -> tuple:
     A segment runs from one check to the next (multiples of `every`, and the cap);
     before it, the problems still running are those whose `steps_done` is past its
     start. While every problem runs, the batch is all the chains; once some have
-    stopped, it is `_compaction.batch_size` of the running chains (a power of two,
-    at most all of them: one device here)."""
+    stopped, it is `_compaction.batch_size` of the running chains (a power of two or
+    1.5 times one, at most all of them: one device here)."""
     everyone = len(steps_done) * CHAINS
     padded = unpadded = 0
     boundaries = [*range(0, cap, every), cap]
