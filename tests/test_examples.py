@@ -326,8 +326,9 @@ def test_sbc(tmp_path):
         assert test["outside_band"] <= 1
     assert "bins outside the 99% band" in output
     size = assert_png(tmp_path / "sbc_ranks.png")
-    # docs/sbc.md shows a committed copy of this plot, of 1000 replications.
-    assert assert_png(ROOT / "docs" / "assets" / "sbc_ranks.png") == size
+    # docs/sbc.md shows a committed copy of this plot, of 1000 replications: other
+    # bins and counts, whose tick labels move its tight bounding box by a pixel or two.
+    assert _about(assert_png(ROOT / "docs" / "assets" / "sbc_ranks.png"), size)
 
     # The same replications with a warmup that stops per replication, each on its
     # own superchains, at a check (every 50 steps) and at or before the cap.
@@ -371,4 +372,9 @@ def test_sbc(tmp_path):
     assert sorted(stopping["spread_ratio"]) == sorted(quantities)
     assert all(0.0 < ratio < np.inf for ratio in stopping["spread_ratio"].values())
     size = assert_png(tmp_path / "sbc_stopping.png")
-    assert assert_png(ROOT / "docs" / "assets" / "sbc_stopping.png") == size
+    assert _about(assert_png(ROOT / "docs" / "assets" / "sbc_stopping.png"), size)
+
+
+def _about(size: tuple[int, int], other: tuple[int, int]) -> bool:
+    """Whether two plots' (height, width) agree to 2%."""
+    return all(abs(a - b) <= 0.02 * b for a, b in zip(size, other, strict=True))
