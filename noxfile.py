@@ -45,7 +45,13 @@ NEWEST = next(filter(None, map(find_python, SUPPORTED)), sys.executable)
 OLDEST = find_python(SUPPORTED[-1]) or SUPPORTED[-1]
 # Both test sessions print what they installed, so that a log shows what was tested.
 TESTED = ("jax", "jaxlib", "equinox", "jaxtyping", "beartype", "optax", "numpy")
-TESTED += ("safetensors", "tqdm", "pytest", "hypothesis", "matplotlib")
+TESTED += ("safetensors", "tqdm", "pytest", "pytest-xdist", "hypothesis", "matplotlib")
+# pytest-xdist runs the tests on every core, up to 4 (each worker holds its own JAX and
+# compile cache, and some tests start 2-process jobs of their own). In the suite a
+# file's tests stay on one worker, so that its module fixtures and compiled functions
+# are made once; each example is a script of its own and goes wherever a core is free.
+WORKERS = ("--numprocesses=auto", "--maxprocesses=4")
+SUITE = ("-m", "not examples", *WORKERS, "--dist=loadfile", "--durations=25")
 VERSIONS = (
     "import importlib.metadata as m, platform; print('Python '"
     f" + platform.python_version(), *(f'{{d}} {{m.version(d)}}' for d in {TESTED!r}),"
@@ -58,7 +64,7 @@ def tests(session: nox.Session) -> None:
     """The test suite on the newest Python and newest versions of every dependency."""
     session.install("-e", ".[test]")
     session.run("python", "-c", VERSIONS, silent=False)
-    session.run("pytest", "-m", "not examples", "--durations=25", *session.posargs)
+    session.run("pytest", *SUITE, *session.posargs)
 
 
 @nox.session(python=OLDEST, venv_backend="uv")
@@ -69,14 +75,14 @@ def tests_lowest(session: nox.Session) -> None:
     """
     session.install("--resolution", "lowest-direct", "-e", ".[test]")
     session.run("python", "-c", VERSIONS, silent=False)
-    session.run("pytest", "-m", "not examples", "--durations=25", *session.posargs)
+    session.run("pytest", *SUITE, *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def examples(session: nox.Session) -> None:
     """Run every script in examples/ and check what each one printed and wrote."""
     session.install("-e", ".[test]")
-    session.run("pytest", "-m", "examples", *session.posargs)
+    session.run("pytest", "-m", "examples", *WORKERS, *session.posargs)
 
 
 @nox.session(python=PYTHON)
