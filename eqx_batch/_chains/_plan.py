@@ -107,8 +107,10 @@ class RunPlan:
         return Record if self.problems is None else ProblemRecords
 
     def empty_record(self) -> Record | ProblemRecords:
-        """The record of `until`'s checks before any."""
-        if self.problems is None:
+        """The record of `until`'s checks before any: without `until` (or `data`), one
+        empty `Record`, so that a run of many problems does not walk a record per
+        problem at every boundary for checks it never makes."""
+        if self.problems is None or self.until is None:
             return Record()
         return ProblemRecords.empty(self.problems)
 

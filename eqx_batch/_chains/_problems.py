@@ -3,11 +3,19 @@ row of `data`, its problem's, so that one compiled loop fits one model to many d
 
 Chain `c` of `C` belongs to problem `c // (C // P)`. Each chain carries its problem's
 index (`ChainState.problem`), so chunks, devices, padding and checkpoints move it with
-the chain, and the step reads its row of `data` by that index inside the compiled
-loop: `data` is held once (one row per problem, on every device of the run), never
-once per chain.
+the chain. `data` is held once (one row per problem, on every device of the run).
+
+Each segment reads the rows its chains need once, before its loop, and the loop reads
+them as loop invariants, as a loop written by hand over `vmap(step)` does. A row read by
+index in every step is a gather per step, which XLA hoists out of the loop on a CPU but
+not on a TPU: there it cost 3 to 10 times the copied rows at every row size measured
+(8 to 16,384 floats, docs/benchmarks.md). The line is memory, not speed: the copy holds
+`chains / problems` copies of the data, so it is made only while it takes at most
+`COPY_LIMIT` bytes; past it, each step reads its row by index, as fast as the copy on a
+CPU and slower on a TPU, with the data held once.
 """
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +30,12 @@ from ._all_chains import AllChains
 from ._common import call_mismatch
 
 
+# The most bytes of `data`'s rows that a segment copies per chain (see the module's
+# docstring): 1.6% of a 16 GiB accelerator's memory, the size of the largest copy
+# measured.
+COPY_LIMIT = 256 * 2**20
+
+
 class ProblemStep(eqx.Module):
     """A step of one chain given its problem's row of `data`.
 
@@ -33,17 +47,47 @@ class ProblemStep(eqx.Module):
     data: Any
 
     def __call__(self, state: Any, key: Any, problem: Any) -> Any:
-        row = jtu.tree_map(lambda x: x[problem] if is_array(x) else x, self.data)
-        return self.step(state, key, row)
+        """One chain's step, given its problem's index."""
+        return self.step(state, key, _rows(self.data, problem))
+
+    def for_chains(self, problem: jax.Array) -> tuple[Callable, Any]:
+        """One chain's step and what each chain gives it beside its state and key
+        (stacked by chain), from each chain's `problem`: made once, before the loop.
+
+        The chains' rows of `data` while their copy is at most `COPY_LIMIT` bytes,
+        else the problems themselves (each step then reads its row by index).
+        """
+        rows, static = eqx.partition(self.data, is_array)
+        copy_bytes = sum(
+            math.prod(x.shape[1:]) * x.dtype.itemsize * problem.shape[0]
+            for x in jtu.tree_leaves(rows)
+        )
+        if copy_bytes > COPY_LIMIT:
+            return self, problem
+        step = self.step
+
+        def on_row(state: Any, key: Any, row: Any) -> Any:
+            return step(state, key, eqx.combine(row, static))
+
+        return on_row, _rows(rows, problem)
 
     def placed(self, sharding: jax.sharding.Sharding) -> "ProblemStep":
-        """This step with `data` on the devices of `sharding` (replicated): from the
-        host, so that every process of a job places the same values."""
-        data = jtu.tree_map(
-            lambda x: jax.device_put(host_array(x), sharding) if is_array(x) else x,
-            self.data,
-        )
-        return ProblemStep(self.step, data)
+        """This step with `data` on the devices of `sharding` (replicated). In a job of
+        several processes, from the host, so that every process places the same
+        values; in one process, from where it is, with no copy through the host."""
+        job = jax.process_count() > 1
+
+        def place(x: Any) -> Any:
+            if not is_array(x):
+                return x
+            return jax.device_put(host_array(x) if job else x, sharding)
+
+        return ProblemStep(self.step, jtu.tree_map(place, self.data))
+
+
+def _rows(data: Any, problem: Any) -> Any:
+    """The `problem` rows of `data`'s arrays; its other leaves as they are."""
+    return jtu.tree_map(lambda x: x[problem] if is_array(x) else x, data)
 
 
 def problem_step(

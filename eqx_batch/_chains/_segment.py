@@ -30,6 +30,7 @@ from ._all_chains import AllChains
 from ._common import ChainState, Draws
 from ._moments import add_draw
 from ._placement import made_zeros
+from ._problems import ProblemStep
 from ._step import numbers_as_arrays
 
 
@@ -125,8 +126,8 @@ def _segment(
         key, subkey = jr.split(key)
         return key, jr.key_data(subkey) if plan.legacy else subkey
 
-    def advance(states: Any, step_keys: Any, *extra: jax.Array) -> tuple:
-        # `step` on one chain's state (and its problem, with `data`), or on every
+    def advance(step: Callable, states: Any, step_keys: Any, *extra: Any) -> tuple:
+        # `step` on one chain's state (and what it reads of `data`), or on every
         # chain's with their `count`.
         result = step(eqx.combine(states, shared), step_keys, *extra)
         new, output = result if plan.with_output else (result, None)
@@ -134,14 +135,21 @@ def _segment(
         output = eqx.filter(numbers_as_arrays(output), is_array)
         return eqx.filter(new, is_array), output
 
-    def one_chain(state: Any, key: jax.Array, *problem: jax.Array) -> tuple:
-        # With `data`, the chain's problem: the step reads its row of the data.
+    # With `data`, what each chain's step reads of it, made here, outside the loop
+    # (`ProblemStep.for_chains`): the loop body holds no gather of the data.
+    chain_step, given = step, ()
+    if chains.problem is not None:
+        assert isinstance(step, ProblemStep)
+        chain_step, rows = step.for_chains(chains.problem)
+        given = (rows,)
+
+    def one_chain(state: Any, key: jax.Array, *row: Any) -> tuple:
         key, step_key = next_key(key)
-        return key, *advance(state, step_key, *problem)
+        return key, *advance(chain_step, state, step_key, *row)
 
     def every_chain(states: Any, keys: jax.Array, t: jax.Array) -> tuple:
         keys, step_keys = jax.vmap(next_key)(keys)
-        return keys, *advance(states, step_keys, t)
+        return keys, *advance(step, states, step_keys, t)
 
     def write(t: jax.Array, recorded: Any, trace: Any) -> Any:
         # One slot written per step, rather than a `lax.cond`, which XLA may turn into
@@ -168,8 +176,7 @@ def _segment(
         if isinstance(step, AllChains):
             keys, states, output = every_chain(states, keys, t)
         else:
-            problems = () if problem is None else (problem,)
-            keys, states, output = jax.vmap(one_chain)(states, keys, *problems)
+            keys, states, output = jax.vmap(one_chain)(states, keys, *given)
         moments = add_draw(moments, states, t, draws)
         if records:
             recorded = (states, output) if plan.with_output else states

@@ -3,14 +3,16 @@
 `key` one key per chain; chain `c` belongs to superchain `c // M` and starts from
 `init[c // M]`."""
 
+import functools as ft
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import BatchError, check_int, describe
-from .._select import take
 from .._tree import is_array, is_key
 from ._arguments import Init
 
@@ -57,9 +59,19 @@ def expand_superchains(init: Init, key: Any, superchains: Any) -> tuple[Init, An
         )
     per_superchain = num_keys // superchains
     ids = np.arange(num_keys) // per_superchain
-    arrays = take(init.arrays, ids)
+    arrays = _repeated(init.arrays, per_superchain)
     expanded = Init(eqx.combine(arrays, init.shared), arrays, init.shared, num_keys)
     return expanded, ids.astype(np.int64)
+
+
+# One program for every leaf, the starts repeated where they are: `eb.take` would
+# send the indices to the devices and gather leaf by leaf, which a short run on a TPU
+# pays for in dispatches (issue 34).
+@ft.partial(jax.jit, static_argnums=1)
+def _repeated(arrays: Any, times: int) -> Any:
+    """Each start of `arrays`' leaves `times` times, in place: chain `c`'s is
+    `arrays[c // times]`."""
+    return jtu.tree_map(lambda x: jnp.repeat(x, times, axis=0), arrays)
 
 
 def _key_count(key: Any) -> int | None:

@@ -1,0 +1,82 @@
+"""What the compiled loop of a `data=` run holds: no gather of the data in its body.
+
+Each chain's row of `data` is read once per segment, before the loop, as a loop written
+by hand over `vmap(step)` reads it. A row read by index in every step is a gather in
+the loop's body, which XLA hoists out of the loop on a CPU but not on a TPU (issue 34:
+5 to 8 times the loop by hand there). So the program is read as it is lowered, before
+XLA optimizes it, where the CPU would hide the gather.
+"""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from chains_worker import problems_run, stopping_problems_run
+from helpers import assert_trees_identical
+from hlo import loop_body_ops
+
+import eqx_batch as eb
+from eqx_batch._chains import _chunk, _problems
+
+
+@pytest.fixture
+def loop_programs(monkeypatch):
+    """The HLO text of every segment that `run_chains` runs in the test, as lowered
+    for its arguments before it runs."""
+    programs: list[str] = []
+    run_segment = _chunk.run_segment
+
+    def recorded(*args):
+        programs.append(run_segment.lower(*args).as_text(dialect="hlo"))
+        return run_segment(*args)
+
+    monkeypatch.setattr(_chunk, "run_segment", recorded)
+    return programs
+
+
+def _gathers(programs: list[str]) -> list[int]:
+    return [loop_body_ops(program)["gather"] for program in programs]
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("chunk_size", [None, 10])
+def test_the_loop_of_a_data_run_holds_no_gather(loop_programs, chunk_size):
+    # 36 chains over the devices (padded on 4), whole or in chunks that cut problems
+    # apart.
+    problems_run(chunk_size=chunk_size)
+    assert loop_programs and _gathers(loop_programs) == [0] * len(loop_programs)
+
+
+@pytest.mark.accelerator
+def test_the_compacted_segments_hold_no_gather(loop_programs):
+    # Problems stop at different checks: later segments run the running chains only.
+    result = stopping_problems_run(num_steps=600)
+    assert len(np.unique(result.steps_done)) > 1
+    assert len(loop_programs) > 2 and _gathers(loop_programs) == [0] * len(
+        loop_programs
+    )
+
+
+def test_a_loop_without_data_holds_no_gather_either(loop_programs):
+    # The baseline the two tests above hold the `data=` loop to.
+    walk = lambda x, k: x + jr.normal(k, x.shape)  # noqa: E731
+    eb.run_chains(walk, jnp.zeros((8, 2)), jr.key(0), 5)
+    assert _gathers(loop_programs) == [0]
+
+
+def test_rows_past_the_copy_limit_are_read_in_the_loop_with_the_same_draws(
+    loop_programs, monkeypatch
+):
+    # Past `COPY_LIMIT`, each step reads its row by index (no copy per chain): the
+    # gather is back in the loop, and the draws are the same.
+    copied = problems_run()
+    monkeypatch.setattr(_problems, "COPY_LIMIT", 0)
+    jax.clear_caches()  # the limit is read when the loop is traced
+    indexed = problems_run()
+    copying, indexing = _gathers(loop_programs)
+    assert copying == 0 and indexing == 2  # one per leaf of the data
+    assert_trees_identical(
+        (copied.final, copied.trace, copied.keys),
+        (indexed.final, indexed.trace, indexed.keys),
+    )
