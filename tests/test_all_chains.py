@@ -88,6 +88,7 @@ def test_outputs_in_disguise_give_the_same_bits():
     assert together.outputs["moved"].shape == (8, 12)
 
 
+@pytest.mark.accelerator
 def test_the_step_gets_every_chain_and_keys_of_the_kind_passed():
     seen = []
 

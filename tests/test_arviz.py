@@ -9,13 +9,11 @@ import sys
 import textwrap
 from typing import NamedTuple
 
-import arviz_plots
 import arviz_stats
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import xarray as xr
@@ -38,6 +36,7 @@ def ar1(x, key, rho):
     return rho * x + jnp.sqrt(1.0 - rho**2) * jr.normal(key, x.shape)
 
 
+@pytest.mark.accelerator
 def test_matches_a_hand_built_datatree(getkey):
     init = {
         "w": {"layer1": jr.normal(getkey(), (4, 3, 2))},
@@ -349,6 +348,11 @@ def test_diagnose_counts_the_divergences(getkey):
 
 
 def test_a_trace_plot_marks_the_divergences_and_titles_the_typed_name(getkey):
+    # Imported here: plotting is not part of `-m accelerator`, and the accelerator's
+    # machine has no network to install it.
+    import arviz_plots
+    import matplotlib.pyplot as plt
+
     result = hmc_like_run(getkey)
     assert bool(jnp.any(result.outputs["diverging"]))
     plots = arviz_plots.plot_trace(
@@ -364,6 +368,7 @@ def test_a_trace_plot_marks_the_divergences_and_titles_the_typed_name(getkey):
         plt.close("all")
 
 
+@pytest.mark.accelerator
 def test_summary_reads_the_posterior_without_the_step_information(getkey):
     def step(x, key):
         new = ar1(x, key, rho=0.5)
@@ -436,6 +441,7 @@ def test_superchain_ids_not_one_integer_per_chain_are_refused(getkey, ids):
         trace_to_arviz(result.trace, superchain_ids=ids)
 
 
+@pytest.mark.accelerator
 def test_rhat_flags_chains_started_far_apart_until_they_converge():
     # Four chains of an AR(1) with stationary distribution N(0, 1), started at +-20
     # and +-10: a few steps in, they still sit apart; after a long burn-in, they mix.

@@ -55,6 +55,7 @@ def _progress(path: pathlib.Path) -> dict:
 _steps_done = checkpoint_steps_done
 
 
+@pytest.mark.accelerator
 def test_checkpointed_run_equals_plain_run(tmp_path):
     init = make_init(5)
     plain = eb.run_chains(metropolis, init, jr.key(0), 20, thin=3, burn_in=4)
@@ -77,6 +78,7 @@ def test_checkpointed_run_equals_plain_run(tmp_path):
     assert sorted(draws) == ["['layer1']['weights']", "['layer2']['weights']"]
 
 
+@pytest.mark.accelerator
 def test_finished_checkpoint_is_read_back_without_recomputing(tmp_path):
     init = make_init(6)
     path = tmp_path / "run.ckpt"

@@ -103,7 +103,9 @@ def test_equal_to_arviz_in_float64(
         _assert_equal_to_arviz(result, superchains, rtol=1e-10)
 
 
-@pytest.mark.parametrize("superchains", [True, False])
+@pytest.mark.parametrize(
+    "superchains", [pytest.param(True, marks=pytest.mark.accelerator), False]
+)
 def test_equal_to_arviz_in_float32(superchains):
     init = starts(3 if superchains else 12)
     keys = jr.split(jr.key(2), 12)

@@ -49,7 +49,7 @@ def _with_output_step(state, key):
     "thin, burn_in, every, chunk_size, with_output",
     [
         (1, 0, None, None, False),
-        (3, 5, 7, None, True),
+        pytest.param(3, 5, 7, None, True, marks=pytest.mark.accelerator),
         (2, 11, 4, 3, False),
         (4, 0, None, 5, True),
     ],

@@ -55,6 +55,7 @@ def test_non_array_fields_come_out_once(getkey):
     assert models.scale.shape == (4, 3)
 
 
+@pytest.mark.accelerator
 def test_function_constructor_and_eqx_module(getkey):
     key = getkey()
     models = eb.ensemble(make_mlp, 3, key=key)

@@ -16,7 +16,6 @@ import sys
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import matplotlib.image
 import numpy as np
 import pytest
 
@@ -74,6 +73,10 @@ def run_example(
 
 def assert_png(path: pathlib.Path) -> tuple[int, int]:
     """A real PNG image that is not blank; returns its (height, width)."""
+    # Imported here, so that `-m accelerator` collects this file on a machine
+    # without matplotlib.
+    import matplotlib.image
+
     assert path.read_bytes()[:8] == PNG_MAGIC, f"{path} is not a PNG"
     image = matplotlib.image.imread(path)
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100

@@ -19,6 +19,7 @@ from helpers import assert_trees_identical, raises
 import eqx_batch as eb
 
 
+@pytest.mark.accelerator
 def test_results_equal_eqx_filter_jit_on_a_training_step(getkey):
     keys = jr.split(getkey(), 4)
     model = eqx.filter_vmap(lambda k: eqx.nn.MLP(2, 1, 8, 2, key=k))(keys)
@@ -127,6 +128,7 @@ def test_methods_see_the_instance_as_the_first_argument():
     assert total.is_deleted() and not counter.step.is_deleted()
 
 
+@pytest.mark.accelerator
 def test_donate_all_reuses_buffers_quietly():
     @eb.filter_jit(donate="all")
     def add_one(x, unusable):
@@ -204,6 +206,7 @@ def test_nested_in_jit_grad_and_vmap():
     assert eb.filter_jit(eqx.filter_grad(square))(jnp.asarray(2.0)) == 4.0
 
 
+@pytest.mark.accelerator
 def test_lower_and_compile_call_like_the_function():
     def affine(x, shift, scale=2):
         return scale * x + shift
@@ -280,6 +283,7 @@ def test_a_bad_donate_is_refused():
     raises("donate='some'", lambda: eb.filter_jit(lambda x: x, donate="some"))  # type: ignore[arg-type]
 
 
+@pytest.mark.accelerator
 def test_error_if_is_raised_at_the_call():
     @eb.filter_jit
     def positive(x):

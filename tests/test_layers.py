@@ -72,6 +72,7 @@ def test_equals_python_loop(depth: int, width: int, unroll, remat: bool, seed: i
     assert tree_allclose(ours_grad, expected_grad)
 
 
+@pytest.mark.accelerator
 def test_under_jit_equals_eager(getkey):
     layers = make_layers(5, 3)
     x = jr.normal(getkey(), (3,))

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+import pytest
 from hypothesis import given, settings
 
 import eqx_batch as eb
@@ -67,6 +68,7 @@ def test_merging_is_exactly_symmetric_in_count_and_empty_parts_change_nothing(dr
             np.testing.assert_array_equal(merged.m2, part.m2)
 
 
+@pytest.mark.accelerator
 def test_moments_of_a_run_are_those_of_its_trace():
     # Welford's update, draw by draw in the compiled loop, against the stored draws;
     # bfloat16 states keep their moments in float32.

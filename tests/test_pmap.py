@@ -87,6 +87,7 @@ def check_collectives(members):
     assert_trees_identical(ours["min"], expected["min"])
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("members", [3, 4, 6])
 def test_module_results_equal_filter_vmap(members):
     model = stacked(members)
@@ -125,6 +126,8 @@ def test_results_split_over_devices_when_even_and_replicated_otherwise():
     assert sharding_spec(moved) == P(None, "members")
 
 
+@pytest.mark.accelerator
+@pytest.mark.needs_devices(4)
 def test_work_is_partitioned_over_every_device():
     f = eb.filter_pmap(apply, in_axes=(eqx.if_array(0), None))
     model = stacked(8)
@@ -305,6 +308,7 @@ def test_donate_all_silences_unusable_buffer_warnings():
         eb.filter_pmap(lambda x: x.astype(jnp.float32), donate="all")(x)
 
 
+@pytest.mark.accelerator
 def test_lower_compile():
     f = eb.filter_pmap(with_collectives, axis_name="i")
     x = jnp.arange(6.0).reshape(3, 2)
@@ -413,15 +417,17 @@ def test_error_bad_donate():
 # ----------------------------------------------------------------------------- shard
 
 
+@pytest.mark.accelerator
 def test_shard_places_members_and_jit_runs_spmd():
     model = stacked(8)
     placed = eb.shard(model)
     assert sharding_spec(placed.weight) == P("members")
-    assert len(placed.weight.sharding.device_set) == 4
+    assert len(placed.weight.sharding.device_set) == jax.device_count()
     assert_trees_identical(placed, model)
     run = eqx.filter_jit(eb.filter_vmap(apply, in_axes=(eqx.if_array(0), None)))
     out = run(placed, jnp.ones(3))
-    assert sharding_spec(out) == P("members")
+    # Split as the members are (on one device, whatever its spec says).
+    assert out.sharding.is_equivalent_to(placed.weight.sharding, out.ndim)
     assert tree_allclose(out, run(model, jnp.ones(3)))
 
 

@@ -75,6 +75,7 @@ def _own(result: eb.Chains) -> dict:
     }
 
 
+@pytest.mark.accelerator
 @pytest.mark.parametrize("chunk_size", [None, 10])
 def test_each_problem_is_its_run_alone(chunk_size):
     # 36 chains over 4 devices (padded), and in chunks of 10 that cut problems apart.
@@ -255,7 +256,7 @@ def alone_until() -> list[eb.Chains]:
 @pytest.mark.parametrize(
     "options",
     [
-        {},
+        pytest.param({}, marks=pytest.mark.accelerator),
         {"chunk_size": 40},
         {"trace": "disk"},
         {"progress": True, "chunk_size": 80},
@@ -274,9 +275,12 @@ def test_each_problem_stops_where_it_would_alone(tmp_path, alone_until, options)
     assert isinstance(result.stopped, tuple) and len(result.stopped) == 6
     assert result.draws_made is not None
     assert result.draws_made.tolist() == (steps // 2).tolist()
+    # Every problem's statistics are reduced over its chains in one program: on a TPU
+    # they may round apart from the run alone's in the last bits (not on a CPU).
+    rounds_apart = "chunk_size" in options or jax.default_backend() != "cpu"
     for p, alone in enumerate(alone_until):
         mine = result.problem(p)
-        if "chunk_size" in options:
+        if rounds_apart:
             # See below: the same stops, statistics equal to the last bits or so.
             (a, b), (ra, rb) = (_stops(mine), _stops(alone)), (mine, alone)
             assert a["steps_done"] == b["steps_done"] and a["window"] == b["window"]
@@ -306,6 +310,7 @@ def test_each_problem_stops_where_it_would_alone(tmp_path, alone_until, options)
     assert posterior["state"].shape == (32, result.draws_made[1], 2)
 
 
+@pytest.mark.accelerator
 def test_problems_that_stop_early_are_compacted_out():
     # Half the problems stop at the first check, the other half run far longer: the
     # longer half runs alone in a smaller batch, and still each problem is its run

@@ -37,6 +37,7 @@ SETTINGS = settings(
 # Round trips.
 
 
+@pytest.mark.accelerator
 def test_round_trip_mixed_tree(getkey, tmp_path):
     tree = mixed_tree(getkey())
     path = tmp_path / "tree.safetensors"
@@ -47,6 +48,7 @@ def test_round_trip_mixed_tree(getkey, tmp_path):
     assert_trees_identical(eb.load(str(path), like=other), tree)
 
 
+@pytest.mark.accelerator
 def test_weak_types_come_back(tmp_path):
     # Weak types decide promotion: a weak float32 times bfloat16 stays bfloat16.
     tree = {
@@ -120,6 +122,7 @@ def test_leaf_types_follow_like(getkey, tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded["b"]), tree["b"])
 
 
+@pytest.mark.accelerator
 def test_like_of_shape_dtype_structs(getkey, tmp_path):
     tree = {"model": eqx.nn.Linear(3, 2, key=getkey()), "key": getkey()}
     path = tmp_path / "tree.safetensors"
@@ -129,6 +132,7 @@ def test_like_of_shape_dtype_structs(getkey, tmp_path):
     assert_trees_identical(eb.load(path, like=abstract), tree)
 
 
+@pytest.mark.accelerator
 def test_loaded_arrays_keep_like_sharding(tmp_path):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("members",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("members"))

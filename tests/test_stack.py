@@ -48,6 +48,7 @@ def _mlps(n: int, key=None, **kwargs) -> list[eqx.nn.MLP]:
 # Happy paths.
 
 
+@pytest.mark.accelerator
 def test_stack_mlps_and_back():
     members = _mlps(3)
     stacked = eb.stack(members)
@@ -136,6 +137,7 @@ def test_one_member_and_zero_size_leaves():
     assert_members_identical(eb.unstack(stacked), members)
 
 
+@pytest.mark.accelerator
 def test_typed_and_legacy_keys():
     members = [{"key": jr.key(i), "legacy": jr.PRNGKey(i)} for i in range(3)]
     stacked = eb.stack(members)
@@ -148,6 +150,7 @@ def test_typed_and_legacy_keys():
     assert_trees_identical(eb.take(keys, [1, 2]), keys[1:3])
 
 
+@pytest.mark.accelerator
 def test_float64_under_x64():
     with jax.enable_x64(True):
         members = [jnp.array([i, -0.0, np.nan], dtype=jnp.float64) for i in range(3)]
@@ -156,6 +159,7 @@ def test_float64_under_x64():
         assert_members_identical(eb.unstack(stacked), members)
 
 
+@pytest.mark.accelerator
 def test_weak_type_round_trips():
     weak = jnp.full((2, 3), 1.5)
     assert weak.weak_type
@@ -166,8 +170,9 @@ def test_weak_type_round_trips():
     assert eb.index(weak, 0).weak_type and eb.take(weak, [1]).weak_type
 
 
+@pytest.mark.accelerator
 def test_committed_device_is_kept():
-    device = jax.devices()[2]
+    device = jax.devices()[-1]  # not the default device, where there are several
     stacked = jax.device_put(jnp.arange(6.0).reshape(3, 2), device)
     members = eb.unstack(stacked)
     assert all(m.devices() == {device} and m.committed for m in members)
@@ -175,6 +180,7 @@ def test_committed_device_is_kept():
     assert restacked.devices() == {device} and restacked.committed
 
 
+@pytest.mark.accelerator
 def test_inside_jit():
     stacked = eb.stack(_mlps(3))
 

@@ -59,6 +59,7 @@ def _outputs(result: eb.Chains) -> dict:
     }
 
 
+@pytest.mark.accelerator
 def test_stops_early_on_chains_that_mix():
     result = _run(burn_in=5, thin=3)
     stopped = _stopped(result)
@@ -190,7 +191,9 @@ def test_a_rule_is_hashable_and_equal_by_value():
 # Chunks whose chains per device (of 4) are a multiple of 8: jaxlib 0.8's CPU code for
 # `jr.normal` differs in the last bit between its vector loop and its remainder, so a
 # chunk of 48 (12 per device) can differ from 128 (32 per device) even without `until`.
-@pytest.mark.parametrize("chunk_size", [96, 64])
+@pytest.mark.parametrize(
+    "chunk_size", [pytest.param(96, marks=pytest.mark.accelerator), 64]
+)
 def test_chunked_equals_unchunked_bit_for_bit(chunk_size):
     # Chunks take turns window by window, each check merges every chunk's moments,
     # and every chunk stops at the same step (96 does not divide 128: padded).
@@ -265,6 +268,7 @@ def test_the_rule_is_part_of_the_run_identity(tmp_path):
         assert json.loads(file.metadata()["run_chains.run"])["until"] == "None"
 
 
+@pytest.mark.accelerator
 def test_the_progress_bar_shows_the_worst_statistics_with_their_leaf(capsys):
     result = _run(progress=True)
     err = capsys.readouterr().err

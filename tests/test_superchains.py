@@ -21,6 +21,7 @@ def _starts() -> dict:
     }
 
 
+@pytest.mark.accelerator
 def test_chain_c_starts_from_init_c_over_m_and_runs_as_an_expanded_init():
     starts, keys = _starts(), jr.split(jr.key(0), 3 * 5)
     ids = np.repeat(np.arange(3), 5)
@@ -49,6 +50,7 @@ def test_legacy_keys_and_numpy_integers():
     assert result.keys.dtype == np.uint32
 
 
+@pytest.mark.accelerator
 def test_to_arviz_names_each_chain_s_superchain_for_rhat_nested():
     starts, keys = _starts(), jr.split(jr.key(2), 3 * 4)
     result = eb.run_chains(

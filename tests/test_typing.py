@@ -103,6 +103,7 @@ def reasons(error: BaseException) -> str:
 # Happy paths.
 
 
+@pytest.mark.accelerator
 def test_predict_matches_per_member_loop():
     models, x = make_mlp(5), jnp.linspace(-1, 1, 5 * 3 * 4).reshape(5, 3, 4)
     expected = jnp.stack([apply_mlp(eb.index(models, i), x[i]) for i in range(5)])
@@ -323,6 +324,7 @@ def test_unstacked_module_is_rejected_by_its_field_annotations():
     assert "looks like a single, unstacked model" in message
 
 
+@pytest.mark.accelerator
 def test_unstacked_mlp_is_rejected():
     with pytest.raises(TypeCheckError) as info:
         predict_x_first(jnp.ones((8, 3, 4)), make_mlp(None))
@@ -507,6 +509,7 @@ def test_stack_of_stacks_is_one_grid():
         rows(grid, jnp.ones(3))
 
 
+@pytest.mark.accelerator
 def test_grid_from_double_filter_vmap_and_stack_ndim_2():
     def make(start: Any) -> MLP:
         return MLP([make_linear(None, 8, 4, start), make_linear(None, 2, 8, start)])

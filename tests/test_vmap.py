@@ -269,6 +269,7 @@ def test_methods_and_bound_methods():
         Scaled(_arange(5)).apply(x)
 
 
+@pytest.mark.accelerator
 def test_nested():
     x = _arange(2, 3, 4)
     ours = eb.filter_vmap(eb.filter_vmap(jnp.sum))(x)
@@ -276,6 +277,7 @@ def test_nested():
     assert_trees_identical(ours, theirs)
 
 
+@pytest.mark.accelerator
 def test_filter_grad():
     def loss(model, x):
         return jnp.sum(
@@ -671,6 +673,7 @@ def test_chunked_bitwise_equals_unchunked(members, chunk_size, feature_axis_firs
         )
 
 
+@pytest.mark.accelerator
 def test_chunked_under_jit_bitwise():
     x, y = _arange(7, 3), _arange(3)
     in_axes = (0, None, None)
@@ -681,6 +684,7 @@ def test_chunked_under_jit_bitwise():
     assert_trees_identical(chunked(x, y, "a"), unchunked(x, y, "a"))
 
 
+@pytest.mark.accelerator
 def test_chunked_module_and_keywords(getkey):
     model, x = _model(7), _arange(7, 2)
     keys = jr.split(getkey(), 7)
