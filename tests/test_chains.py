@@ -278,6 +278,36 @@ def test_no_trace(with_output):
     assert result.final["layer1"]["weights"].shape == (2, 3, 3)
 
 
+@pytest.mark.parametrize("trace", [True, "disk"])
+@pytest.mark.parametrize(
+    "num_steps, burn_in", [(0, 0), (4, 4)], ids=["no step", "all burn-in"]
+)
+def test_a_run_of_no_draws_has_an_empty_trace(tmp_path, trace, num_steps, burn_in):
+    # `None` is for `trace=False` only: no draw is an empty trace, `[chains, 0, ...]`.
+    result = eb.run_chains(
+        _state_and_output,
+        make_init(2),
+        jr.key(0),
+        num_steps,
+        burn_in=burn_in,
+        with_output=True,
+        trace=trace,
+        checkpoint=tmp_path / "run.ckpt",
+    )
+    one_draw = eb.run_chains(
+        _state_and_output, make_init(2), jr.key(0), 1, with_output=True
+    )
+    for recorded, like in [
+        (result.trace, one_draw.trace),
+        (result.outputs, one_draw.outputs),
+    ]:
+        assert jtu.tree_map(lambda x: (x.shape, x.dtype), recorded) == jtu.tree_map(
+            lambda x: ((2, 0, *x.shape[2:]), x.dtype), like
+        )
+    assert result.trace["layer1"]["weights"].shape == (2, 0, 3, 3)
+    assert np.asarray(result.outputs["moved"]).shape == (2, 0)
+
+
 @pytest.mark.accelerator
 def test_nonfinite_chains_are_reported_and_do_not_disturb_the_others():
     def step(state: jax.Array, key: jax.Array) -> jax.Array:

@@ -337,6 +337,30 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
     assert same.final["layer1"]["weights"].shape == (2, 3, 3)
 
 
+@pytest.mark.parametrize(
+    "written, resumed, expected",
+    [
+        (False, "disk", 'written with `trace=False`, this call has `trace="disk"`'),
+        (False, True, "written with `trace=False`, this call has `trace=True`"),
+        (
+            "disk",
+            False,
+            'written with `trace=True` (or `trace="disk"`), this call has '
+            "`trace=False`",
+        ),
+    ],
+)
+def test_another_trace_mode_on_resume_is_named_as_written(
+    tmp_path, written, resumed, expected
+):
+    path = tmp_path / "run.ckpt"
+    run = ft.partial(eb.run_chains, metropolis, make_init(2), jr.key(0), 5)
+    run(trace=written, checkpoint=path)
+    with pytest.raises(eb.BatchError, match="different run") as info:
+        run(trace=resumed, checkpoint=path)
+    assert f"trace: the checkpoint was {expected}" in str(info.value)
+
+
 def test_a_checkpoint_of_the_earlier_layout_is_refused(tmp_path):
     # Earlier eqx_batch kept every chain at the path, with its progress there: the
     # same run's checkpoint in that layout is refused, naming both layouts, and no

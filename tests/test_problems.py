@@ -4,6 +4,7 @@ processes, checkpointed or killed; and bad input is refused naming the fix."""
 
 import functools as ft
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from helpers import (
     assert_trees_identical,
     checkpoint_steps_done,
     compilations,
+    raises,
     tree_allclose,
 )
 from multiprocess_launch import launch
@@ -175,6 +177,29 @@ def test_other_data_is_another_run(tmp_path):
         )
     # The same data reads the finished run back.
     assert_trees_identical(everything(problems_run(path)), everything(problems_run()))
+
+
+@pytest.mark.parametrize("written_with_data", [True, False], ids=["data", "no data"])
+def test_resuming_with_or_without_data_names_data(tmp_path, written_with_data):
+    path = tmp_path / "run.ckpt"
+    init, data = jnp.zeros((6, 2)), {"shift": jnp.ones(3)}
+
+    def with_data() -> eb.Chains:
+        return eb.run_chains(_step, init, jr.key(0), 20, data=data, checkpoint=path)
+
+    def without_data() -> eb.Chains:
+        return eb.run_chains(lambda x, k: x + 1.0, init, jr.key(0), 20, checkpoint=path)
+
+    if written_with_data:
+        with_data()
+        expected = "written with `data=` (3 problems), this call has no `data`"
+        message = raises(re.escape(expected), without_data)
+    else:
+        without_data()
+        expected = "written without `data`, this call has `data=` (3 problems)"
+        message = raises(re.escape(expected), with_data)
+    # Not "`step` computes something else": it is the same step, given no row.
+    assert "step program" not in message
 
 
 def _killed_at(run: str, path: pathlib.Path, steps: int) -> int:
@@ -376,3 +401,34 @@ def test_bad_input_is_refused_naming_the_fix():
         result.problem(3)
     with pytest.raises(eb.BatchError, match="ran without `data`"):
         eb.run_chains(lambda x, key: x, init, jr.key(0), 2).problem(0)
+
+
+@pytest.mark.parametrize(
+    "data, expected, fix",
+    [
+        (
+            [1.0, 2.0, 3.0],
+            "`data` is [1.0, 2.0, 3.0], which holds no array",
+            "`jnp.asarray([1.0, 2.0, 3.0])` is 3 problems",
+        ),
+        ({}, "`data` is {}, which holds no array", "Stack each problem's values"),
+        (
+            {"shift": jnp.float32(1.0)},
+            "`data['shift']` is a 0-d array (float32[])",
+            "Stack one value per problem along axis 0",
+        ),
+        (
+            {"shift": jnp.zeros((0, 2))},
+            "`data` holds no problem: `data['shift']` is float32[0,2]",
+            "Pass data of at least one problem",
+        ),
+    ],
+    ids=["list of floats", "empty dict", "0-d leaf", "no problem"],
+)
+def test_data_that_is_not_rows_of_problems_is_refused_naming_data(data, expected, fix):
+    raises(
+        re.escape(expected),
+        lambda: eb.run_chains(_step, jnp.zeros((6, 2)), jr.key(0), 20, data=data),
+        "`data` must be a pytree of arrays with one row per problem along axis 0",
+        fix,
+    )

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -333,6 +334,54 @@ def test_a_rule_built_by_hand_is_checked_as_converged_checks_it(every):
         eb.StoppingRule(nested_rhat="default", rhat=None, ess=None, every=every)
     with pytest.raises(eb.BatchError, match="no criterion"):
         eb.StoppingRule(nested_rhat=None, rhat=None, ess=None, every=None)
+
+
+def _edited(field: str, rule: eb.StoppingRule, value) -> eb.StoppingRule:
+    """`rule` with `field` set to `value` by `eqx.tree_at`, which skips its checks."""
+    return eqx.tree_at(
+        lambda r: getattr(r, field), rule, value, is_leaf=lambda x: x is None
+    )
+
+
+@pytest.mark.parametrize(
+    "rule, match",
+    [
+        (
+            _edited("every", eb.converged(every=50), -5),
+            "`until.every` is -5; it must be an int >= 1",
+        ),
+        (_edited("every", eb.converged(every=50), 0), "`until.every` is 0"),
+        (_edited("every", eb.converged(every=50), True), "`until.every` is True"),
+        (_edited("every", eb.converged(every=50), 2.5), "`until.every` is 2.5"),
+        (
+            _edited("rhat", eb.converged(), "1.01"),
+            "`until.rhat` is '1.01'; the R-hat threshold must be",
+        ),
+        (_edited("nested_rhat", eb.converged(), 0.9), "`until.nested_rhat` is 0.9"),
+        (
+            _edited("ess", eb.converged(ess=100.0), -1.0),
+            "`until.ess` is -1.0; the ESS threshold must be",
+        ),
+        (
+            _edited("nested_rhat", eb.converged(), None),
+            r"`until` has no criterion \(`until.nested_rhat`",
+        ),
+    ],
+    ids=[
+        "every negative",
+        "every 0",
+        "every True",
+        "every float",
+        "rhat a string",
+        "nested_rhat below 1",
+        "ess negative",
+        "no criterion",
+    ],
+)
+def test_a_rule_edited_with_tree_at_is_checked_by_run_chains(rule, match):
+    # With `every=-5` the run used to never return.
+    with pytest.raises(eb.BatchError, match=match):
+        _run(until=rule)
 
 
 @pytest.mark.parametrize("until", [None, eb.converged(every=40)])

@@ -1,5 +1,5 @@
-"""`run_chains`' arguments, checked: its counts, how many chains `init` holds, one key
-for each, and NumPy leaves read with the dtypes JAX gives them."""
+"""`run_chains`' arguments, checked: its counts and `until`, how many chains `init`
+holds, one key for each, and NumPy leaves read with the dtypes JAX gives them."""
 
 from typing import Any, Literal, NamedTuple
 
@@ -11,7 +11,7 @@ import numpy as np
 
 from .._errors import BatchError, check_bool, check_int, describe, is_bool
 from .._tree import axis_sizes, common_size, is_array, is_key, is_numpy, mapped_leaves
-from ._stopping import StoppingRule
+from ._stopping import checked_rule, StoppingRule
 
 
 class Counts(NamedTuple):
@@ -66,6 +66,25 @@ def checked_trace(trace: Any, *, checkpointed: bool) -> bool | Literal["disk"]:
     return bool(trace)
 
 
+def checked_until(until: Any, num_steps: Any) -> StoppingRule | None:
+    """`until`, its fields checked however the rule was built (`checked_rule`).
+
+    **Raises:**
+
+    `BatchError` naming `until` (and its field) for an `until` that is not a rule
+    `eb.converged` would make, or `until` without `num_steps` (its cap).
+    """
+    if until is None:
+        return None
+    until = checked_rule(until)
+    if num_steps is None:
+        raise BatchError(
+            "`until` is given but `num_steps` is None: `num_steps` is the cap, the "
+            "most steps the chains run if the rule never holds. Pass one."
+        )
+    return until
+
+
 def checked_counts(
     num_steps: Any,
     thin: Any,
@@ -74,26 +93,14 @@ def checked_counts(
     chunk_size: Any,
     *,
     checkpointed: bool,
-    until: Any,
 ) -> Counts:
     """The counts of a run, each in its range (a bool is no count).
 
     **Raises:**
 
-    `BatchError` naming the argument out of range, `checkpoint_every` without a
-    checkpoint, an `until` that is not a rule of `eb.converged`, or `until` without
-    `num_steps` (its cap).
+    `BatchError` naming the argument out of range, or `checkpoint_every` without a
+    checkpoint.
     """
-    if until is not None:
-        if not isinstance(until, StoppingRule):
-            raise BatchError(
-                f"`until` is {describe(until)}; pass a rule that `eb.converged` makes."
-            )
-        if num_steps is None:
-            raise BatchError(
-                "`until` is given but `num_steps` is None: `num_steps` is the cap, the "
-                "most steps the chains run if the rule never holds. Pass one."
-            )
     num_steps = check_int(num_steps, "num_steps")
     thin = check_int(thin, "thin", minimum=1)
     burn_in = check_int(burn_in, "burn_in", maximum=num_steps)

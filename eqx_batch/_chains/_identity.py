@@ -16,7 +16,7 @@ import json
 import re
 import types
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.extend
@@ -239,6 +239,11 @@ class RunIdentity:
     """What makes two calls of `run_chains` the same run, as named strings."""
 
     fields: Mapping[str, str]
+    # `trace` as this call gave it, for messages: the fields record only whether the
+    # run records draws (`True` and `"disk"` are one run).
+    trace_mode: bool | Literal["disk"] | None = dataclasses.field(
+        default=None, compare=False
+    )
 
     @classmethod
     def of(
@@ -248,10 +253,11 @@ class RunIdentity:
         keys: jax.Array,
         options: RunOptions,
         data: Any = None,
+        trace_mode: bool | Literal["disk"] | None = None,
     ) -> "RunIdentity":
         """The identity of a run of the traced step `program` from `init` (the whole
         state, non-array leaves included) and `keys`, with `options` (and `data`, of
-        many problems)."""
+        many problems; `trace_mode`, `trace` as given, names it in messages)."""
         leaves, treedef = jtu.tree_flatten_with_path(init)
         fields = {
             "init structure": _without_addresses(str(treedef)),
@@ -270,7 +276,10 @@ class RunIdentity:
             # Only for runs of many problems: every other run keeps its identity.
             fields["data structure"] = _without_addresses(str(jtu.tree_structure(data)))
             fields["data values"] = _values_digest(data)
-        return cls(fields)
+            # For messages: the other fields give no count of problems.
+            rows = next(x for x in jtu.tree_leaves(data) if is_array(x))
+            fields["data problems"] = str(np.shape(rows)[0])
+        return cls(fields, trace_mode)
 
     @property
     def run_id(self) -> str:
@@ -279,11 +288,18 @@ class RunIdentity:
 
     def differences(self, saved: Mapping[str, str]) -> list[str]:
         """What differs between this identity and `saved`, one line each."""
-        lines = []
+        lines, skipped = [], set()
+        data = _data_difference(saved, self.fields)
+        if data is not None:
+            # A step given `data` is traced with its row: another program, for the
+            # difference named here.
+            lines, skipped = [data], {"step program", *_DATA_FIELDS}
         for name, value in self.fields.items():
-            if saved.get(name) == value:
+            if saved.get(name) == value or name in skipped:
                 continue
-            if name in _EXPLAINED:
+            if name == "trace":
+                lines.append(_trace_difference(saved.get(name), value, self.trace_mode))
+            elif name in _EXPLAINED:
                 lines.append(f"{name}: {_EXPLAINED[name]}")
             elif name in _RANDOM_BITS:
                 lines.append(
@@ -298,3 +314,42 @@ class RunIdentity:
                     f"call has {value}"
                 )
         return lines
+
+
+_DATA_FIELDS = ("data structure", "data values", "data problems")
+
+
+def _data_difference(saved: Mapping[str, str], fields: Mapping[str, str]) -> str | None:
+    """The line of `differences` for a run with `data` against one without, if
+    either is; else None."""
+    if ("data structure" in saved) == ("data structure" in fields):
+        return None
+    if "data structure" in saved:
+        problems = saved.get("data problems", "an unrecorded number of")
+        return (
+            f"data: the checkpoint was written with `data=` ({problems} problems), "
+            "this call has no `data`"
+        )
+    return (
+        "data: the checkpoint was written without `data`, this call has `data=` "
+        f"({fields['data problems']} problems)"
+    )
+
+
+# `trace` as the identity records it (`"disk"` records the draws that `True` does:
+# one run), and as `run_chains` takes it.
+_RECORDED_TRACE = {"True": '`trace=True` (or `trace="disk"`)', "False": "`trace=False`"}
+_GIVEN_TRACE = {True: "`trace=True`", False: "`trace=False`", "disk": '`trace="disk"`'}
+
+
+def _trace_difference(
+    saved: str | None, value: str, trace_mode: bool | Literal["disk"] | None
+) -> str:
+    """The line of `differences` for `trace`, naming the modes as written."""
+    was = _RECORDED_TRACE.get(saved or "", "(nothing)")
+    now = _GIVEN_TRACE.get(trace_mode) if trace_mode is not None else None
+    return (
+        f"trace: the checkpoint was written with {was}, this call has "
+        f"{now or _RECORDED_TRACE.get(value, value)}; a run that records draws and "
+        "one that does not are different runs"
+    )

@@ -40,6 +40,9 @@ class RunPlan:
     prepared: PreparedRun  # one chain's structs, and the segments and placements
     segment: SegmentPlan  # with `length` 0: `prepared.segment` sets it per segment
     options: RunOptions  # the arguments that change results, for the identity
+    # `trace` as given (True, False or "disk"); `options.trace` records only whether
+    # draws are recorded, which is what makes two calls one run.
+    trace_mode: bool | Literal["disk"]
     num_chains: int
     chunk_size: int  # chains per chunk: `num_chains` unless chunked
     checkpoint_every: int | None
@@ -138,7 +141,9 @@ class RunPlan:
         assert self.program is not None
         init = eqx.combine(chains.states, self.shared)
         data = self.step.data if isinstance(self.step, ProblemStep) else None
-        return RunIdentity.of(self.program, init, chains.keys, self.options, data)
+        return RunIdentity.of(
+            self.program, init, chains.keys, self.options, data, self.trace_mode
+        )
 
 
 def plan_run(
@@ -180,17 +185,7 @@ def plan_run(
         if until is not None:
             asked_by = "`until` reads the chains' diagnostics"
         check_diagnostics(prepared.one_chain.state, draws.total, asked_by)
-    schedule = None
-    if until is not None:
-        if problems is None:
-            schedule = until.schedule(counts.num_steps, superchains, num_chains)
-        else:
-            # Each problem is checked on its own superchains and chains.
-            schedule = until.schedule(
-                counts.num_steps,
-                None if superchains is None else superchains // problems,
-                num_chains // problems,
-            )
+    schedule = _schedule(until, counts.num_steps, superchains, num_chains, problems)
     chunk_size = min(counts.chunk_size or num_chains, num_chains)
     records = trace is not False and draws.total > 0
     streams = records and trace == "disk"
@@ -221,6 +216,7 @@ def plan_run(
             superchains=superchains,
             until=None if schedule is None else str(schedule),
         ),
+        trace_mode=trace,
         num_chains=num_chains,
         chunk_size=chunk_size,
         checkpoint_every=counts.checkpoint_every,
@@ -229,4 +225,24 @@ def plan_run(
         problems=problems,
         program=None if traced is None else traced.program,
         streamed_steps=streamed_steps,
+    )
+
+
+def _schedule(
+    until: StoppingRule | None,
+    num_steps: int,
+    superchains: int | None,
+    num_chains: int,
+    problems: int | None,
+) -> Schedule | None:
+    """`until` planned for this run; with `data`, for each problem's own superchains
+    and chains, on which it is checked."""
+    if until is None:
+        return None
+    if problems is None:
+        return until.schedule(num_steps, superchains, num_chains)
+    return until.schedule(
+        num_steps,
+        None if superchains is None else superchains // problems,
+        num_chains // problems,
     )

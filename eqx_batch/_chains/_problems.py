@@ -24,8 +24,8 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError
-from .._tree import axis_sizes, common_size, host_array, is_array, mapped_leaves
+from .._errors import BatchError, describe, leaf_name
+from .._tree import common_size, host_array, is_array
 from ._all_chains import AllChains
 from ._common import call_mismatch
 
@@ -99,9 +99,10 @@ def problem_step(
 
     **Raises:**
 
-    `BatchError` if `data`'s array leaves disagree on P or there is none, if P does not
-    divide the chains (or the superchains), if `step` is an `eb.all_chains` step, or if
-    `step` cannot be called as `step(state, key, data)`.
+    `BatchError` if `data` is not a pytree of arrays with one row per problem (as
+    `_num_problems` says), if P does not divide the chains (or the superchains), if
+    `step` is an `eb.all_chains` step, or if `step` cannot be called as
+    `step(state, key, data)`.
     """
     if isinstance(step, AllChains):
         raise BatchError(
@@ -120,11 +121,7 @@ def problem_step(
         ),
         data,
     )
-    num_problems = common_size(
-        axis_sizes(mapped_leaves(eqx.filter(data, is_array), 0, "data"), "data"),
-        what="problem axis (axis 0)",
-        fix="Every array leaf of `data` holds one row per problem along axis 0.",
-    )
+    num_problems = _num_problems(data)
     if superchains is not None and superchains % num_problems:
         raise BatchError(
             f"`data` holds {num_problems} problems, which do not divide "
@@ -140,6 +137,56 @@ def problem_step(
             f"{num_problems} * M chains in `init` (or keys, with superchains)."
         )
     return ProblemStep(step, data), int(num_problems)
+
+
+_DATA_IS = (
+    "`data` must be a pytree of arrays with one row per problem along axis 0 (P "
+    "problems), each chain's step given its problem's row."
+)
+
+
+def _num_problems(data: Any) -> int:
+    """P, the size of axis 0 that `data`'s array leaves agree on.
+
+    **Raises:**
+
+    `BatchError` naming `data` (and the leaf) if it holds no array (a list of Python
+    numbers, `{}`), a 0-d array, leaves that disagree on P, or no problem (P = 0).
+    """
+    arrays = [
+        (leaf_name("data", path), x)
+        for path, x in jtu.tree_flatten_with_path(data)[0]
+        if is_array(x)
+    ]
+    if not arrays:
+        raise BatchError(
+            f"`data` is {describe(data)}, which holds no array: {_DATA_IS} Leaves that "
+            "are not arrays (Python numbers too) are given to every problem as they "
+            "are. "
+            "Stack each problem's values along axis 0 (`jnp.asarray([1.0, 2.0, 3.0])` "
+            "is 3 problems of one number each), or, for one problem, leave `data` out "
+            "and give the step its data with `functools.partial`."
+        )
+    for name, x in arrays:
+        if np.ndim(x) == 0:
+            raise BatchError(
+                f"`{name}` is a 0-d array ({describe(x)}), with no row per problem: "
+                f"{_DATA_IS} Stack one value per problem along axis 0, or, if every "
+                "problem shares it, make it a Python number (given to every problem "
+                "as it is) or close over it in `step`."
+            )
+    num_problems = common_size(
+        [(name, np.shape(x)[0]) for name, x in arrays],
+        what="problem axis (axis 0)",
+        fix="Every array leaf of `data` holds one row per problem along axis 0.",
+    )
+    if num_problems == 0:
+        name, x = arrays[0]
+        raise BatchError(
+            f"`data` holds no problem: `{name}` is {describe(x)}, 0 rows along axis 0. "
+            f"{_DATA_IS} Pass data of at least one problem, or leave `data` out."
+        )
+    return int(num_problems)
 
 
 def problem_ids(num_chains: int, num_problems: int) -> np.ndarray:

@@ -60,7 +60,9 @@ class Chains(eqx.Module):
     - `trace`: the recorded states, each array leaf shaped `[chains, draws, ...]`
         (only the draws made, with `until`), the same with or without
         `with_output`; non-array leaves of the state (an MLP's activation) are kept
-        as in `init`. `None` with `trace=False`.
+        as in `init`. `None` with `trace=False`; a run that makes no draw
+        (`num_steps=0`, or `burn_in=num_steps`) has an empty trace, `[chains, 0,
+        ...]`, and `outputs` likewise.
     - `outputs`: with `with_output=True`, the step's recorded outputs (its
         acceptance, divergence, energy...), each array leaf shaped as `trace`'s
         (`[chains, draws, ...]`, the same draws); non-array leaves of the output are

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import equinox as eqx
+import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
@@ -25,6 +26,7 @@ from ._arguments import (
     checked_counts,
     checked_flags,
     checked_trace,
+    checked_until,
     split_init,
 )
 from ._checkpoint import chunk_path, longest_file_name, warn_of_other_chunkings
@@ -174,6 +176,7 @@ def run_chains(
         result.steps_done, result.stopped.reason  # e.g. 200, 'nested R-hat 1.01...'
         ```
     """
+    until = checked_until(until, num_steps)
     counts = checked_counts(
         num_steps,
         thin,
@@ -181,7 +184,6 @@ def run_chains(
         checkpoint_every,
         chunk_size,
         checkpointed=checkpoint is not None,
-        until=until,
     )
     with_output, progress, diagnostics = checked_flags(
         with_output=with_output, progress=progress, diagnostics=diagnostics
@@ -287,25 +289,8 @@ def _result(
     chains = joined_chains([chains for chains, _ in results])
     stopped, steps_done, draws_made = _stops(plan, record)
     # The trace holds the draws made by the problem that ran longest.
-    last = int(np.max(steps_done))
-    states = outputs = recorded = None
-    if plan.segment.streams:
-        assert checkpoint is not None
-        listing = [
-            entry._replace(
-                rows=(chunk.start + entry.rows[0], chunk.start + entry.rows[1])
-            )
-            for chunk, (_, files) in zip(plan.chunks, results, strict=True)
-            for entry in files
-        ]
-        like = plan.draws_like(plan.num_chains, plan.draws.before(last))
-        recorded = disk_trace(checkpoint, listing, like)
-    elif results[0][1] is not None:
-        recorded = joined_chains([trace for _, trace in results])
-        if last < plan.num_steps:
-            # Only the draws made: the buffer was sized for the cap.
-            made = plan.draws.before(last)
-            recorded = jtu.tree_map(lambda x: x[:, :made], recorded)
+    recorded = _recorded(plan, results, int(np.max(steps_done)), chains, checkpoint)
+    states = outputs = None
     if recorded is not None:
         # The leaves of a draw that are the same in every draw (an MLP's activation)
         # are the caller's own: the state's as `init` holds them.
@@ -345,6 +330,46 @@ def _result(
         problems=plan.problems,
         draws_made=draws_made,
     )
+
+
+def _recorded(
+    plan: RunPlan,
+    results: list[tuple[ChainState, Any]],
+    last: int,
+    chains: ChainState,
+    checkpoint: pathlib.Path | None,
+) -> Any:
+    """The draws of the first `last` steps, `[chains, draws, ...]` per leaf (with
+    `with_output`, states and outputs): the chunks' traces joined, or with
+    `trace="disk"` read lazily from their files; None with `trace=False`.
+
+    A run that makes no draw (`num_steps=0`, or `burn_in=num_steps`) has no trace
+    buffer and writes no draw file: its trace is empty, `[chains, 0, ...]` per leaf,
+    in memory or, with `trace="disk"`, as `DiskArray`s.
+    """
+    if plan.trace_mode is False:
+        return None
+    like = plan.prepared.trace_like(plan.num_chains, plan.draws.before(last))
+    if plan.trace_mode == "disk":
+        assert checkpoint is not None
+        listing = [
+            entry._replace(
+                rows=(chunk.start + entry.rows[0], chunk.start + entry.rows[1])
+            )
+            for chunk, (_, files) in zip(plan.chunks, results, strict=True)
+            for entry in files or ()
+        ]
+        return disk_trace(checkpoint, listing, like)
+    if results[0][1] is None:
+        # Split by chain as the chains are, as a trace buffer would be.
+        split = chains.first_bad.sharding
+        return jtu.tree_map(lambda x: jnp.zeros(x.shape, x.dtype, device=split), like)
+    recorded = joined_chains([trace for _, trace in results])
+    if last < plan.num_steps:
+        # Only the draws made: the buffer was sized for the cap.
+        made = plan.draws.before(last)
+        recorded = jtu.tree_map(lambda x: x[:, :made], recorded)
+    return recorded
 
 
 def _stops(

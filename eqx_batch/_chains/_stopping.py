@@ -36,20 +36,20 @@ CHECKS_PER_RUN = 10
 _NAMES = {"nested_rhat": "nested R-hat", "rhat": "R-hat", "ess": "ESS"}
 
 
-def _nested(value: Any) -> float | str | None:
+def _nested(value: Any, name: str = "nested_rhat") -> float | str | None:
     if isinstance(value, str):
         if value != "default":
             raise BatchError(
-                f"`nested_rhat` is {value!r}; pass a number >= 1, 'default' or None."
+                f"`{name}` is {value!r}; pass a number >= 1, 'default' or None."
             )
         return value
-    return _threshold(value, "nested_rhat", "R-hat")
+    return _threshold(value, name, "R-hat")
 
 
-def _every(value: Any) -> int | None:
+def _every(value: Any, name: str = "every") -> int | None:
     if value is None:
         return None
-    return check_int(value, "every", minimum=1, hint="It is steps between checks.")
+    return check_int(value, name, minimum=1, hint="It is steps between checks.")
 
 
 def _threshold(value: Any, name: str, kind: str) -> float | None:
@@ -105,11 +105,7 @@ class StoppingRule(eqx.Module):
     every: int | None = eqx.field(converter=_every)
 
     def __check_init__(self) -> None:
-        if self.nested_rhat is None and self.rhat is None and self.ess is None:
-            raise BatchError(
-                "The stopping rule has no criterion (`nested_rhat`, `rhat` and `ess` "
-                "are all None): pass at least one."
-            )
+        _check_criteria(self, "The stopping rule", "")
 
     def schedule(
         self, num_steps: int, superchains: int | None, num_chains: int
@@ -138,6 +134,42 @@ class StoppingRule(eqx.Module):
             criteria.append(Criterion("ess", self.ess))
         every = self.every or max(1, -(-num_steps // CHECKS_PER_RUN))
         return Schedule(tuple(criteria), every)
+
+
+def _check_criteria(rule: StoppingRule, subject: str, prefix: str) -> None:
+    """Refuses a rule with no criterion, naming it `subject` and its fields with
+    `prefix` (`until.`)."""
+    if rule.nested_rhat is None and rule.rhat is None and rule.ess is None:
+        raise BatchError(
+            f"{subject} has no criterion (`{prefix}nested_rhat`, `{prefix}rhat` and "
+            f"`{prefix}ess` are all None): pass at least one."
+        )
+
+
+def checked_rule(until: Any) -> StoppingRule:
+    """`until`, a `StoppingRule`, with its fields checked as `eb.converged` checks
+    them, however it was built.
+
+    The fields' converters run when a rule is made, but `eqx.tree_at` sets fields
+    without them: a rule edited so (`every=-5`) would never reach its checks, and the
+    run would never return.
+
+    **Raises:**
+
+    `BatchError` naming `until` and the field (`until.every`), for what
+    `eb.converged` refuses, and for an `until` that is no `StoppingRule`.
+    """
+    if not isinstance(until, StoppingRule):
+        raise BatchError(
+            f"`until` is {describe(until)}; pass a rule that `eb.converged` makes."
+        )
+    _check_criteria(until, "`until`", "until.")
+    return StoppingRule(
+        _nested(until.nested_rhat, "until.nested_rhat"),
+        _threshold(until.rhat, "until.rhat", "R-hat"),
+        _threshold(until.ess, "until.ess", "ESS"),
+        _every(until.every, "until.every"),
+    )
 
 
 def default_threshold(superchains: int, num_chains: int) -> float:
