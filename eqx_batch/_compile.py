@@ -9,23 +9,22 @@ take a pytree apart so and put it back together; `StaticPart` is what they carry
 raised at the call. A loop that dispatches one compiled segment after another, or a
 wrapper such as `eb.filter_pmap` whose caller decides when to wait, wants JAX's own
 asynchronous dispatch instead: the next call is queued while this one runs. `AsyncJit`
-gives that with `eqx.filter_jit`'s convention for arguments, and `Lowered`/`Compiled`
-are its programs compiled ahead of time.
+gives that with `eqx.filter_jit`'s convention for arguments (`_lowered.py` holds its
+programs compiled ahead of time, and `_static_key.py` the exact keys of static values).
 """
 
 import dataclasses
 import inspect
-import struct
+import operator
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import equinox as eqx
 import jax
 import jax.tree_util as jtu
-import numpy as np
 
 from ._errors import BatchError, describe, KeyPath, leaf_name
 from ._memo import BoundedCache
+from ._static_key import SameNodeData, tree_key
 from ._tree import is_array, is_tracer
 
 
@@ -41,9 +40,12 @@ class StaticPart:
 
     Hashable, so it can be a `jax.jit` static argument; and a pytree with no leaves, so
     it passes as is through `jax.jit`'s outputs, `jax.vmap` and `lax.scan`, which carry
-    arrays only. Two are equal when their treedefs are and their leaves are of the
-    same types and equal, floats bit for bit (`_static_key`). Its key and hash are
-    computed once: `jax.jit` hashes its static arguments on every call.
+    arrays only. Two are equal when their treedefs are, and their leaves and the data
+    of their treedefs' nodes (a static Module field's value, a dict's keys) are of the
+    same types and equal, floats bit for bit (`_static_key.py`). Its key and hash are
+    computed once: `jax.jit` hashes its static arguments on every call. Two that hold
+    the same objects are found equal without their keys, as a compiled function's
+    arguments on each call are to those it was lowered for.
     """
 
     treedef: Any
@@ -54,7 +56,7 @@ class StaticPart:
         try:
             return self.__dict__["_key"]
         except KeyError:
-            value = (self.treedef, *map(_static_key, self.leaves))
+            value = tree_key(self.treedef, self.leaves)
             object.__setattr__(self, "_key", value)
             return value
 
@@ -71,23 +73,24 @@ class StaticPart:
             return True
         if not isinstance(other, StaticPart):
             return NotImplemented
+        if (
+            self.treedef == other.treedef
+            and all(map(operator.is_, self.leaves, other.leaves))
+            and self._same_node_data()(other.treedef)
+        ):
+            return True
         return self.key() == other.key()
 
-
-def _static_key(leaf: Any) -> tuple[Any, ...]:
-    """A static leaf as the identity of a compiled program sees it: its type and value,
-    a float's (or complex's) value by its bits.
-
-    `1 == 1.0 == True` and `0.0 == -0.0`, but they are traced to programs with other
-    dtypes or other constants: `jax.jit` with any of them as a static argument compiles
-    its own program. And `nan != nan`, which would compile anew on every call, where
-    two NaNs of the same bits are one program.
-    """
-    if isinstance(leaf, float):
-        return type(leaf), struct.pack("<d", leaf)
-    if isinstance(leaf, complex):
-        return type(leaf), struct.pack("<dd", leaf.real, leaf.imag)
-    return type(leaf), leaf
+    def _same_node_data(self) -> "SameNodeData":
+        """The check that an equal treedef holds the same node data; made once, for
+        the part on the left of `==` (the one kept, where a part is compared on each
+        call with those it was made for)."""
+        try:
+            return self.__dict__["_same"]
+        except KeyError:
+            value = SameNodeData(self.treedef)
+            object.__setattr__(self, "_same", value)
+            return value
 
 
 def partition(
@@ -162,6 +165,16 @@ class CallPlan:
 _PLANS_BY_IDENTITY = 256
 
 
+class _SeenArguments(NamedTuple):
+    """What `AsyncJit.plan` keeps of arguments it has seen: their plan, their non-array
+    leaves (alive, so that their ids stay theirs), and the check that arguments with
+    an equal treedef hold the same values in its nodes' data."""
+
+    plan: CallPlan
+    held: tuple[Any, ...]
+    same_node_data: SameNodeData
+
+
 class AsyncJit:
     """`fun` compiled by `jax.jit` per hashable static part of its arguments.
 
@@ -170,8 +183,10 @@ class AsyncJit:
     are the program's arguments, every other leaf is part of its identity and must be
     hashable.
 
-    A call flattens its arguments once and finds their static part by the identity of
-    their non-array leaves; only arguments not seen before are partitioned and hashed.
+    A call flattens its arguments once and finds their static part by their treedef
+    and the identity of their non-array leaves (and of the values in the treedef's node
+    data, such as static Module fields: `SameNodeData`); only arguments not seen before
+    are partitioned and hashed.
 
     **Arguments:**
 
@@ -261,8 +276,8 @@ class AsyncJit:
             identity = [None if kinds[type(x)] else id(x) for x in leaves]
         key = (treedef, *identity)
         found = self._by_identity.get(key)
-        if found is not None:
-            return found[0]
+        if found is not None and found.same_node_data(treedef):
+            return found.plan
         statics, _ = self.split_args(args)
         try:
             plan = self._by_statics.get(statics)
@@ -281,7 +296,7 @@ class AsyncJit:
                 statics, CallPlan(statics, tuple(positions))
             )
         held = tuple(x for x, i in zip(leaves, identity, strict=True) if i is not None)
-        self._by_identity.add(key, (plan, held))
+        self._by_identity.add(key, _SeenArguments(plan, held, SameNodeData(treedef)))
         return plan
 
     def has_checks(self, plan: CallPlan, arrays: list[list[Any]]) -> bool:
@@ -411,135 +426,3 @@ def all_equations(jaxpr: Any) -> Iterator[Any]:
 def _has_callback(jaxpr: Any) -> bool:
     """Whether `jaxpr` or any jaxpr inside it calls back to the host."""
     return any(eqn.primitive.name in _CALLBACKS for eqn in all_equations(jaxpr))
-
-
-# --------------------------------------------------------------- ahead of time
-
-ArrayTypes = tuple[tuple[tuple[int, ...], Any], ...]
-
-
-def array_types(arrays: Sequence[Any]) -> ArrayTypes:
-    """The shape and dtype of each array: what a compiled program is fixed to."""
-    return tuple((np.shape(array), array.dtype) for array in arrays)
-
-
-class CallAdapter:
-    """How a call to a compiled function becomes its `AsyncJit` program's arguments,
-    what a refused call is told, and how the result is handed back.
-
-    This default takes positional arguments as the program's own; a transform
-    subclasses it to speak of its own arguments.
-    """
-
-    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
-        """The program's arguments (after those fixed at lowering) for this call."""
-        if kwargs:
-            raise TypeError("this compiled function takes positional arguments only.")
-        return args
-
-    def other_static(self) -> str:
-        """The message for a call whose static part differs from the lowered one's."""
-        return (
-            "this compiled function was lowered for arguments with other non-array "
-            "values or another tree structure than those it is now called with. Call "
-            "`.lower(...)` again with these arguments."
-        )
-
-    def other_types(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], lowered: ArrayTypes
-    ) -> str:
-        """The message for a call whose arrays have other shapes or dtypes."""
-        del args, kwargs
-        return (
-            "this compiled function is called with arrays of other shapes or dtypes "
-            f"than it was lowered for ({lowered}). Call `.lower(...)` again with these "
-            "arguments."
-        )
-
-    def returned(self, run: Callable[[], Any]) -> Any:
-        """Runs the program (`run()` gives the function's output) for the caller."""
-        return run()
-
-
-class Lowered(eqx.Module):
-    """An `AsyncJit` program lowered for one set of arguments.
-
-    Unlike `jax.stages.Lowered`, its compiled form is called like the function (with
-    pytrees, through its `CallAdapter`) and returns the function's output.
-    """
-
-    lowered: jax.stages.Lowered = eqx.field(static=True)
-    statics: tuple[StaticPart, ...] = eqx.field(static=True)
-    types: ArrayTypes = eqx.field(static=True)
-    donated: tuple[int, ...] = eqx.field(static=True)
-    fixed: tuple[list[Any], ...]
-    adapter: CallAdapter
-
-    @classmethod
-    def of(
-        cls,
-        program: AsyncJit,
-        fixed: tuple[Any, ...],
-        args: tuple[Any, ...],
-        adapter: CallAdapter,
-    ) -> "Lowered":
-        """`program` lowered for the arguments `(*fixed, *args)`: `fixed` stay as
-        they are, `args` are what `adapter.arguments` gives for each call."""
-        statics, arrays = AsyncJit.split_args(args)
-        _, fixed_arrays = AsyncJit.split_args(fixed)
-        types = array_types([a for argument in arrays for a in argument])
-        lowered = program.lower(*fixed, *args)
-        return cls(
-            lowered, statics, types, program.donated, tuple(fixed_arrays), adapter
-        )
-
-    def as_text(self) -> str:
-        """The lowered program (StableHLO) as text."""
-        return self.lowered.as_text()
-
-    def compile(
-        self, /, compiler_options: dict[str, str | bool] | None = None
-    ) -> "Compiled":
-        """Compiles the lowered program; the result is called like the function."""
-        return Compiled(
-            self.lowered.compile(compiler_options=compiler_options),
-            self.statics,
-            self.types,
-            self.donated,
-            self.fixed,
-            self.adapter,
-        )
-
-
-class Compiled(eqx.Module):
-    """An `AsyncJit` program compiled ahead of time, called like the function.
-
-    **Raises (when called):**
-
-    `BatchError` if the call's static part, or its arrays' shapes and dtypes, differ
-    from those it was lowered for (in the words of its `CallAdapter`).
-    """
-
-    compiled: jax.stages.Compiled = eqx.field(static=True)
-    statics: tuple[StaticPart, ...] = eqx.field(static=True)
-    types: ArrayTypes = eqx.field(static=True)
-    donated: tuple[int, ...] = eqx.field(static=True)
-    fixed: tuple[list[Any], ...]
-    adapter: CallAdapter
-
-    def as_text(self) -> str:
-        """The compiled, partitioned program (HLO) as text."""
-        text = self.compiled.as_text()
-        assert text is not None
-        return text
-
-    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        adapter = self.adapter
-        statics, arrays = AsyncJit.split_args(adapter.arguments(args, kwargs))
-        if statics != self.statics:
-            raise BatchError(adapter.other_static())
-        if array_types([a for argument in arrays for a in argument]) != self.types:
-            raise BatchError(adapter.other_types(args, kwargs, self.types))
-        arguments = donated_once([*self.fixed, *arrays], self.donated)
-        compiled = self.compiled
-        return adapter.returned(lambda: AsyncJit.finish(compiled(*arguments)))

@@ -20,15 +20,9 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from ._compile import (
-    ArrayTypes,
-    AsyncJit,
-    CallAdapter,
-    CallPlan,
-    hold,
-    Lowered,
-)
+from ._compile import AsyncJit, CallPlan, hold
 from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
+from ._lowered import ArrayTypes, CallAdapter, Lowered
 from ._memo import BoundedCache
 from ._tree import is_array, is_tracer
 
@@ -331,8 +325,10 @@ def filter_jit(
     compiles anew. A value is new if its type differs, or for a float its bits:
     `1`, `1.0` and `True` give three programs (int32, float32 and bool, as `jax.jit`
     types them as static arguments), `0.0` and `-0.0` two, and two NaNs of the same
-    bits one. (`eqx.filter_jit` reuses `1`'s program for `1.0` and `True`, and
-    `0.0`'s for `-0.0`, and compiles anew for every NaN.)
+    bits one; wherever the value is: an argument, an item of a tuple or dict, or a
+    field of a Module, `eqx.field(static=True)` or not. (`eqx.filter_jit` reuses
+    `1`'s program for `1.0` and `True`, and `0.0`'s for `-0.0`, and compiles anew for
+    every NaN.)
 
     Works as a decorator bare or with arguments, on functions, on methods (through
     `__get__`, the instance being the first argument), and on callable Modules; nests
@@ -349,8 +345,9 @@ def filter_jit(
         check, whose advice is to use `eqx.filter_jit`. Any other runtime failure
         surfaces when a result is first used.
     - A call flattens its arguments once and finds its compiled program by their tree
-        structure and the identity of their non-array leaves; only arguments not seen
-        before are partitioned and hashed, as `eqx.filter_jit` does on every call.
+        structure and the identity of their non-array leaves and static fields'
+        values; only arguments not seen before are partitioned and hashed, as
+        `eqx.filter_jit` does on every call.
         So a static value that is mutated in place between calls is not noticed (with
         either, a static value should be immutable).
 

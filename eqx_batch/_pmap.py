@@ -35,16 +35,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._bind import bind_arguments
-from ._compile import (
-    ArrayTypes,
-    AsyncJit,
-    CallAdapter,
-    combine,
-    hold,
-    Lowered,
-    StaticPart,
-)
+from ._compile import AsyncJit, combine, hold, StaticPart
 from ._errors import BatchError, bullet_list, describe, leaf_name
+from ._lowered import ArrayTypes, CallAdapter, Lowered
 from ._mapped_call import bind_call, MappedCall
 from ._outputs import join_output, OutputSkeleton, split_output
 from ._shard import (

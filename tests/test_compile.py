@@ -1,10 +1,15 @@
 """The compile plumbing in `_compile.py`: the static part of a pytree and `AsyncJit`."""
 
+import math
+from typing import Any
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import pytest
 
+from eqx_batch import _static_key
 from eqx_batch._compile import AsyncJit, combine, donated_once, hold, partition
 
 
@@ -16,6 +21,30 @@ def test_partition_takes_out_arrays_and_combine_puts_them_back():
     assert static == partition({"w": jnp.zeros(2), "act": jax.nn.relu, "n": 3})[1]
     assert static != partition({"w": jnp.ones(2), "act": jax.nn.relu, "n": 4})[1]
     assert combine(arrays, static) == tree
+
+
+class StaticConfig(eqx.Module):
+    value: Any = eqx.field(static=True)
+
+
+# Where this JAX pickles treedefs as expected their nodes are read from that; the walk
+# through `PyTreeDef`'s public methods is the fallback, and must key them the same.
+@pytest.mark.parametrize("read_nodes", ["pickled", "walked"])
+def test_static_parts_are_equal_for_static_fields_of_one_type_and_bits(
+    monkeypatch, read_nodes
+):
+    if read_nodes == "walked":
+        monkeypatch.setattr(_static_key, "read_nodes", _static_key._walked_nodes)
+
+    def static(value):
+        return partition({"config": StaticConfig((value,)), "x": jnp.ones(2)})[1]
+
+    assert static(0.0) == static(0.0) and hash(static(0.0)) == hash(static(0.0))
+    assert static(0.0) != static(-0.0)
+    assert static(1) != static(1.0) and static(1) != static(True)
+    assert static(math.nan) == static(float("nan"))
+    assert hash(static(math.nan)) == hash(static(float("nan")))
+    assert static(math.nan) != static(math.copysign(math.nan, -1.0))
 
 
 def test_static_part_passes_through_jit_vmap_and_scan():

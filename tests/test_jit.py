@@ -92,6 +92,83 @@ def test_a_float_static_is_keyed_on_its_bits():
     assert len(traces) == 2
 
 
+class Config(eqx.Module):
+    value: Any
+
+
+class StaticConfig(eqx.Module):
+    value: Any = eqx.field(static=True)
+
+
+def _as_array_by_jax_jit(value):
+    # A fresh function for each value, as above: `jax.jit`'s own program for it.
+    return jax.jit(lambda value: jnp.asarray(value), static_argnums=0)(value)
+
+
+@pytest.mark.parametrize("config", [Config, StaticConfig])
+@pytest.mark.parametrize("first, second", [(1, 1.0), (1, True), (0.0, -0.0)])
+def test_an_equal_module_field_of_another_type_or_sign_compiles_anew(
+    config, first, second
+):
+    as_array = eb.filter_jit(lambda config: jnp.asarray(config.value))
+
+    # Identical: of the same dtype and bits, so -0.0 is not 0.0.
+    assert_trees_identical(as_array(config(first)), _as_array_by_jax_jit(first))
+    assert_trees_identical(as_array(config(second)), _as_array_by_jax_jit(second))
+
+
+@pytest.mark.parametrize(
+    "wrap, unwrap",
+    [
+        (lambda v: {"config": StaticConfig(v)}, lambda t: t["config"].value),
+        (lambda v: [Config(StaticConfig(v))], lambda t: t[0].value.value),
+        (lambda v: StaticConfig((v, "label")), lambda t: t.value[0]),
+        (lambda v: StaticConfig(Config(v)), lambda t: t.value.value),
+        (lambda v: StaticConfig(StaticConfig((v,))), lambda t: t.value.value[0]),
+    ],
+    ids=[
+        "in-a-dict",
+        "in-a-module-in-a-list",
+        "a-tuple-in-a-static-field",
+        "a-module-in-a-static-field",
+        "nested-static-fields",
+    ],
+)
+@pytest.mark.parametrize("first, second", [(1, 1.0), (0.0, -0.0)])
+def test_an_equal_static_nested_in_modules_tuples_and_dicts_compiles_anew(
+    wrap, unwrap, first, second
+):
+    as_array = eb.filter_jit(lambda tree: jnp.asarray(unwrap(tree)))
+
+    assert_trees_identical(as_array(wrap(first)), _as_array_by_jax_jit(first))
+    assert_trees_identical(as_array(wrap(second)), _as_array_by_jax_jit(second))
+
+
+def test_a_static_field_is_keyed_on_its_value_not_its_object():
+    traces = []
+
+    @eb.filter_jit
+    def as_array(config):
+        traces.append(config.value)
+        return jnp.asarray(config.value)
+
+    for _ in range(3):
+        as_array(StaticConfig(float("2.5")))  # a new float object each time
+    as_array(StaticConfig(float("nan")))
+    as_array(StaticConfig(float("nan")))  # another NaN of the same bits
+    assert len(traces) == 2
+    as_array(StaticConfig(math.copysign(math.nan, -1.0)))  # a sign bit apart
+    assert len(traces) == 3
+
+
+def test_a_compiled_function_refuses_an_equal_static_field_of_another_sign():
+    as_array = eb.filter_jit(lambda config: jnp.asarray(config.value))
+    compiled = as_array.lower(StaticConfig(0.0)).compile()  # pyright: ignore
+
+    assert_trees_identical(compiled(StaticConfig(0.0)), _as_array_by_jax_jit(0.0))
+    raises("other non-array values", lambda: compiled(StaticConfig(-0.0)))
+
+
 def test_keywords_bind_to_positions_as_eqx_does():
     traces = 0
 

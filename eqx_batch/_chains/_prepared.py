@@ -14,7 +14,8 @@ from typing import Any
 
 import jax
 
-from .._compile import array_types, partition
+from .._compile import partition
+from .._lowered import array_types
 from .._memo import BoundedCache
 from ._all_chains import AllChains
 from ._common import OneChain, structs
