@@ -7,6 +7,7 @@ treedef's nodes (a static Module field's value, a dict's keys), are keyed here b
 and bits instead. `_compile.StaticPart` compares and hashes by these keys.
 """
 
+import dataclasses
 import itertools as it
 import operator
 import struct
@@ -49,9 +50,14 @@ def static_key(value: Any) -> Any:
     if isinstance(value, frozenset):
         return kind, frozenset(map(static_key, value))
     leaves, treedef = jtu.tree_flatten(value)
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # not a container
-        return kind, value
-    return tree_key(treedef, leaves, value)
+    if treedef.num_nodes > 1 or treedef.num_leaves != 1:  # a container
+        return tree_key(treedef, leaves, value)
+    if kind.__hash__ is None and dataclasses.is_dataclass(value):
+        # Node data that is a plain dataclass, as an older Equinox keeps a Module's
+        # static fields: keyed by its fields' values.
+        fields = dataclasses.fields(value)
+        return kind, static_key(tuple(getattr(value, f.name) for f in fields))
+    return kind, value
 
 
 # The types whose values `==` finds equal only to equal values of the same type.
