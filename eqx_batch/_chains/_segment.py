@@ -135,13 +135,7 @@ def _segment(
         output = eqx.filter(numbers_as_arrays(output), is_array)
         return eqx.filter(new, is_array), output
 
-    # With `data`, what each chain's step reads of it, made here, outside the loop
-    # (`ProblemStep.for_chains`): the loop body holds no gather of the data.
-    chain_step, given = step, ()
-    if chains.problem is not None:
-        assert isinstance(step, ProblemStep)
-        chain_step, rows = step.for_chains(chains.problem)
-        given = (rows,)
+    chain_step, given = _per_chain_step(step, chains.problem)
 
     def one_chain(state: Any, key: jax.Array, *row: Any) -> tuple:
         key, step_key = next_key(key)
@@ -204,6 +198,17 @@ def _segment(
             lambda b: lax.dynamic_slice_in_dim(b, first, plan.emit, 1), trace
         )
     return SegmentResult(chains, trace, due, new_draws)
+
+
+def _per_chain_step(step: Callable, problem: Any) -> tuple[Callable, tuple]:
+    """One chain's step and what each chain gives it beside its state and key: with
+    `data` (each chain's `problem`), what it reads of the data, made here, outside the
+    loop (`ProblemStep.for_chains`), so that the loop body holds no gather of it."""
+    if problem is None:
+        return step, ()
+    assert isinstance(step, ProblemStep)
+    chain_step, rows = step.for_chains(problem)
+    return chain_step, (rows,)
 
 
 def _write_slot(
