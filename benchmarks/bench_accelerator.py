@@ -319,7 +319,8 @@ def write_floor(trace: np.ndarray) -> Callable[[pathlib.Path], Callable]:
         on_device = jax.block_until_ready(jax.device_put(trace))
 
         def write() -> None:
-            host = np.asarray(on_device)
+            # A TPU may hand the array back in its own (not C-contiguous) layout.
+            host = np.ascontiguousarray(on_device)
             with open(folder / "draws.bin", "wb") as file:
                 file.write(memoryview(host).cast("B"))
                 file.flush()

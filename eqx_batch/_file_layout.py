@@ -10,7 +10,8 @@ under keys that start with `eqx_batch.`:
 - `eqx_batch.header_crc32` and `eqx_batch.data_crc32`: CRC-32s (8 hex digits) of the
     header, taken with these 16 digits as zeros, and of the tensor data. `write_file`
     writes them first in the header, at a fixed place, so that they are found and
-    checked before anything else in the file is interpreted.
+    checked before anything else in the file is interpreted; the data's last, once
+    the data are written (a `LazyArray`'s read block by block as it is written).
 - `eqx_batch.version`: the format version, `"1"`.
 - `eqx_batch.leaves`: JSON, one record per leaf in flattening order: its path and kind;
     for arrays the true dtype, shape and weak type; for typed PRNG keys the
@@ -39,7 +40,7 @@ import json
 import os
 import struct
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, NamedTuple
 
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ import numpy as np
 
 from ._atomic import atomic_write
 from ._errors import BatchError
+from ._tree import is_lazy_array, LazyArray
 
 
 NAMESPACE = "eqx_batch."
@@ -109,11 +111,20 @@ def stored_as(dtype: np.dtype, shape: Sequence[int]) -> tuple[str, list[int]]:
 # Writing.
 
 
+# The most bytes of a `LazyArray` read at once when it is written: the memory a
+# leaf of any size costs to save.
+_BLOCK_BYTES = 1 << 24
+
+
 class _Tensor(NamedTuple):
     name: str
     code: str
     shape: list[int]
-    data: np.ndarray  # C-contiguous, little-endian
+    data: np.ndarray | LazyArray  # a NumPy array C-contiguous and little-endian
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.data.shape, dtype=np.int64)) * self.data.dtype.itemsize
 
 
 def _little_endian(data: np.ndarray) -> np.ndarray:
@@ -126,25 +137,48 @@ def raw_bytes(data: np.ndarray) -> memoryview:
     return data.reshape(-1).view(np.uint8).data
 
 
+def _blocks(tensor: _Tensor) -> Iterator[memoryview]:
+    """The bytes of a tensor's data in order: a NumPy array at once, a `LazyArray`
+    in C-ordered blocks of at most `_BLOCK_BYTES` (or one item)."""
+    data = tensor.data
+    if isinstance(data, np.ndarray):
+        yield raw_bytes(data)
+        return
+    shape = data.shape
+    # Axes from `inner` on fit in a block: a block is a run of `step` indices along
+    # the axis before them, at fixed indices of the axes before that.
+    inner, inner_bytes = len(shape), data.dtype.itemsize
+    while inner > 0 and inner_bytes * shape[inner - 1] <= _BLOCK_BYTES:
+        inner -= 1
+        inner_bytes *= shape[inner]
+    if inner == 0:
+        yield raw_bytes(_little_endian(np.asarray(data[...])))
+        return
+    step = max(1, _BLOCK_BYTES // inner_bytes)
+    for outer in np.ndindex(*shape[: inner - 1]):
+        for start in range(0, shape[inner - 1], step):
+            index = (*outer, slice(start, min(start + step, shape[inner - 1])))
+            yield raw_bytes(_little_endian(np.asarray(data[index])))
+
+
 def _header(
     records: list[dict], tensors: list[_Tensor], metadata: Mapping[str, str]
 ) -> tuple[bytes, list[_Tensor]]:
-    """The length prefix and header, checksums included, padded to a multiple of 8
-    bytes; and the tensors in the order of their data."""
+    """The length prefix and header, padded to a multiple of 8 bytes, with the
+    header's checksum and zeros for the data's (`_write_tensors` writes it); and the
+    tensors in the order of their data."""
     # Largest items first keeps every tensor aligned to its item size, as
     # safetensors' own writer does, for readers that map the file.
     ordered = sorted(tensors, key=lambda t: -t.data.dtype.itemsize)
     entries = {}
     offset = 0
-    data_crc = 0
     for tensor in ordered:
         entries[tensor.name] = {
             "dtype": tensor.code,
             "shape": tensor.shape,
-            "data_offsets": [offset, offset + tensor.data.nbytes],
+            "data_offsets": [offset, offset + tensor.nbytes],
         }
-        offset += tensor.data.nbytes
-        data_crc = zlib.crc32(raw_bytes(tensor.data), data_crc)
+        offset += tensor.nbytes
     ours = {
         f"{NAMESPACE}version": str(VERSION),
         f"{NAMESPACE}leaves": json.dumps(records, separators=(",", ":")),
@@ -157,11 +191,30 @@ def _header(
         header += b"}"
     header += b" " * (-(len(header) + LENGTH.size) % 8)
     prefix = LENGTH.pack(len(header))
+    # Taken with both checksums as zeros, so the data's can be written after it.
     header_crc = zlib.crc32(prefix + header)
     patched = bytearray(prefix + header)
     patched[HEADER_CRC_AT : HEADER_CRC_AT + 8] = b"%08x" % header_crc
-    patched[DATA_CRC_AT : DATA_CRC_AT + 8] = b"%08x" % data_crc
     return bytes(patched), ordered
+
+
+def _write_tensors(file: BinaryIO, tensors: list[_Tensor]) -> None:
+    """Writes the tensors' data after the header, then its CRC-32 into the header:
+    a `LazyArray` is read once, a block at a time."""
+    data_crc = 0
+    for tensor in tensors:
+        written = 0
+        for block in _blocks(tensor):
+            data_crc = zlib.crc32(block, data_crc)
+            written += file.write(block)
+        if written != tensor.nbytes:
+            raise BatchError(
+                f"the leaf `tree{tensor.name}` read {written} bytes, where its shape "
+                f"{tuple(tensor.data.shape)} and dtype {tensor.data.dtype} make "
+                f"{tensor.nbytes}: it does not hold what it says. Nothing was saved."
+            )
+    file.seek(DATA_CRC_AT)
+    file.write(b"%08x" % data_crc)
 
 
 def check_caller_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
@@ -194,21 +247,23 @@ def write_file(
 
     `records` are the leaf records described above, whose `path`s name distinct
     tensors; `arrays` holds the host data of their `array` and `key` records, in
-    order (key data for keys); `metadata` is the caller's, as `check_caller_metadata`
-    returns it.
+    order (key data for keys), or `LazyArray`s, read a bounded block at a time as
+    they are written; `metadata` is the caller's, as `check_caller_metadata` returns
+    it. A `BatchError` of a `LazyArray`'s read leaves `path` as it was.
     """
     hosts = iter(arrays)
     tensors = []
     for record in records:
         if record["kind"] in ("array", "key"):
-            data = _little_endian(np.asarray(next(hosts)))
-            code, shape = stored_as(data.dtype, data.shape)
+            data = next(hosts)
+            if not is_lazy_array(data):
+                data = _little_endian(np.asarray(data))
+            code, shape = stored_as(np.dtype(data.dtype), data.shape)
             tensors.append(_Tensor(record["path"], code, shape, data))
     header, ordered = _header(records, tensors, metadata)
 
     def write(file: BinaryIO) -> None:
         file.write(header)
-        for tensor in ordered:
-            file.write(raw_bytes(tensor.data))
+        _write_tensors(file, ordered)
 
     atomic_write(path, write, keep_cached=keep_cached)

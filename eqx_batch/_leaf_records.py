@@ -17,7 +17,15 @@ import numpy as np
 from ._errors import BatchError, describe, KeyPath, leaf_name, qualified_name
 from ._file_format import CheckedFile
 from ._file_layout import storable
-from ._tree import is_array, is_key, is_tracer, is_weak, make_weak, weak_scalar
+from ._tree import (
+    is_array,
+    is_key,
+    is_lazy_array,
+    is_tracer,
+    is_weak,
+    make_weak,
+    weak_scalar,
+)
 
 
 _KIND_PHRASES = {
@@ -44,8 +52,9 @@ _SCALAR_KINDS = {
 
 
 def is_array_template(x: Any) -> bool:
-    """Whether `x` stands for an array in `like`: an array or a `ShapeDtypeStruct`."""
-    return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+    """Whether `x` stands for an array in `like`: an array, a `LazyArray` (such as a
+    leaf of a `trace="disk"` trace) or a `ShapeDtypeStruct`."""
+    return is_array(x) or is_lazy_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def object_name(x: Any) -> str:
@@ -61,7 +70,10 @@ def object_name(x: Any) -> str:
 
 
 def leaf_records(tree: Any) -> tuple[list[dict], list[Any]]:
-    """The leaf records of `tree`, and its arrays (key data for keys) in their order."""
+    """The leaf records of `tree`, and its arrays (key data for keys) in their order.
+
+    A `LazyArray` is an array whose values `write_file` reads in bounded parts.
+    """
     leaves = jtu.tree_flatten_with_path(tree)[0]
     records: list[dict] = []
     on_device: list[Any] = []
@@ -78,7 +90,7 @@ def leaf_records(tree: Any) -> tuple[list[dict], list[Any]]:
                 kind="key", impl=str(jax.random.key_impl(leaf)), shape=list(leaf.shape)
             )
             on_device.append(jax.random.key_data(leaf))
-        elif is_array(leaf):
+        elif is_array(leaf) or is_lazy_array(leaf):
             if not storable(np.dtype(leaf.dtype)):
                 raise BatchError(
                     f"`{name}` is {describe(leaf)}; only numeric arrays (bool, "
@@ -226,7 +238,8 @@ def _committed_sharding(like_leaf: Any) -> Any:
 
 
 def materialise(values: list[Any], like_leaves: list[Any], on_host: bool) -> list:
-    """`values` with `Stored` arrays turned into leaves of the types of `like`'s.
+    """`values` with `Stored` arrays turned into leaves of the types of `like`'s: NumPy
+    arrays for NumPy arrays and `LazyArray`s (whose values live on the host).
 
     Arrays for the default device travel in one transfer, 0-d weak ones as Python
     scalars (`weak_scalar`), which arrive weak; other weak ones are made weak by
@@ -240,7 +253,7 @@ def materialise(values: list[Any], like_leaves: list[Any], on_host: bool) -> lis
             continue
         if isinstance(like_leaf, np.generic):
             out[i] = value.data[()]
-        elif isinstance(like_leaf, np.ndarray) or on_host:
+        elif isinstance(like_leaf, np.ndarray) or is_lazy_array(like_leaf) or on_host:
             out[i] = np.array(value.data)
         else:
             to_place.append(i)

@@ -28,6 +28,7 @@ from ._leaf_records import (
     leaf_value,
     materialise,
 )
+from ._tree import is_lazy_array
 
 
 Tree = TypeVar("Tree")
@@ -52,8 +53,11 @@ def write_tree(
     """
     entries = check_caller_metadata(metadata)
     records, arrays = leaf_records(tree)
-    # Fetched from the devices in one batch.
-    write_file(path, records, jax.device_get(arrays), entries, keep_cached=keep_cached)
+    # Fetched from the devices in one batch; lazy arrays are read as they are written,
+    # a block at a time, not whole here.
+    fetched = iter(jax.device_get([x for x in arrays if not is_lazy_array(x)]))
+    hosts = [x if is_lazy_array(x) else next(fetched) for x in arrays]
+    write_file(path, records, hosts, entries, keep_cached=keep_cached)
 
 
 def save(path: str | os.PathLike, tree: Any) -> None:
@@ -71,9 +75,12 @@ def save(path: str | os.PathLike, tree: Any) -> None:
 
     Arrays (JAX or NumPy, any numeric dtype including bfloat16 and other ml_dtypes),
     typed PRNG keys (their key data, with the implementation's name) and
-    `bool`/`int`/`float`/`complex`/`str` leaves are stored. Any other leaf, such as an
-    activation function, is not stored: its qualified name is recorded, and `eb.load`
-    checks it against `like`, which supplies the object.
+    `bool`/`int`/`float`/`complex`/`str` leaves are stored. The `eb.DiskArray`s of a
+    `trace="disk"` trace are stored as arrays of their values, read from their draw
+    files 16 MiB at a time, so a trace larger than memory can be saved, and the file
+    does not need the checkpoint. Any other leaf, such as an activation function, is
+    not stored: its qualified name is recorded, and `eb.load` checks it against
+    `like`, which supplies the object.
 
     **Arguments:**
 
@@ -92,7 +99,9 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     of a non-numeric dtype (strings, objects); or if two array leaves have the same
     path, or one has the path `__metadata__` (which safetensors reserves; a custom
     pytree key can print so). `OSError` if the file cannot be written otherwise (no
-    permission, disk full); `path` is then left as it was.
+    permission, disk full); `path` is then left as it was. A `BatchError` naming the
+    draw file, if an `eb.DiskArray`'s file cannot be read (missing, damaged); `path`
+    is then left as it was.
 
     !!! Example
 
@@ -301,15 +310,16 @@ def load(path: str | os.PathLike, like: Tree) -> Tree:
 
     - `path`: a file written by `eb.save`.
     - `like`: a pytree with the structure of the saved one, such as a freshly
-        constructed model. Its array leaves may be JAX or NumPy arrays or
-        `jax.ShapeDtypeStruct`s.
+        constructed model. Its array leaves may be JAX or NumPy arrays,
+        `eb.DiskArray`s or `jax.ShapeDtypeStruct`s.
 
     **Returns:**
 
     A pytree with the structure of `like` holding the file's values. Leaves have the
     types of `like`'s: JAX arrays (on `like`'s devices when it was placed on them, or
     with a `ShapeDtypeStruct`'s sharding) for JAX arrays and `ShapeDtypeStruct`s,
-    with the saved weak types; NumPy arrays for NumPy arrays; typed PRNG keys for
+    with the saved weak types; NumPy arrays for NumPy arrays and `eb.DiskArray`s (a
+    saved `trace="disk"` trace loads as NumPy arrays); typed PRNG keys for
     keys. Python scalars are the saved values; other objects (functions) are `like`'s
     own.
 

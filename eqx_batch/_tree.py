@@ -41,6 +41,28 @@ def is_key(x: Any) -> bool:
     )
 
 
+class LazyArray:
+    """An array on the host whose values are read when asked for, such as the leaves
+    of a `trace="disk"` trace (`eb.DiskArray`).
+
+    It has a `shape` and a NumPy `dtype`, and indexing it with ints and slices
+    (`x[3, 10:20]`, `x[...]`) reads only that part, as a NumPy array. `eb.save`
+    stores its values a bounded part at a time, so a leaf larger than memory can be
+    saved; `eb.load` into one gives a NumPy array.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        raise NotImplementedError
+
+
+def is_lazy_array(x: Any) -> bool:
+    """Whether `x` is a `LazyArray`: an array on the host read when indexed."""
+    return isinstance(x, LazyArray)
+
+
 def is_tracer(x: Any) -> bool:
     """Whether `x` is a tracer (a value inside `jax.jit`, `jax.vmap` and friends)."""
     return isinstance(x, jax.core.Tracer)

@@ -3,7 +3,8 @@ that name the user's own arguments.
 
 A call is bound to the function's signature and its mapped sizes are checked
 (`_mapped_call.py`), and one member's output is split into what `jax.vmap` can carry
-(`_outputs.py`).
+(`_outputs.py`), its static part checked for values traced inside
+(`_static_tracers.py`).
 """
 
 import functools as ft
@@ -19,6 +20,7 @@ from ._errors import BatchError, check_int, leaf_name
 from ._mapped_call import bind_call, MappedCall
 from ._outputs import join_output, OutputSkeleton, split_output
 from ._sizes import check_axis_size
+from ._static_tracers import check_output_static
 
 
 class _VmapWrapper(eqx.Module):
@@ -84,7 +86,7 @@ class _VmapWrapper(eqx.Module):
 
         def run(dynamic: list[Any]) -> Any:
             try:
-                return vmapped(dynamic)
+                out = vmapped(dynamic)
             except ValueError as e:
                 # JAX names the output by its place in our (mapped, unmapped, static)
                 # triple; translate that to the user's output path.
@@ -97,6 +99,8 @@ class _VmapWrapper(eqx.Module):
                     "(it depends on a mapped argument). Give it a member axis in "
                     "out_axes, or compute it from unmapped arguments only."
                 ) from None
+            check_output_static(out[2].static, "filter_vmap")
+            return out
 
         return run
 
@@ -122,6 +126,7 @@ class _VmapWrapper(eqx.Module):
         _, (mapped, unmapped, skeleton) = jax.lax.scan(
             lambda carry, xs: (carry, run_chunk(xs)), None, chunks, length=full
         )
+        check_output_static(skeleton.static, "filter_vmap", compiled_loop=True)
         mapped = [out.reshape(full * chunk, *out.shape[2:]) for out in mapped]
         # Unmapped outputs cannot depend on the members (JAX rejects that), so every
         # chunk computed the same value.
@@ -251,6 +256,13 @@ def filter_vmap(
         neither an array nor a Python scalar, or an axis out of range, or maps an
         output when nothing is mapped and `axis_size` is not given; if an output with
         `out_axes` `None` differs between members.
+    - `BatchError` (while tracing, so once per compilation under `jax.jit`): if a
+        static part of the output (a field declared `eqx.field(static=True)`, as in
+        equinox#312) holds a value traced inside `fun`, or, with `chunk_size`, any
+        traced value. Static fields are not batched, so such a value has no member
+        axis and would outlive its trace; the message names each by its path
+        (`out.config.scale`). Equinox returns it, and its next use raises JAX's
+        `UnexpectedTracerError`.
     - `BatchError` (at decoration): if `chunk_size` is not a positive int, or
         `axis_size` is neither `None` nor a non-negative int (bools are refused).
     - `TypeError`: if a call does not fit `fun`'s signature, as calling `fun` would.

@@ -362,3 +362,162 @@ def test_a_run_stopped_by_until_holds_the_draws_made(tmp_path):
     )
     assert disk.steps_done == memory.steps_done < 20_000
     assert_trees_identical(_read(disk.trace), _in_memory(memory.trace))
+
+
+# ------------------------------------------------------------------------------------
+# The numbers kept apart from the checkpoint; files moved on disk; another directory.
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_a_saved_disk_trace_holds_its_numbers_without_the_checkpoint(
+    tmp_path, chunk_size
+):
+    disk = eb.run_chains(
+        _with_output_step,
+        make_key_init(7),
+        jr.key(0),
+        41,
+        trace="disk",
+        checkpoint=tmp_path / "run",
+        checkpoint_every=10,
+        chunk_size=chunk_size,
+        with_output=True,
+    )
+    kept = tmp_path / "kept"
+    eb.save(kept, (disk.trace, disk.outputs))
+    numbers = jtu.tree_map(np.asarray, (disk.trace, disk.outputs))
+    for path in tmp_path.glob("run*"):
+        path.unlink()
+    back = eb.load(kept, like=(disk.trace, disk.outputs))
+    # NumPy arrays of the values, typed keys as their raw data, as the trace reads.
+    assert_trees_identical(back, numbers)
+    assert kept.stat().st_size > sum(x.nbytes for x in jtu.tree_leaves(numbers))
+
+
+_SAVE_MEMORY = textwrap.dedent(
+    """
+    import sys
+    import jax.numpy as jnp, jax.random as jr, numpy as np
+    import eqx_batch as eb
+
+    def peak_kib():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+
+    def rss_kib():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+
+    # 16 KiB a draw, 32 MiB a chain: 128 MiB saved in blocks of part of a chain.
+    result = eb.run_chains(
+        lambda x, key: x + 1.0, jnp.zeros((4, 4096)), jr.key(0), 2048,
+        trace="disk", checkpoint=sys.argv[1] + "/run",
+    )
+    before = rss_kib()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak starts again from the resident memory now
+    eb.save(sys.argv[1] + "/kept", result.trace)
+    growth = peak_kib() - before
+    back = eb.load(sys.argv[1] + "/kept", like=result.trace)
+    expected = np.arange(1, 2049, dtype=np.float32)[None, :, None]
+    print(growth, type(back).__name__, bool((back == expected).all()))
+    """
+)
+
+
+def test_saving_a_disk_trace_larger_than_a_block_reads_it_a_block_at_a_time(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", _SAVE_MEMORY, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    growth_kib, kind, equal = done.stdout.split()[-3:]
+    assert (kind, equal) == ("ndarray", "True")
+    assert (tmp_path / "kept").stat().st_size > 128 << 20
+    # Blocks of 16 MiB, each read and copied once or twice: not the 128 MiB trace.
+    assert int(growth_kib) < 64 * 1024, growth_kib
+
+
+def test_saving_a_disk_trace_whose_file_is_gone_keeps_the_file_there(tmp_path):
+    result = eb.run_chains(
+        metropolis,
+        make_init(4),
+        jr.key(0),
+        60,
+        trace="disk",
+        checkpoint=tmp_path / "r",
+        checkpoint_every=20,
+    )
+    kept = tmp_path / "kept"
+    eb.save(kept, {"earlier": np.arange(3)})
+    before = kept.read_bytes()
+    gone = sorted(tmp_path.glob("r.*.draws-*"))[1]
+    gone.unlink()
+    raises("is missing", lambda: eb.save(kept, result.trace), str(gone))
+    assert kept.read_bytes() == before
+    assert not list(tmp_path.glob(".kept*"))  # nor a temporary file left
+
+
+def _swap(a: pathlib.Path, b: pathlib.Path) -> None:
+    a.rename(a.with_name("swapping"))
+    b.rename(a)
+    a.with_name("swapping").rename(b)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_two_draw_files_swapped_are_refused_never_read_in_their_order(
+    tmp_path, chunk_size
+):
+    def run(trace):
+        return eb.run_chains(
+            metropolis,
+            make_init(6),
+            jr.key(0),
+            60,
+            trace=trace,
+            checkpoint=tmp_path / "r",
+            checkpoint_every=20,
+            chunk_size=chunk_size,
+        )
+
+    result = run("disk")
+    # Two files of the same chains, draws 0-20 and 20-40: each sound on its own.
+    first, second = sorted(tmp_path.glob("r*.draws-*"))[:2]
+    assert first.name.replace("draws-0-20", "draws-20-40") == second.name
+    _swap(first, second)
+    names = (str(first), "run_chains.draws='20-40'", "'0-20'")
+    raises("mixed up", lambda: jtu.tree_map(np.asarray, result.trace), *names)
+    # Draws 40 to 60 are in a file of their own: still read.
+    assert result.trace["layer1"]["weights"][:, 45].shape == (6, 3, 3)
+    again = run("disk")
+    raises("mixed up", lambda: np.asarray(again.trace["layer2"]["weights"]), *names)
+    raises("mixed up", lambda: run(True))
+    raises("mixed up", lambda: eb.save(tmp_path / "kept", result.trace), *names)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_a_disk_trace_on_a_relative_path_reads_from_another_directory(
+    tmp_path, monkeypatch, chunk_size
+):
+    (tmp_path / "run here").mkdir()
+    (tmp_path / "read here").mkdir()
+    monkeypatch.chdir(tmp_path / "run here")
+    arguments = dict(chunk_size=chunk_size)
+    result = eb.run_chains(
+        metropolis,
+        make_init(6),
+        jr.key(0),
+        60,
+        trace="disk",
+        checkpoint="run",
+        checkpoint_every=20,
+        **arguments,
+    )
+    monkeypatch.chdir(tmp_path / "read here")
+    memory = eb.run_chains(metropolis, make_init(6), jr.key(0), 60, **arguments)
+    assert_trees_identical(_read(result.trace), _in_memory(memory.trace))
+    eb.save("kept", result.trace)
+    assert_trees_identical(eb.load("kept", like=result.trace), _read(result.trace))

@@ -1,3 +1,4 @@
+import functools as ft
 import inspect
 import math
 import re
@@ -572,6 +573,90 @@ def test_error_unmapped_output_differs_between_members():
         vmapped = eb.filter_vmap(f, out_axes=(0, None), chunk_size=chunk_size)
         with pytest.raises(eb.BatchError, match=r"`out\[1\]\['total'\]`"):
             vmapped(_arange(3))
+
+
+# Equinox warns when an array is set in a static field; the user's code runs on.
+_STATIC_ARRAY_WARNING = "ignore:A JAX array is being set as static:UserWarning"
+
+
+class _Constants(eqx.Module):
+    a: Any
+    b: Any
+
+
+class _WithStatic(eqx.Module):
+    weight: jax.Array
+    constants: Any = eqx.field(static=True)
+
+
+def _with_static(weight, constants):
+    # equinox#312: a Module built per member, its per-member numbers kept static.
+    return _WithStatic(weight, _Constants(constants[0], constants[1]))
+
+
+@pytest.mark.filterwarnings(_STATIC_ARRAY_WARNING)
+@pytest.mark.parametrize("chunk_size", [None, 2, 3])
+@pytest.mark.parametrize("jit", [None, jax.jit, eqx.filter_jit])
+def test_error_static_field_holds_member_value(chunk_size, jit):
+    # Equinox returns the output, and its next use raises JAX's UnexpectedTracerError.
+    vmapped = eb.filter_vmap(_with_static, chunk_size=chunk_size)
+    if jit is not None:
+        vmapped = jit(vmapped)
+    with pytest.raises(eb.BatchError) as excinfo:
+        vmapped(_arange(4, 3), _arange(4, 2))
+    message = _message(excinfo)
+    assert "static part" in message
+    assert "`out.constants.a`: float32[]" in message
+    assert "`out.constants.b`: float32[]" in message
+    assert "Static fields are not batched" in message
+    assert "drop static=True" in message
+
+
+@pytest.mark.filterwarnings(_STATIC_ARRAY_WARNING)
+def test_error_static_field_names_its_path_in_the_output(getkey):
+    def keyed(key):
+        return jnp.zeros(2), {"model": _WithStatic(jnp.zeros(()), (1, key))}
+
+    with pytest.raises(
+        eb.BatchError, match=r"`out\[1\]\['model'\]\.constants\[1\]`: key"
+    ):
+        eb.filter_vmap(keyed)(jr.split(getkey(), 3))
+
+
+@pytest.mark.filterwarnings(_STATIC_ARRAY_WARNING)
+def test_error_chunked_static_field_holds_unmapped_argument():
+    # The chunks run in a compiled loop, where an unmapped array is traced too.
+    def scaled(weight, scale):
+        return _WithStatic(weight * scale, scale)
+
+    weights, scale = _arange(5, 2), jnp.array(2.0)
+    unchunked = eb.filter_vmap(scaled, in_axes=(0, None))(weights, scale)
+    assert unchunked.constants is scale
+    chunked = eb.filter_vmap(scaled, in_axes=(0, None), chunk_size=2)
+    with pytest.raises(eb.BatchError, match=r"(?s)`out\.constants`.*compiled loop"):
+        chunked(weights, scale)
+
+
+@pytest.mark.filterwarnings(_STATIC_ARRAY_WARNING)
+def test_static_field_holding_a_value_of_an_enclosing_trace_as_equinox_does():
+    # A traced value of the enclosing jit, not of the members, is valid where the
+    # output is used: accepted, as Equinox accepts it.
+    def program(vmap, weights, scale):
+        out = vmap(lambda w: _WithStatic(w, scale))(weights)
+        return out.weight * out.constants
+
+    weights = _arange(4, 2)
+    ours = jax.jit(ft.partial(program, eb.filter_vmap))(weights, 3.0)
+    theirs = jax.jit(ft.partial(program, eqx.filter_vmap))(weights, 3.0)
+    assert_trees_identical(ours, theirs)
+
+    def nested(x):
+        inner = eb.filter_vmap(lambda z: _WithStatic(z, x))(_arange(2))
+        return inner.weight * inner.constants
+
+    assert_trees_identical(
+        eb.filter_vmap(nested)(_arange(3)), eqx.filter_vmap(nested)(_arange(3))
+    )
 
 
 def test_error_axis_name_with_chunk():

@@ -95,8 +95,6 @@ _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _IDENTITY = "run_chains.run"
 _RUN_ID = "run_chains.run_id"
 _PROGRESS = "run_chains.progress"
-_DRAWS = "run_chains.draws"
-_ROWS = "run_chains.rows"
 
 
 class Checkpoint:
@@ -300,7 +298,9 @@ class Checkpoint:
         )
         names_run = {_RUN_ID: self.identity.run_id}
         return [
-            ListedFile(self.path.with_name(e.name), e.rows, e.draws, names_run)
+            ListedFile(
+                self.path.with_name(e.name), e.rows, e.draws, names_run, e.holds()
+            )
             for e in entries
         ]
 
@@ -355,8 +355,8 @@ class Checkpoint:
         path = self.path.with_name(entry.name)
         metadata = self._read_metadata(path, "draw file")
         self._check_run(path, metadata)
-        holds = (metadata.get(_ROWS), metadata.get(_DRAWS))
-        expected = ("{}-{}".format(*entry.rows), "{}-{}".format(*entry.draws))
+        expected = tuple(entry.holds().values())
+        holds = tuple(metadata.get(key) for key in entry.holds())
         if holds != expected:
             raise BatchError(
                 f"the draw file {path} of `checkpoint` ({self.path}) holds chains "
@@ -519,11 +519,7 @@ class Checkpoint:
         write_tree(
             self.path.with_name(entry.name),
             draws,
-            metadata={
-                **self._metadata,
-                _ROWS: "{}-{}".format(*rows),
-                _DRAWS: "{}-{}".format(*entry.draws),
-            },
+            metadata={**self._metadata, **entry.holds()},
             keep_cached=False,
         )
         return entry

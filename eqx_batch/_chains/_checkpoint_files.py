@@ -84,6 +84,14 @@ class DrawFile(NamedTuple):
     rows: tuple[int, int]
     draws: tuple[int, int]
 
+    def holds(self) -> dict[str, str]:
+        """The entries of its file's metadata that say which chains and draws it
+        holds: its name says it too, but a file renamed keeps these."""
+        return {
+            "run_chains.rows": "{}-{}".format(*self.rows),
+            "run_chains.draws": "{}-{}".format(*self.draws),
+        }
+
     def to_json(self) -> list:
         return [self.name, *self.rows, *self.draws]
 

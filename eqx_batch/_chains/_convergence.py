@@ -6,6 +6,7 @@ written on the moments instead of the draws; the draws themselves are never need
 a run with `trace=False` is diagnosed too.
 """
 
+import functools as ft
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -178,7 +179,9 @@ def diagnose_problems(
     return _diagnose_each(blocks, per_problem)
 
 
-@eqx.filter_jit
+# `jax.jit` rather than `eqx.filter_jit`: its arguments are arrays and an int, and
+# Equinox's wrapper costs half a millisecond a call on a TPU's host (issue 34).
+@ft.partial(jax.jit, static_argnums=1)
 def _diagnose_each(blocks: Moments, num_superchains: int | None) -> Diagnostics:
     return jax.vmap(lambda m: _diagnose(m, num_superchains))(blocks)
 
@@ -192,7 +195,7 @@ def _on_one_device(x: Any) -> Any:
     return jax.device_put(x, jax.local_devices()[0])
 
 
-@eqx.filter_jit
+@ft.partial(jax.jit, static_argnums=1)
 def _diagnose(moments: Moments, num_superchains: int | None) -> Diagnostics:
 
     def leaf(mean: jax.Array, m2: jax.Array) -> tuple:

@@ -10,10 +10,14 @@ contiguous bytes. No memory map: mapped pages count in a process's resident memo
 
 A file is checked the first time it is read, and again if it changed since (another
 size, inode or modification time): its header and sizes as `eb.load` checks them, its
-metadata (the run that wrote it), its tensors against the leaves, and the CRC-32 of all
+metadata (the run that wrote it, and the chains and draws it holds: two files of one
+run swapped are each sound), its tensors against the leaves, and the CRC-32 of all
 its data, streamed in bounded chunks. After that a read trusts it: a byte changed in
 place without touching the file's modification time is not seen. A file missing,
-truncated, from another run or damaged is a `BatchError` naming it, never numbers.
+truncated, from another run, swapped or damaged is a `BatchError` naming it, never
+numbers.
+
+A `DiskArray` is a `LazyArray`: `eb.save` writes its numbers, a block at a time.
 """
 
 import json
@@ -30,7 +34,7 @@ import numpy as np
 from .._errors import BatchError
 from .._file_format import BadFileError, open_checked
 from .._file_layout import LENGTH, NAMESPACE
-from .._tree import as_key_data, is_key
+from .._tree import as_key_data, is_key, LazyArray
 
 
 # Bytes read at once when a file's checksum is computed: its memory is this, whatever
@@ -42,13 +46,16 @@ class ListedFile(NamedTuple):
     """One draw file: draws `draws[0]` to `draws[1]` of chains `rows[0]` to `rows[1]`.
 
     `metadata` holds the entries its metadata must have: the id of the run that wrote
-    it.
+    it. `holds` holds those that say which chains and draws it holds, as its own
+    checkpoint counts them (a chunk's from its first chain, not the trace's): one
+    that differs is the file of other draws, renamed or copied over this one.
     """
 
     path: pathlib.Path
     rows: tuple[int, int]
     draws: tuple[int, int]
     metadata: Mapping[str, str] = {}
+    holds: Mapping[str, str] = {}
 
 
 class _Checked(NamedTuple):
@@ -190,13 +197,7 @@ class DrawFiles:
         except BadFileError as e:
             problem = str(e).replace(f"`{name}`", "it").rstrip(".")
             raise self._error(entry, f"is damaged: {problem}") from None
-        for key, value in entry.metadata.items():
-            if metadata.get(key) != value:
-                raise self._error(
-                    entry,
-                    f"was written by another run (its {key!r} is "
-                    f"{metadata.get(key)!r}, this run's {value!r})",
-                )
+        self._check_metadata(entry, metadata)
         rows = entry.rows[1] - entry.rows[0]
         draws = entry.draws[1] - entry.draws[0]
         for path, like in self.leaves.items():
@@ -226,6 +227,30 @@ class DrawFiles:
         offsets = {path: header[path]["data_offsets"][0] for path in self.leaves}
         return _Checked(signature, data_start, offsets)
 
+    def _check_metadata(self, entry: ListedFile, metadata: Mapping[str, str]) -> None:
+        """Refuses a file of another run, or of other draws than its listing's: each
+        file is internally sound, so only its own metadata tell a swap apart."""
+        for key, value in entry.metadata.items():
+            if metadata.get(key) != value:
+                raise self._error(
+                    entry,
+                    f"was written by another run (its {key!r} is "
+                    f"{metadata.get(key)!r}, this run's {value!r})",
+                )
+        differ = [
+            key for key, value in entry.holds.items() if metadata.get(key) != value
+        ]
+        if differ:
+            raise self._error(
+                entry,
+                "is not the file its name says: its metadata give "
+                + ", ".join(f"{key}={metadata.get(key)!r}" for key in differ)
+                + ", where the checkpoint lists it for "
+                + ", ".join(f"{key}={entry.holds[key]!r}" for key in differ)
+                + ". The checkpoint's files were mixed up (renamed, or copied over "
+                "one another)",
+            )
+
     def _error(self, entry: ListedFile, problem: str) -> BatchError:
         return BatchError(
             f"the draw file {entry.path} of `checkpoint` ({self.checkpoint}), which "
@@ -236,7 +261,7 @@ class DrawFiles:
         )
 
 
-class DiskArray:
+class DiskArray(LazyArray):
     """One leaf of a `trace="disk"` trace, `[chains, draws, ...]`, read from its files
     when asked for.
 
@@ -247,12 +272,17 @@ class DiskArray:
     first. `astype` gives a `DiskArray` that converts as it reads. A leaf of typed
     PRNG keys holds their raw data (`holds_keys`): `jr.wrap_key_data` makes them keys.
 
+    The leaf reads the checkpoint's files, so it lasts as long as they do: to keep
+    the numbers apart from the checkpoint, `eb.save(path, result.trace)` writes them
+    (16 MiB at a time), and `eb.load(path, like=result.trace)` reads them back as
+    NumPy arrays.
+
     `eb.run_chains(..., trace="disk")` makes them; they are not built by hand. See
     [Traces larger than memory](../chains.md#traces-larger-than-memory).
 
     **Raises** (when read): `eb.BatchError` naming the file, for a draw file that is
-    missing, truncated, damaged or another run's; `IndexError` for an index out of
-    bounds.
+    missing, truncated, damaged, another run's, or another file's (two files renamed
+    or copied over one another); `IndexError` for an index out of bounds.
 
     !!! Example
 
@@ -399,6 +429,7 @@ def disk_trace(
 
     - `checkpoint`: the run's checkpoint, for messages.
     - `listing`: the draw files, which must tile the chains and draws of `structs`.
+        Relative paths are taken from the working directory now, not when read.
     - `structs`: the whole trace's shape-dtype structs, `[chains, draws, ...]` per
         array leaf (typed keys may be typed).
 
@@ -409,8 +440,8 @@ def disk_trace(
     **Raises:**
 
     `BatchError` if `listing` does not cover the trace (a file missing from it). A
-    read raises it for a file that is missing, damaged,
-    truncated or another run's.
+    read raises it for a file that is missing, damaged, truncated, another run's, or
+    whose metadata say it holds other chains or draws than `holds`.
 
     !!! Example
 
@@ -419,6 +450,9 @@ def disk_trace(
         np.asarray(trace["x"][:, -10:])  # the last 10 draws of every chain
         ```
     """
+    # Absolute now: the trace is read later, perhaps from another working directory.
+    checkpoint = checkpoint.absolute()
+    listing = [entry._replace(path=entry.path.absolute()) for entry in listing]
     leaves, treedef = jtu.tree_flatten_with_path(structs)
     raw = jtu.tree_leaves(as_key_data(structs))
     by_path = {jtu.keystr(path): x for (path, _), x in zip(leaves, raw, strict=True)}

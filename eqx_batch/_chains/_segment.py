@@ -114,7 +114,9 @@ def _segment(
     `new_draws` (its `trace` is then None): nothing of the run's size is kept.
     """
     trace = made_zeros(trace)
-    chains = chains._replace(first_bad=made_zeros(chains.first_bad))
+    chains = chains._replace(
+        first_bad=made_zeros(chains.first_bad), moments=made_zeros(chains.moments)
+    )
     draws = plan.draws
     # The slot of the segment's first draw in `trace`: 0 when it holds only its own.
     first = draws.before(start)
