@@ -48,6 +48,7 @@ from ._shard import (
     named_mesh,
 )
 from ._sizes import check_axis_size
+from ._static_tracers import check_output_static
 from ._tree import (
     is_array,
     is_tracer,
@@ -100,6 +101,12 @@ def _one_per_device(
         in_specs=specs,
         out_specs=(member_spec(mesh, 0), PartitionSpec()),
     )(*[call.leaves[i] for i in arrays])
+    check_output_static(
+        skeletons[0].static,
+        "filter_pmap",
+        compiled="With one member per device, each device runs `fun` in a compiled "
+        "program (`jax.shard_map`)",
+    )
     return join_output(mapped, unmapped, skeletons[0])
 
 

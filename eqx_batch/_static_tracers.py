@@ -23,16 +23,17 @@ from ._tree import is_tracer
 
 
 def check_output_static(
-    static: StaticPart, transform: str, *, compiled_loop: bool = False
+    static: StaticPart, transform: str, *, compiled: str | None = None
 ) -> None:
     """Refuse an output whose static part holds a value traced inside `transform`.
 
     Called where a trace ends: after `jax.vmap` returns, a tracer it made has ended
     (JAX refuses to trace with it), while a tracer of an enclosing trace (a value
     closed over under `jax.jit`, stored as it is) is still valid and is left alone, as
-    Equinox leaves it. A loop's body (`lax.scan`) is traced to a program whose tracers
-    JAX does not mark as ended, and the loop over chunks is compiled, so that even
-    an unmapped argument is traced: out of a `compiled_loop`, every tracer is refused.
+    Equinox leaves it. A program's body (`lax.scan`'s, `jax.shard_map`'s) is traced
+    to a program whose tracers JAX does not mark as ended, and even an unmapped
+    argument is traced there: out of such a body, every tracer is refused, and
+    `compiled` says which program it was, for the message.
     Reads the output's structure only, at trace time: nothing is added to the program.
 
     **Raises:**
@@ -45,15 +46,14 @@ def check_output_static(
     escaped = [
         f"`{leaf_name('out', path)}`: {describe(tracer)}"
         for path, tracer in _static_tracers(tree, (), in_static=False)
-        if compiled_loop or _trace_ended(tracer)
+        if compiled is not None or _trace_ended(tracer)
     ]
     if not escaped:
         return
-    if compiled_loop:
+    if compiled is not None:
         cause = (
-            "With chunk_size, the chunks run in a compiled loop, where every array "
-            "is traced, unmapped arguments too, and a traced value in a static part "
-            "would outlive the loop"
+            f"{compiled}, where every array is traced, unmapped arguments too, and a "
+            "traced value in a static part would outlive the program"
         )
     else:
         cause = (

@@ -126,7 +126,11 @@ class _VmapWrapper(eqx.Module):
         _, (mapped, unmapped, skeleton) = jax.lax.scan(
             lambda carry, xs: (carry, run_chunk(xs)), None, chunks, length=full
         )
-        check_output_static(skeleton.static, "filter_vmap", compiled_loop=True)
+        check_output_static(
+            skeleton.static,
+            "filter_vmap",
+            compiled="With chunk_size, the chunks run in a compiled loop",
+        )
         mapped = [out.reshape(full * chunk, *out.shape[2:]) for out in mapped]
         # Unmapped outputs cannot depend on the members (JAX rejects that), so every
         # chunk computed the same value.

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 import equinox as eqx
 import hypothesis.strategies as st
@@ -493,3 +494,21 @@ def test_an_array_passed_twice_is_donated_once():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "ok"
+
+
+class _Scale(eqx.Module):
+    weight: jax.Array
+    scale: Any = eqx.field(static=True)
+
+
+@pytest.mark.filterwarnings("ignore:A JAX array is being set as static:UserWarning")
+@pytest.mark.parametrize("members", [jax.device_count(), 2 * jax.device_count()])
+def test_error_static_field_holds_member_value(members):
+    # One member per device runs `jax.shard_map`, more run `filter_vmap`: both name
+    # the field, where Equinox's next use raises JAX's UnexpectedTracerError.
+    def build(weight):
+        return _Scale(weight, weight.sum())
+
+    with pytest.raises(eb.BatchError, match=r"`out\.scale`: float32\[\]") as info:
+        eb.filter_pmap(build)(jnp.ones((members, 3)))
+    assert "Static fields are not batched" in str(info.value)
