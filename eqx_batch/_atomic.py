@@ -58,6 +58,12 @@ def temporary_name(name: str) -> str:
     return f".{name}.{secrets.token_hex(8)}.tmp"
 
 
+def temporary_name_pattern(name: str) -> str:
+    """A regular expression of the names `temporary_name` gives files whose names
+    match the regular expression `name`."""
+    return rf"\.(?:{name})\.[0-9a-f]{{16}}\.tmp"
+
+
 def _fsync_folder(folder: pathlib.Path) -> None:
     # The rename is only durable once the folder's entry is on disk. Windows cannot open
     # a folder this way; there `os.replace` is as durable as it gets.

@@ -109,6 +109,19 @@ class StateFile(NamedTuple):
     rows: tuple[int, int]
 
 
+def checkpoint_name_pattern(path: pathlib.Path) -> str:
+    """A regular expression of the names of the checkpoint at `path` and of its
+    chunks' checkpoints (`chunk_path`)."""
+    return rf"{re.escape(path.name)}(?:\.chains-\d+-\d+)?"
+
+
+def run_file_pattern() -> str:
+    """A regular expression of what `RunFiles` adds to a checkpoint's name for its
+    state and draw files, whatever the run id."""
+    rows = r"rows-\d+-\d+"
+    return rf"\.[0-9a-f]{{16}}\.(?:state-\d+\.{rows}|{rows}\.draws-\d+-\d+)"
+
+
 class RunFiles:
     """The file names of the run with id `run_id` checkpointed at `path`."""
 

@@ -20,7 +20,9 @@ from typing import Any
 
 import jax
 
+from .._atomic import temporary_name_pattern
 from .._errors import BatchError
+from ._checkpoint_files import checkpoint_name_pattern, run_file_pattern
 from ._job import from_process_zero, raise_if_any_failed, shared_failures
 
 
@@ -221,12 +223,12 @@ def check_shared_folder(path: pathlib.Path) -> None:
         token = secrets.token_hex(8)
         # Written before the token is announced, so the others can read it then.
         try:
-            with open(path.with_name(f".{path.name}.{token}.shared"), "x") as file:
+            with open(_probe_path(path, token), "x") as file:
                 file.write(token)
         except OSError:
             token = ""  # every process then reports the folder unseen
     token = from_process_zero(token)
-    probe = path.with_name(f".{path.name}.{token}.shared")
+    probe = _probe_path(path, token)
     try:
         seen = bool(token) and probe.read_text() == token
     except OSError:
@@ -293,6 +295,17 @@ class WriteAccess:
             self._lock = None
 
 
+def _probe_path(path: pathlib.Path, token: str) -> pathlib.Path:
+    """The file by which `check_shared_folder` sees whether a folder is shared."""
+    return path.with_name(f".{path.name}.{token}.shared")
+
+
+def _probe_name_pattern(name: str) -> str:
+    """A regular expression of `_probe_path`'s names for paths whose names match the
+    regular expression `name`."""
+    return rf"\.(?:{name})\.[0-9a-f]{{16}}\.shared"
+
+
 def _remove_torn_writes(path: pathlib.Path) -> None:
     """Removes the temporary files of writes that a killed run left behind.
 
@@ -302,13 +315,9 @@ def _remove_torn_writes(path: pathlib.Path) -> None:
     and every probe of `check_shared_folder` that exists now belongs to a run that is
     gone.
     """
-    name = re.escape(path.name)
-    rows = r"rows-\d+-\d+"
-    torn = re.compile(
-        rf"\.{name}(\.chains-\d+-\d+)?"
-        rf"((\.[0-9a-f]{{16}}\.(state-\d+\.{rows}|{rows}\.draws-\d+-\d+))?"
-        rf"\.[0-9a-f]{{16}}\.tmp|\.[0-9a-f]{{16}}\.shared)"
-    )
+    checkpoint = checkpoint_name_pattern(path)
+    written = temporary_name_pattern(rf"{checkpoint}(?:{run_file_pattern()})?")
+    torn = re.compile(rf"{written}|{_probe_name_pattern(checkpoint)}")
     for entry in os.scandir(path.parent):
         if torn.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
             with contextlib.suppress(FileNotFoundError):
