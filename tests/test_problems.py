@@ -19,8 +19,10 @@ import pytest
 from chains_worker import (
     ar1_problem,
     everything,
+    posterior,
     problems_run,
     RHOS,
+    SCHOOL_LABELS,
     schools_data,
     schools_init,
     schools_step,
@@ -99,6 +101,61 @@ def test_each_problem_is_its_run_alone(chunk_size):
     )
 
 
+def _ar1_problems(num_steps: int) -> eb.Chains:
+    """The AR(1) step of 6 problems, each its own `rho` of `RHOS`, 32 chains a
+    problem from 4 starts far apart."""
+    return eb.run_chains(
+        ar1_problem,
+        jnp.tile(jnp.linspace(-3.0, 3.0, 4)[:, None], (6 * 8, 2)),
+        jr.split(jr.key(0), 6 * 32),
+        num_steps,
+        data={"rho": jnp.asarray(RHOS)},
+    )
+
+
+def _ar1_alone(p: int, step: Any, num_steps: int) -> eb.Chains:
+    """Problem `p` of `_ar1_problems` run alone, with `step` as its step."""
+    return eb.run_chains(
+        step,
+        jnp.tile(jnp.linspace(-3.0, 3.0, 4)[:, None], (8, 2)),
+        jr.split(jr.key(0), 6 * 32)[32 * p : 32 * p + 32],
+        num_steps,
+    )
+
+
+def test_a_problem_is_its_run_alone_given_its_row_as_an_argument():
+    # The row given as the one call gives it, an argument of the loop: bit for bit,
+    # `rho = 0.9` and `0.99` too, whose scale `sqrt(1 - rho**2)` rounds
+    # differently when `rho` is a constant (the test below).
+    result = _ar1_problems(20)
+    for p in range(6):
+        row = {"rho": jnp.asarray(RHOS)[p]}
+        alone = _ar1_alone(p, ft.partial(ar1_problem, data=row), 20)
+        assert_trees_identical(_own(result.problem(p)), _own(alone))
+
+
+def test_a_row_closed_over_as_a_constant_may_round_differently():
+    # XLA folds `sqrt(1 - rho**2)` of a constant `rho` op by op, rounding `rho**2`
+    # first; its CPU code computes `1 - rho * rho` of a `rho` it is given as one
+    # fused multiply-add, rounded once. Where the two scales are equal, so are the
+    # runs; where they are not (0.9 and 0.99 on a CPU with FMA), the first step's
+    # draws differ by 2 ULP at most.
+    def scale(rho: jax.Array) -> jax.Array:
+        return jnp.sqrt(1 - rho**2)
+
+    result = _ar1_problems(1)
+    for p, rho in enumerate(RHOS):
+        folded = jax.jit(lambda rho=rho: scale(jnp.asarray(rho)))()
+        computed = jax.jit(scale)(jnp.asarray(rho))
+        closed = {"rho": jnp.asarray(rho)}  # a constant of the program
+        alone = _ar1_alone(
+            p, lambda state, key, row=closed: ar1_problem(state, key, row), 1
+        )
+        mine = np.asarray(result.problem(p).trace)
+        assert np.array_equal(mine, alone.trace) == bool(folded == computed), p
+        np.testing.assert_array_max_ulp(mine, np.asarray(alone.trace), maxulp=2)
+
+
 def test_outputs_and_a_nonfinite_chain_are_the_problems_own():
     def step(x, key, data):
         new = data["scale"] * x + jr.normal(key, x.shape)
@@ -155,6 +212,16 @@ def test_a_disk_trace_of_one_problem_is_read_lazily(tmp_path):
     posterior = mine.to_arviz()["posterior"]
     assert posterior["eta"].shape == (6, 30, 8)
     assert np.asarray(posterior["superchain"]).tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_saved_disk_trace_of_one_problem_holds_its_numbers(tmp_path):
+    mine = problems_run(str(tmp_path / "run"), trace="disk").problem(4).trace
+    eb.save(tmp_path / "kept", mine)
+    for path in tmp_path.glob("run*"):
+        path.unlink()
+    back = eb.load(tmp_path / "kept", like=mine)
+    memory = problems_run().problem(4).trace
+    assert_trees_identical(back, {k: np.asarray(v) for k, v in memory.items()})
 
 
 def test_other_data_is_another_run(tmp_path):
@@ -245,6 +312,12 @@ def test_a_job_of_two_processes_runs_each_problem_as_one(tmp_path, until):
         assert_trees_identical(whole, everything(here))
         one = eb.load(f"{out}.one.{process_id}", everything(here.problem(1)))
         assert_trees_identical(one, everything(here.problem(1)))
+        # Its `to_arviz()`, in each process with no gathering, as in one process.
+        expected = posterior(
+            here.problem(1).to_arviz(**({} if until else SCHOOL_LABELS))
+        )
+        converted = eb.load(f"{out}.arviz.{process_id}", expected)
+        assert_trees_identical(converted, expected)
 
 
 def _alone_until(p: int, num_steps: int = 3000) -> eb.Chains:
@@ -318,10 +391,12 @@ def test_each_problem_stops_where_it_would_alone(tmp_path, alone_until, options)
             assert_trees_identical(_own(mine), {**_own(alone), "trace": None})
             continue
         if "chunk_size" in options:
-            # Chunks of 40 or 80 chains: on JAX 0.8.1, XLA's CPU code for this AR(1)
-            # step rounds some multiply-adds by a chain's place in its batch, so a
-            # chunked run and the run alone may differ in the last bits (its stops
-            # above are equal). The newest JAX gives them bit for bit.
+            # Chunks of 40 or 80 chains: on JAX 0.8.1, XLA's CPU code for
+            # `jr.normal` rounds some draws by a chain's place in its batch (in its
+            # vector loop or its remainder, as in chunks of 40 over 4 devices, 10
+            # chains each), so a chunked run and the run alone may differ in the
+            # last bits (its stops above are equal). JAX 0.10.2 gives them bit for
+            # bit.
             assert tree_allclose(_read(_own(mine)), _own(alone), rtol=1e-5)
         else:
             assert_trees_identical(_read(_own(mine)), _own(alone))
