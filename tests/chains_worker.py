@@ -13,12 +13,12 @@ that sees every chain (`stretch`), whose state records the step count it was giv
 With `--job --held OUT`, it makes the runs of `held_runs` and saves what each process
 holds of them and their gathered results; with `--job --problems OUT [--until]
 [CHECKPOINT]`, the run of many problems of `problems_run` (`stopping_problems_run`),
-gathered, and its problem 1. The test suite
-runs the script with a checkpoint and SIGKILLs it mid-run, runs it with
-another device count (set through `XLA_FLAGS` by the caller) to compare bits, and runs
-it as a job of several processes (`multiprocess_launch`, with `--job` first), where
-each process gathers the results (`Chains.gathered`) and saves them to
-`OUT.<process id>`.
+gathered, its problem 1 (after slicing every problem thrice) and that problem's
+`to_arviz()` posterior. The test suite runs the script with a checkpoint and SIGKILLs
+it mid-run, runs it with another device count (set through `XLA_FLAGS` by the caller)
+to compare bits, and runs it as a job of several processes (`multiprocess_launch`,
+with `--job` first), where each process gathers the results (`Chains.gathered`)
+and saves them to `OUT.<process id>`.
 """
 
 import json
@@ -342,6 +342,21 @@ def everything(result: eb.Chains) -> dict:
     }
 
 
+# Eight schools' `eta` labelled by school, for `Chains.to_arviz`.
+SCHOOL_LABELS = {
+    "dims": {"eta": ["school"]},
+    "coords": {"school": [f"school {i}" for i in range(8)]},
+}
+
+
+def posterior(data) -> dict:
+    """The values of the group `posterior` of `to_arviz()`'s data, with its
+    `superchain` coordinate."""
+    group = data["posterior"]
+    values = {name: group[name].values for name in group.data_vars}
+    return values | {"superchain": group.superchain.values}
+
+
 def held_here(result: eb.Chains) -> dict:
     """What this process holds of `final`, `trace` and `keys`: each array's distinct
     rows and the bytes on its devices, beside the whole array's."""
@@ -398,11 +413,15 @@ def main(argv: list[str]) -> None:
     if argv[0] == "--problems":
         # Many problems in a job: every chain gathered, and problem 1's own result.
         out = argv[1]
-        make = problems_run
+        make, labels = problems_run, SCHOOL_LABELS
         if argv[2:3] == ["--until"]:
-            make, argv = stopping_problems_run, argv[:2] + argv[3:]
+            make, argv, labels = stopping_problems_run, argv[:2] + argv[3:], {}
         result = make(argv[2] if len(argv) > 2 else None)
-        one = result.problem(1)
+        # Every problem, thrice, before any is read, as a user's loop over them
+        # slices: many collectives in flight.
+        one = [[result.problem(p) for p in range(6)] for _ in range(3)][-1][1]
+        # A problem's rows are whole in every process: converted with no gathering.
+        eb.save(f"{out}.arviz.{process_id}", posterior(one.to_arviz(**labels)))
         eb.save(f"{out}.{process_id}", everything(result.gathered()))
         eb.save(f"{out}.one.{process_id}", everything(one.gathered()))
         jax.distributed.shutdown()

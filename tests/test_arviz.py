@@ -9,6 +9,7 @@ import sys
 import textwrap
 from typing import NamedTuple
 
+import arviz_base
 import arviz_stats
 import equinox as eqx
 import jax
@@ -459,6 +460,196 @@ def test_rhat_flags_chains_started_far_apart_until_they_converge():
     ess = float(arviz_stats.ess(late.to_arviz())["state"][0])
     expected = 4 * 2000 * (1 - 0.9) / (1 + 0.9)
     assert 0.7 * expected < ess < 1.4 * expected
+
+
+SCHOOLS = ["Choate", "Deerfield", "Andover", "Exeter", "Hotchkiss", "Lawrenceville"]
+
+
+def schools_state(num_chains: int) -> dict:
+    """A state with a vector per school, a scalar, and a matrix."""
+    return {
+        "mu": jnp.zeros(num_chains),
+        "theta": jnp.zeros((num_chains, 6)),
+        "eta": jnp.ones((num_chains, 6)),
+        "scale": jnp.zeros((num_chains, 2, 3)),
+    }
+
+
+def test_dims_and_coords_label_the_axes_as_arviz_converters_do(getkey):
+    # arviz#1443: theta indexed by school name, as `arviz_base.from_dict` takes it.
+    def step(state, key):
+        new = noisy(state, key)
+        return new, {"jump": new["theta"] - state["theta"]}
+
+    result = eb.run_chains(step, schools_state(3), getkey(), 8, with_output=True)
+    dims = {"theta": ["school"], "eta": ("school",), "jump": ["school"]}
+    data = result.to_arviz(dims=dims, coords={"school": SCHOOLS})
+
+    posterior, stats = data["posterior"], data["sample_stats"]
+    assert posterior["theta"].dims == ("chain", "draw", "school")
+    assert posterior["eta"].dims == ("chain", "draw", "school")
+    assert stats["jump"].dims == ("chain", "draw", "school")
+    assert list(posterior.school.values) == SCHOOLS
+    assert list(stats.school.values) == SCHOOLS
+    # What `dims` does not name keeps ArviZ's names.
+    assert posterior["scale"].dims == ("chain", "draw", "scale_dim_0", "scale_dim_1")
+    np.testing.assert_array_equal(
+        posterior["theta"].sel(school="Exeter").values, result.trace["theta"][..., 3]
+    )
+    summary = arviz_stats.summary(data, var_names=["theta"])
+    assert list(summary.index) == [f"theta[{school}]" for school in SCHOOLS]
+    # The same data as ArviZ's own converter makes from the same arrays.
+    by_arviz = arviz_base.from_dict(
+        {"posterior": {k: np.asarray(v) for k, v in result.trace.items()}},
+        dims={"theta": ["school"], "eta": ["school"]},
+        coords={"school": SCHOOLS},
+        sample_dims=["chain", "draw"],
+        check_conventions=False,
+    )
+    xr.testing.assert_equal(posterior.to_dataset(), by_arviz["posterior"].to_dataset())
+
+
+def test_coords_label_arviz_s_own_dimensions_and_the_draws(getkey):
+    result = eb.run_chains(noisy, schools_state(2), getkey(), 20, thin=5)
+    coords = {
+        "draw": np.arange(5, 21, 5),
+        "chain": ["a", "b"],
+        "scale_dim_1": [1, 2, 3],
+    }
+    data = result.to_arviz(coords=coords)
+    posterior = data["posterior"]
+    assert list(posterior.draw.values) == [5, 10, 15, 20]
+    assert list(posterior.chain.values) == ["a", "b"]
+    np.testing.assert_array_equal(
+        posterior["scale"].sel(scale_dim_1=3, chain="b").values,
+        result.trace["scale"][1, :, :, 2],
+    )
+
+
+def test_dims_of_a_lazy_disk_trace_and_of_one_problem(getkey, tmp_path):
+    # A `trace="disk"` trace stays lazy, labelled; one problem's chains alike.
+    labels = {"dims": {"theta": ["school"]}, "coords": {"school": SCHOOLS}}
+    init = schools_state(4)
+    disk = eb.run_chains(
+        noisy, init, jr.key(1), 6, trace="disk", checkpoint=tmp_path / "run"
+    )
+    memory = eb.run_chains(noisy, init, jr.key(1), 6)
+    xr.testing.assert_equal(disk.to_arviz(**labels), memory.to_arviz(**labels))
+
+    def step(state, key, data):
+        return noisy(state, key)
+
+    problems = eb.run_chains(step, init, jr.key(2), 6, data=jnp.arange(2.0))
+    theta = problems.problem(1).to_arviz(**labels)["posterior"]["theta"]
+    assert theta.dims == ("chain", "draw", "school") and theta.shape == (2, 6, 6)
+    np.testing.assert_array_equal(theta.values, problems.trace["theta"][2:])
+
+
+@pytest.mark.parametrize(
+    "labels, expected",
+    [
+        # A variable the chains do not have: their variables are listed.
+        (
+            {"dims": {"thetas": ["school"]}},
+            "`dims` names the variable `thetas`, which these chains do not have. "
+            "Their variables are `eta`, `mu`, `scale`, `theta` (group `posterior`)",
+        ),
+        # Not one name per axis after chain and draw.
+        (
+            {"dims": {"theta": ["chain", "draw", "school"]}},
+            "`dims['theta']` names 3 axes (['chain', 'draw', 'school']), but "
+            "`chains.trace['theta']`, the variable `theta` of the group `posterior`, "
+            "has 1 axis after `chain` and `draw` (each draw is shaped (6,)): give one "
+            "name per axis, leaving out `chain` and `draw`.",
+        ),
+        (
+            {"dims": {"mu": ["school"]}},
+            "`dims['mu']` names 1 axis (['school']), but `chains.trace['mu']`",
+        ),
+        # A string where a list of names goes (it would name one axis per letter).
+        ({"dims": {"theta": "school"}}, "`dims['theta']` is 'school': pass a list"),
+        ({"dims": ["theta", "school"]}, "`dims` is ['theta', 'school']: pass a dict"),
+        # One dimension of two sizes.
+        (
+            {"dims": {"theta": ["school"], "scale": ["school", "x"]}},
+            "a dimension of `chains.trace['scale']` (of size 2) and a dimension of "
+            "`chains.trace['theta']` (of size 6) would both be the dimension `school`",
+        ),
+        # An axis named as ArviZ's own dimensions, or as a variable.
+        (
+            {"dims": {"theta": ["chain"]}},
+            "a dimension of `chains.trace['theta']` and ArviZ's dimension `chain` "
+            "would both be named `chain`",
+        ),
+        (
+            {"dims": {"theta": ["mu"]}},
+            "a dimension of `chains.trace['theta']` and `chains.trace['mu']` would "
+            "both be named `mu`",
+        ),
+        # Not one label per entry.
+        (
+            {"dims": {"theta": ["school"]}, "coords": {"school": SCHOOLS[:5]}},
+            "`coords['school']` holds 5 labels, but the dimension `school` (an axis "
+            "of `chains.trace['theta']`, in the group `posterior`) has 6 entries: "
+            "give one label per entry, 6 in all.",
+        ),
+        (
+            {"coords": {"draw": range(5)}},
+            "`coords['draw']` holds 5 labels, but the dimension `draw` (the draws of "
+            "the group `posterior`) has 4 entries",
+        ),
+        (
+            {"dims": {"theta": ["school"]}, "coords": {"school": [SCHOOLS]}},
+            "`coords['school']` is [['Choate', ",
+        ),
+        # A dimension the data do not have (a typo, or one not named in `dims`).
+        (
+            {"coords": {"school": SCHOOLS}},
+            "`coords['school']` labels the dimension `school`, which no variable of "
+            "these chains has. Their dimensions are `chain`, `draw`, `eta_dim_0`, "
+            "`scale_dim_0`, `scale_dim_1`, `theta_dim_0`: name an axis with `dims`",
+        ),
+        ({"coords": SCHOOLS}, "`coords` is ['Choate', "),
+    ],
+    ids=[
+        "unknown variable",
+        "chain and draw named",
+        "axis of a scalar",
+        "a string",
+        "not a dict",
+        "two sizes",
+        "axis named chain",
+        "axis named as a variable",
+        "too few labels",
+        "labels of the draws",
+        "labels not 1-d",
+        "unknown dimension",
+        "coords not a dict",
+    ],
+)
+def test_dims_and_coords_that_do_not_fit_are_refused(getkey, labels, expected):
+    result = eb.run_chains(noisy, schools_state(2), getkey(), 4)
+    with pytest.raises(eb.BatchError, match=re.escape(expected)):
+        result.to_arviz(**labels)
+
+
+def test_dims_name_the_variables_of_every_group(getkey):
+    # A name of `dims` may be a variable of either group; one of neither is listed
+    # with both groups' variables.
+    def step(x, key):
+        new = x + jr.normal(key, x.shape)
+        return new, {"accept": jnp.ones(2)}
+
+    result = eb.run_chains(step, jnp.zeros((2, 6)), getkey(), 3, with_output=True)
+    data = result.to_arviz(dims={"state": ["school"], "accept": ["side"]})
+    assert data["posterior"]["state"].dims == ("chain", "draw", "school")
+    assert data["sample_stats"]["accept"].dims == ("chain", "draw", "side")
+    message = (
+        "Their variables are `state` (group `posterior`) and `accept` (group "
+        "`sample_stats`)"
+    )
+    with pytest.raises(eb.BatchError, match=re.escape(message)):
+        result.to_arviz(dims={"x": ["school"]})
 
 
 def test_no_trace_is_an_error(getkey):

@@ -140,8 +140,13 @@ def test_two_processes_each_hold_their_own_chains(tmp_path):
                 assert not layout["fully_addressable"]
             message = held[name]["to_arviz"]
             assert "`chains.trace['layer1']['weights']`" in message
-            count = len(rows[name][process_id])
-            assert f"holds {count} of its {total[name]} rows" in message
+            # Which rows each process holds, as they are.
+            mine, theirs = rows[name][process_id], rows[name][1 - process_id]
+            assert (
+                f"this process ({process_id}) holds {len(mine)} of its {total[name]} "
+                f"rows (rows {mine[0]}-{mine[-1]}; process {1 - process_id} holds "
+                f"rows {theirs[0]}-{theirs[-1]})"
+            ) in message
             assert "result.gathered().to_arviz()" in message
             gathered = eb.load(f"{out}.{name}.{process_id}", expected)
             assert_trees_identical(gathered, expected)

@@ -3,15 +3,17 @@ state went NaN or infinite."""
 
 import dataclasses
 import functools as ft
+from collections.abc import Mapping, Sequence
 from typing import Any, TYPE_CHECKING
 
 import equinox as eqx
 import jax
+import jax.lax as lax
 import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import BatchError, check_int, leaf_name
-from .._tree import is_array
+from .._tree import is_array, is_key
 from ._arviz import trace_to_arviz
 from ._convergence import Diagnostics
 from ._disk_trace import DiskArray
@@ -127,12 +129,17 @@ class Chains(eqx.Module):
         """Problem `p`'s chains alone, from a run of many problems (`data=`).
 
         Its chains are rows `p * M` to `(p + 1) * M` of every array (M chains a
-        problem), as if problem `p` had run alone: its `nonfinite` chains and
-        `superchain` ids counted within it, its own `diagnostics`, and `to_arviz()`;
-        with `until`, its own `steps_done` and `stopped`, and only the draws it
-        made.
+        problem), laid out as if problem `p` had run alone: its `nonfinite` chains
+        and `superchain` ids counted within it, its own `diagnostics`, and
+        `to_arviz()`; with `until`, its own `steps_done` and `stopped`, and only the
+        draws it made. For a step elementwise over chains, the numbers are bit for
+        bit its run alone with its row given as an argument
+        (`functools.partial(step, data=row)`); a row closed over as a constant may
+        round otherwise (see the guide's "Many problems in one run").
         In a job of several processes, slicing the global arrays is a program over
-        every process's rows: every process must call it, as for `gathered`.
+        every process's rows: every process must call it, as for `gathered`. Its
+        arrays come out whole in every process, so its `to_arviz()` needs no
+        gathering.
 
         **Arguments:**
 
@@ -171,20 +178,10 @@ class Chains(eqx.Module):
         )
         per_problem = self.keys.shape[0] // self.problems
         start, stop = p * per_problem, (p + 1) * per_problem
-
-        def rows(x: Any) -> Any:
-            if isinstance(x, DiskArray):
-                return x.chains(start, stop)
-            return x[start:stop] if is_array(x) else x
-
         made = None if self.draws_made is None else int(self.draws_made[p])
-
-        def draws(x: Any) -> Any:
-            x = rows(x)
-            if made is None or not (is_array(x) or isinstance(x, DiskArray)):
-                return x
-            return x.draws(0, made) if isinstance(x, DiskArray) else x[:, :made]
-
+        final, keys, trace, outputs = _problem_rows(
+            (self.final, self.keys, self.trace, self.outputs), start, stop, made
+        )
         mine = (self.nonfinite.chains >= start) & (self.nonfinite.chains < stop)
         superchain = None
         if self.superchain is not None:
@@ -192,12 +189,6 @@ class Chains(eqx.Module):
         diagnostics = None
         if self.diagnostics is not None:
             diagnostics = jtu.tree_map(lambda x: x[p], self.diagnostics)
-        final, keys = jtu.tree_map(rows, (self.final, self.keys))
-        trace, outputs = jtu.tree_map(
-            draws,
-            (self.trace, self.outputs),
-            is_leaf=lambda x: isinstance(x, DiskArray),
-        )
         steps_done, stopped = self.steps_done, self.stopped
         if isinstance(stopped, tuple):
             stopped = stopped[p]
@@ -256,7 +247,12 @@ class Chains(eqx.Module):
         """
         return whole_here(self)
 
-    def to_arviz(self) -> "xarray.DataTree":
+    def to_arviz(
+        self,
+        *,
+        coords: Mapping[str, Any] | None = None,
+        dims: Mapping[str, Sequence[str]] | None = None,
+    ) -> "xarray.DataTree":
         """The trace as ArviZ data, for its convergence diagnostics and plots.
 
         NumPyro prints R-hat and the effective sample size after every run; here ArviZ
@@ -293,6 +289,22 @@ class Chains(eqx.Module):
         chain's superchain, for `arviz_stats.rhat_nested(data,
         superchain_ids=data.posterior.superchain.values)`.
 
+        `dims` and `coords` label the axes, as ArviZ's own converters
+        (`arviz_base.from_dict`, `from_numpyro`) take them: `dims={"theta":
+        ["school"]}` names the axis of the variable `theta` after `chain` and `draw`
+        `school` (variables that share a dimension name it alike), and
+        `coords={"school": names}` gives its entries labels, for
+        `data.posterior.theta.sel(school="Choate")` and labelled summary rows and
+        plot titles (`theta[Choate]`).
+
+        **Arguments:**
+
+        - `coords`: a dimension's labels, one per entry, by the dimension's name: one
+            named in `dims`, one of ArviZ's (`theta_dim_0`), or `chain` or `draw`.
+        - `dims`: the names of a variable's axes after `chain` and `draw`, one per
+            axis, by the variable's name (as above: `layer1.weights`, `state`); a
+            variable it does not name keeps ArviZ's names.
+
         **Returns:**
 
         An `xarray.DataTree` with the group `posterior` and, with `outputs`
@@ -307,15 +319,23 @@ class Chains(eqx.Module):
             with `result.problem(p).to_arviz()`.
         - `eb.BatchError` if there is no trace (the chains ran with `trace=False`) or it
             holds no array.
-        - `eb.BatchError` in a job of several processes, where each process holds
-            only its own chains' rows: it never gathers them silently. Call
-            `result.gathered().to_arviz()` on every process (gathering is a
-            collective).
+        - `eb.BatchError` in a job of several processes, for an array this process
+            holds only part of (each process holds only its own chains' rows): it
+            never gathers them silently, and the message says which process holds
+            which rows. Call `result.gathered().to_arviz()` on every process
+            (gathering is a collective). One problem's chains, `problem(p)`, are
+            held whole in every process, and convert as they are.
         - `eb.BatchError` if two leaves of one group would get one name (`{"a.b": x,
             "a": {"b": y}}`, or a leaf `a_dim_0` beside a vector `a`, whose axis is
             named so), or a leaf would take a name ArviZ gives itself (`chain`,
             `draw`, and `superchain` with superchains) or cannot hold (one with `/`).
             The message names both paths and the name: rename a dict key or field.
+        - `eb.BatchError` if `dims` names a variable the chains do not have (the
+            message lists theirs), or not one name per axis after `chain` and
+            `draw`, or gives one name to axes of different sizes (or to a variable's
+            name); or if `coords` labels a dimension the data do not have (the
+            message lists theirs), or not one label per entry. Each message names
+            the entry of `dims` or `coords`, and the sizes that disagree.
 
         !!! Example
 
@@ -333,6 +353,11 @@ class Chains(eqx.Module):
             data["posterior"]["state"].dims  # ('chain', 'draw', 'state_dim_0')
             data["sample_stats"]["size"].dims  # ('chain', 'draw')
             arviz_stats.summary(data)  # state[0], state[1], state[2]: not converged
+
+            labelled = result.to_arviz(
+                dims={"state": ["axis"]}, coords={"axis": ["x", "y", "z"]}
+            )
+            labelled["posterior"]["state"].sel(axis="y").shape  # (4, 100)
             ```
         """
         if self.problems is not None:
@@ -341,32 +366,157 @@ class Chains(eqx.Module):
                 "posterior, and ArviZ would pool them as the chains of one. Convert "
                 "one problem at a time: `result.problem(p).to_arviz()`."
             )
-        _refuse_partial({"trace": self.trace, "outputs": self.outputs})
-        return trace_to_arviz(self.trace, self.outputs, superchain_ids=self.superchain)
+        here = _held_here({"trace": self.trace, "outputs": self.outputs})
+        return trace_to_arviz(
+            here["trace"],
+            here["outputs"],
+            superchain_ids=self.superchain,
+            coords=coords,
+            dims=dims,
+        )
 
 
-def _refuse_partial(fields: dict[str, Any]) -> None:
-    """Refuses arrays this process does not hold whole (in a job of several
-    processes), naming the first."""
-    for path, leaf in jtu.tree_flatten_with_path(fields)[0]:
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+def _problem_rows(
+    fields: tuple[Any, ...], start: int, stop: int, made: int | None
+) -> tuple[Any, ...]:
+    """Rows `start` to `stop` of every array of `fields` (`final`, `keys`, `trace`,
+    `outputs`), and of the trace and outputs their first `made` draws (all if None).
+
+    The `jax.Array`s are sliced in one compiled program. In a job of several
+    processes, slicing a global array is a collective, and an eager slice per leaf,
+    a few dozen of them in flight (a loop over the problems), hung the processes
+    in JAX's CPU collectives.
+    """
+    final, keys, trace, outputs = fields
+    rows, rows_def = jtu.tree_flatten((final, keys))
+    drawn, drawn_def = jtu.tree_flatten(
+        (trace, outputs), is_leaf=lambda x: isinstance(x, DiskArray)
+    )
+    device = [i for i, x in enumerate(rows) if isinstance(x, jax.Array)]
+    device_drawn = [i for i, x in enumerate(drawn) if isinstance(x, jax.Array)]
+    sliced, sliced_drawn = _sliced(
+        [rows[i] for i in device],
+        [drawn[i] for i in device_drawn],
+        start,
+        stop - start,
+        made,
+    )
+    rows = [_rows_on_host(x, start, stop) for x in rows]
+    drawn = [_rows_on_host(x, start, stop, made) for x in drawn]
+    for i, x in zip(device, sliced, strict=True):
+        rows[i] = x
+    for i, x in zip(device_drawn, sliced_drawn, strict=True):
+        drawn[i] = x
+    final, keys = jtu.tree_unflatten(rows_def, rows)
+    trace, outputs = jtu.tree_unflatten(drawn_def, drawn)
+    return final, keys, trace, outputs
+
+
+@ft.partial(jax.jit, static_argnums=(3, 4))
+def _sliced(
+    rows: list[jax.Array],
+    drawn: list[jax.Array],
+    start: int,
+    size: int,
+    made: int | None,
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    # `start` is traced: one program for every problem of a run.
+    cut = ft.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=size)
+    return [cut(x) for x in rows], [cut(x)[:, :made] for x in drawn]
+
+
+def _rows_on_host(x: Any, start: int, stop: int, made: int | None = None) -> Any:
+    """Rows `start` to `stop` (and draws to `made`) of a leaf not on the devices: a
+    `DiskArray` read lazily, a NumPy array, or a non-array, kept as it is."""
+    if isinstance(x, DiskArray):
+        x = x.chains(start, stop)
+        return x if made is None else x.draws(0, made)
+    if not is_array(x) or isinstance(x, jax.Array):
+        return x
+    return x[start:stop] if made is None else x[start:stop, :made]
+
+
+def _held_here(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with each array over the devices of several processes made NumPy from
+    this process's devices where they hold all of it (as they hold a problem's rows,
+    `Chains.problem(p)`), with no collective; refused, naming which process holds which
+    rows, where they hold only part of it (each process's own chains)."""
+
+    def here(path: Any, leaf: Any) -> Any:
+        if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+            return leaf
+        if is_key(leaf):
+            return leaf  # no variable of ArviZ's: `to_arviz` leaves keys out
+        boxes = _boxes(leaf)
+        if any(box not in boxes[jax.process_index()] for box in boxes[None]):
             name = leaf_name(f"chains.{path[0].key}", path[1:])
             raise BatchError(
                 f"`{name}` is a global array over the devices of the "
                 f"{jax.process_count()} processes of this job, of which this process "
-                f"holds {_rows_here(leaf)} of its {leaf.shape[0]} rows (its own "
-                "chains'), and `to_arviz` does not gather them silently. Call "
+                f"({jax.process_index()}) holds {_rows_held(leaf, boxes)}, and "
+                "`to_arviz` does not gather them silently. Call "
                 "`result.gathered().to_arviz()` on every process (gathering is a "
                 "collective: all must call it)."
             )
+        values = np.empty(leaf.shape, leaf.dtype)
+        written = set()  # each block once, however many devices hold it
+        for shard in leaf.addressable_shards:
+            if (box := _box(shard.index, leaf.shape)) not in written:
+                values[shard.index] = np.asarray(shard.data)
+                written.add(box)
+        return values
+
+    return jtu.tree_map_with_path(here, fields)
 
 
-def _rows_here(x: jax.Array) -> int:
-    """How many distinct rows (axis 0) of `x` this process holds."""
-    rows: set[int] = set()
-    for shard in x.addressable_shards:
-        rows.update(range(*shard.index[0].indices(x.shape[0])))
-    return len(rows)
+# A block of an array held by a device: each axis's (start, stop).
+_Box = tuple[tuple[int, int], ...]
+
+
+def _boxes(x: jax.Array) -> dict[int | None, set[_Box]]:
+    """The blocks of `x` that each process's devices hold, by process, and (under
+    None) every block."""
+    boxes: dict[int | None, set[_Box]] = {None: set()}
+    for device, index in x.sharding.devices_indices_map(x.shape).items():
+        box = _box(index, x.shape)
+        boxes.setdefault(device.process_index, set()).add(box)
+        boxes[None].add(box)
+    return boxes
+
+
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> _Box:
+    return tuple(i.indices(n)[:2] for i, n in zip(index, shape, strict=True))
+
+
+def _rows_held(x: jax.Array, boxes: dict[int | None, set[_Box]]) -> str:
+    """Which rows (axis 0) of `x` this process holds, and which each other process
+    holds: `3 of its 6 rows (rows 0-2; process 1 holds rows 3-5)`."""
+    rows = {
+        process: sorted({r for box in held for r in range(*box[0])})
+        for process, held in boxes.items()
+        if process is not None
+    }
+    here = rows.pop(jax.process_index(), [])
+    others = "; ".join(
+        f"process {process} holds {_spans(held)}"
+        for process, held in sorted(rows.items())
+    )
+    return f"{len(here)} of its {x.shape[0]} rows ({_spans(here)}; {others})"
+
+
+def _spans(rows: list[int]) -> str:
+    """Sorted row numbers as runs: `rows 0-2 and 6-8`, `row 4`, `no rows`."""
+    if not rows:
+        return "no rows"
+    runs: list[list[int]] = []
+    for row in rows:
+        if runs and row == runs[-1][1] + 1:
+            runs[-1][1] = row
+        else:
+            runs.append([row, row])
+    text = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs]
+    listed = text[0] if len(text) == 1 else ", ".join(text[:-1]) + f" and {text[-1]}"
+    return f"row{'s' if len(rows) > 1 else ''} {listed}"
 
 
 def assembled(cls: type[eqx.Module], **fields: Any) -> Any:
