@@ -8,6 +8,7 @@ From the top down:
     boundary by boundary;
 - `_chunk.py`: one chunk: placed, resumed, advanced a segment at a time, checkpointed;
 - `_plan.py`: `RunPlan`, what the chunks of one call share;
+- `_agreement.py`: the processes of a job agreeing on the call before any step;
 - `_prepared.py`: the memo of a run prepared once per step and kind of state;
 - `_arguments.py`: the counts, the chains `init` holds and one key for each, checked;
 - `_checkpoint.py`, `_checkpoint_files.py`, `_checkpoint_rows.py`, `_lock.py`,

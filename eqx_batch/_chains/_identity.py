@@ -234,6 +234,40 @@ class RunOptions(NamedTuple):
     until: str | None  # the stopping rule's criteria and interval, if any
 
 
+def identity_fields(
+    init: Any,
+    keys: jax.Array,
+    options: RunOptions,
+    data: Any = None,
+    program: jax.extend.core.ClosedJaxpr | None = None,
+) -> dict[str, str]:
+    """`RunIdentity.fields` of a run from `init` and `keys` with `options` (and
+    `data`); those of `step` only given `program`, its traced program (a run without
+    a checkpoint does not trace it on every call)."""
+    leaves, treedef = jtu.tree_flatten_with_path(init)
+    fields = {
+        "init structure": _without_addresses(str(treedef)),
+        "init leaves": "; ".join(
+            f"{jtu.keystr(path)}: "
+            + (describe(leaf) if is_array(leaf) else _stable_name(leaf))
+            for path, leaf in leaves
+        ),
+        "init values": _values_digest(init),
+        "keys": _values_digest(keys),
+        **{name: str(value) for name, value in options._asdict().items()},
+        **({} if program is None else _step_digests(program)),
+        **_jax_versions(),
+    }
+    if data is not None:
+        # Only for runs of many problems: every other run keeps its identity.
+        fields["data structure"] = _without_addresses(str(jtu.tree_structure(data)))
+        fields["data values"] = _values_digest(data)
+        # For messages: the other fields give no count of problems.
+        rows = next(x for x in jtu.tree_leaves(data) if is_array(x))
+        fields["data problems"] = str(np.shape(rows)[0])
+    return fields
+
+
 @dataclasses.dataclass(frozen=True)
 class RunIdentity:
     """What makes two calls of `run_chains` the same run, as named strings."""
@@ -258,28 +292,7 @@ class RunIdentity:
         """The identity of a run of the traced step `program` from `init` (the whole
         state, non-array leaves included) and `keys`, with `options` (and `data`, of
         many problems; `trace_mode`, `trace` as given, names it in messages)."""
-        leaves, treedef = jtu.tree_flatten_with_path(init)
-        fields = {
-            "init structure": _without_addresses(str(treedef)),
-            "init leaves": "; ".join(
-                f"{jtu.keystr(path)}: "
-                + (describe(leaf) if is_array(leaf) else _stable_name(leaf))
-                for path, leaf in leaves
-            ),
-            "init values": _values_digest(init),
-            "keys": _values_digest(keys),
-            **{name: str(value) for name, value in options._asdict().items()},
-            **_step_digests(program),
-            **_jax_versions(),
-        }
-        if data is not None:
-            # Only for runs of many problems: every other run keeps its identity.
-            fields["data structure"] = _without_addresses(str(jtu.tree_structure(data)))
-            fields["data values"] = _values_digest(data)
-            # For messages: the other fields give no count of problems.
-            rows = next(x for x in jtu.tree_leaves(data) if is_array(x))
-            fields["data problems"] = str(np.shape(rows)[0])
-        return cls(fields, trace_mode)
+        return cls(identity_fields(init, keys, options, data, program), trace_mode)
 
     @property
     def run_id(self) -> str:

@@ -73,9 +73,16 @@ def raise_if_any_failed(failure: BatchError | None, summary: str, *, fix: str) -
         return
     if failure is not None:
         raise failure
+    raise failed_elsewhere(failures, summary, fix=fix)
+
+
+def failed_elsewhere(failures: dict[int, str], summary: str, *, fix: str) -> BatchError:
+    """The error of a process whose peers failed (`failures`, their messages by
+    process index): it says `summary` (what failed), names the failing processes with
+    their messages, and ends with `fix`."""
     names = ", ".join(str(index) for index in sorted(failures))
     details = "\n".join(f"- process {i}: {m}" for i, m in sorted(failures.items()))
-    raise BatchError(
+    return BatchError(
         f"{summary} failed in process{'es' if len(failures) > 1 else ''} {names} of "
         f"this job of {jax.process_count()}:\n{details}\n{fix}"
     )

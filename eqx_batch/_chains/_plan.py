@@ -136,13 +136,17 @@ class RunPlan:
         total = self.draws.total if num_draws is None else num_draws
         return self.prepared.trace_like(num_chains, total)
 
+    @property
+    def data(self) -> Any:
+        """`data` of a run of many problems, as the step holds it; else None."""
+        return self.step.data if isinstance(self.step, ProblemStep) else None
+
     def identity(self, chains: ChainState) -> RunIdentity:
         """The identity of the run of these chains (at their start)."""
         assert self.program is not None
         init = eqx.combine(chains.states, self.shared)
-        data = self.step.data if isinstance(self.step, ProblemStep) else None
         return RunIdentity.of(
-            self.program, init, chains.keys, self.options, data, self.trace_mode
+            self.program, init, chains.keys, self.options, self.data, self.trace_mode
         )
 
 

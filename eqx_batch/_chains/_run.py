@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
@@ -21,12 +22,14 @@ import numpy as np
 
 from .._progress import ProgressBar
 from .._select import take
+from ._agreement import CallAgreement
 from ._arguments import (
     chain_keys,
     checked_counts,
     checked_flags,
     checked_trace,
     checked_until,
+    Init,
     split_init,
 )
 from ._checkpoint import chunk_path, longest_file_name, warn_of_other_chunkings
@@ -152,7 +155,9 @@ def run_chains(
     their sections); and for `checkpoint`, before any step, if its folder cannot be
     written, another live run holds it, or it holds another run's, a corrupt or a
     foreign file; during the run, if writing fails (the last good checkpoint is
-    kept).
+    kept). In a job of several processes, in every process before any step, if an
+    argument differs between the processes (naming it and what each has) or one
+    process refuses its own (naming it).
 
     !!! Example
 
@@ -176,50 +181,48 @@ def run_chains(
         result.steps_done, result.stopped.reason  # e.g. 200, 'nested R-hat 1.01...'
         ```
     """
-    until = checked_until(until, num_steps)
-    counts = checked_counts(
-        num_steps,
-        thin,
-        burn_in,
-        checkpoint_every,
-        chunk_size,
-        checkpointed=checkpoint is not None,
-    )
-    with_output, progress, diagnostics = checked_flags(
-        with_output=with_output, progress=progress, diagnostics=diagnostics
-    )
-    trace = checked_trace(trace, checkpointed=checkpoint is not None)
-    diagnostics = diagnostics or until is not None  # the rule reads them
-    whole, superchain_ids = split_init(init), None
-    if superchains is not None:
-        whole, superchain_ids = expand_superchains(whole, key, superchains)
-        superchains = int(superchains)
-    keys, legacy = chain_keys(key, whole.num_chains)
-    step, num_problems, problems = pytree_step(step), None, None
-    if data is not None:
-        step, num_problems = problem_step(step, data, whole.num_chains, superchains)
-        problems = problem_ids(whole.num_chains, num_problems)
-    plan = plan_run(
-        step,
-        whole,
-        keys,
-        legacy,
-        counts,
-        with_output=with_output,
-        trace=trace,
-        diagnostics=diagnostics,
-        until=until,
-        superchains=superchains,
-        problems=num_problems,
-        checkpointed=checkpoint is not None,
-    )
-    start = ChainState(
-        whole.arrays,
-        keys,
-        np.zeros(whole.num_chains, np.int32),
-        zeros(plan.prepared.one_chain.state, whole.num_chains) if diagnostics else None,
-        problems,
-    )
+    # In a job, before any collective that the arguments decide (the lock's, the
+    # placement's): every process runs this call, or every process raises.
+    with CallAgreement(checkpointed=checkpoint is not None) as agreement:
+        until = checked_until(until, num_steps)
+        counts = checked_counts(
+            num_steps,
+            thin,
+            burn_in,
+            checkpoint_every,
+            chunk_size,
+            checkpointed=checkpoint is not None,
+        )
+        with_output, progress, diagnostics = checked_flags(
+            with_output=with_output, progress=progress, diagnostics=diagnostics
+        )
+        trace = checked_trace(trace, checkpointed=checkpoint is not None)
+        diagnostics = diagnostics or until is not None  # the rule reads them
+        whole, superchain_ids = split_init(init), None
+        if superchains is not None:
+            whole, superchain_ids = expand_superchains(whole, key, superchains)
+            superchains = int(superchains)
+        keys, legacy = chain_keys(key, whole.num_chains)
+        step, num_problems, problems = pytree_step(step), None, None
+        if data is not None:
+            step, num_problems = problem_step(step, data, whole.num_chains, superchains)
+            problems = problem_ids(whole.num_chains, num_problems)
+        plan = plan_run(
+            step,
+            whole,
+            keys,
+            legacy,
+            counts,
+            with_output=with_output,
+            trace=trace,
+            diagnostics=diagnostics,
+            until=until,
+            superchains=superchains,
+            problems=num_problems,
+            checkpointed=checkpoint is not None,
+        )
+        start = _start(plan, whole, keys, problems)
+        agreement.on(plan, start, progress=progress)
     with contextlib.ExitStack() as stack:
         bar = None
         if progress:
@@ -240,6 +243,17 @@ def run_chains(
         superchain_ids,
         None if checkpoint is None else pathlib.Path(checkpoint),
     )
+
+
+def _start(
+    plan: RunPlan, whole: Init, keys: jax.Array, problems: np.ndarray | None
+) -> ChainState:
+    """The chains before their first step (with `diagnostics`, their moments zero)."""
+    moments = None
+    if plan.options.diagnostics:
+        moments = zeros(plan.prepared.one_chain.state, whole.num_chains)
+    steps = np.zeros(whole.num_chains, np.int32)
+    return ChainState(whole.arrays, keys, steps, moments, problems)
 
 
 def _write_access(plan: RunPlan, path: pathlib.Path) -> WriteAccess:

@@ -1,0 +1,74 @@
+"""One process of a job of `eb.run_chains` whose process 1 passes another argument.
+
+    python agreement_worker.py OUT ARGUMENT [CHECKPOINT]
+
+Every process runs `agreement_run` (8 chains of a random walk, with `data=` of 2
+problems); process 1 changes `ARGUMENT` (`_changes`: `num_steps`, `init`, `key`,
+`data`, ...; `refused`: an `init` that its checks refuse). A `BatchError` is saved to
+`OUT.<process id>.error` and the process exits cleanly; a run that returns writes
+`OUT.<process id>.done`. Run only as a job (`multiprocess_launch`).
+"""
+
+import pathlib
+import sys
+from typing import Any
+
+import jax
+import jax.random as jr
+import numpy as np
+
+import eqx_batch as eb
+
+
+def walk(state: jax.Array, key: jax.Array, data: dict) -> jax.Array:
+    return state + data["scale"] * jr.normal(key, state.shape)
+
+
+def agreement_run(checkpoint: str | None = None, **changed: Any) -> eb.Chains:
+    """The job's run, with `changed` arguments in place of its own."""
+    arguments = {
+        # NumPy, as a job places it: the same host data in every process.
+        "init": np.linspace(-1.0, 1.0, 16, dtype=np.float32).reshape(8, 2),
+        "key": jr.key(0),
+        "num_steps": 40,
+        "data": {"scale": np.array([0.5, 1.0], np.float32)},
+        "checkpoint": checkpoint,
+        "checkpoint_every": None if checkpoint is None else 10,
+        **changed,
+    }
+    return eb.run_chains(walk, **arguments)
+
+
+def _changes() -> dict[str, dict[str, Any]]:
+    init = np.linspace(-1.0, 1.0, 16, dtype=np.float32).reshape(8, 2)
+    init[5, 1] = 7.0  # one value of one chain
+    return {
+        "num_steps": {"num_steps": 20},
+        "init": {"init": init},
+        "key": {"key": jr.key(1)},
+        "data": {"data": {"scale": np.array([0.5, 2.0], np.float32)}},
+        "chunk_size": {"chunk_size": 4},
+        "trace": {"trace": False},
+        "progress": {"progress": True},
+        # 9 chains, which the 2 problems of `data` do not divide: refused here only.
+        "refused": {"init": np.zeros((9, 2), np.float32)},
+    }
+
+
+def main(argv: list[str]) -> None:
+    from multiprocess_launch import initialize
+
+    process_id, _ = initialize()
+    out, argument, *rest = argv
+    changed = _changes()[argument] if process_id == 1 else {}
+    try:
+        agreement_run(rest[0] if rest else None, **changed)
+    except eb.BatchError as e:
+        pathlib.Path(f"{out}.{process_id}.error").write_text(str(e))
+    else:
+        pathlib.Path(f"{out}.{process_id}.done").write_text("")
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,113 @@
+"""The processes of a job agree on the call of `eb.run_chains` before any step: one
+that passes another argument stops every process with the same `BatchError`, naming
+the argument, where gloo aborted, the job hung or JAX named no argument.
+
+Every job is real: 2 processes of 2 CPU devices on loopback (`multiprocess_launch`),
+ended by PID if they outlive the timeout.
+"""
+
+import pathlib
+
+import pytest
+from multiprocess_launch import launch
+
+
+WORKER = pathlib.Path(__file__).with_name("agreement_worker.py")
+TIMEOUT = 240  # each process compiles for a while on a busy machine
+FIX = "Nothing was run: every process of a job must call `run_chains` with the same"
+
+
+def _errors(
+    argument: str, tmp_path: pathlib.Path, checkpoint: bool = False
+) -> list[str]:
+    """What each process of a job whose process 1 changes `argument` raised."""
+    out = tmp_path / "job"
+    args = [str(out), argument]
+    if checkpoint:
+        args.append(str(tmp_path / "run.ckpt"))
+    launch(WORKER, args, timeout=TIMEOUT)
+    errors = []
+    for process_id in range(2):
+        error = pathlib.Path(f"{out}.{process_id}.error")
+        assert error.exists(), f"process {process_id} ran without an error"
+        errors.append(error.read_text())
+    return errors
+
+
+def _agreed_error(
+    argument: str, tmp_path: pathlib.Path, checkpoint: bool = False
+) -> str:
+    """The one error of every process of such a job: each knows what every other
+    has."""
+    errors = _errors(argument, tmp_path, checkpoint)
+    assert errors[0] == errors[1]
+    assert errors[0].startswith(
+        "The 2 processes of this job called `run_chains` with other arguments:\n"
+    )
+    assert FIX in errors[0]
+    return errors[0]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["memory", "checkpoint"])
+def test_another_num_steps_in_one_process_is_refused_by_every_process(
+    tmp_path, checkpoint
+):
+    # Each process ran its own count, or gloo aborted both (SIGABRT); with a
+    # checkpoint, both hung.
+    error = _agreed_error("num_steps", tmp_path, checkpoint)
+    assert (
+        "- `num_steps` differs between the processes of the job: process 0 has 40, "
+        "process 1 has 20\n"
+    ) in error
+    # Refused before the checkpoint's folder was touched.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.0.error", "job.1.error"]
+
+
+@pytest.mark.parametrize(
+    ("argument", "named"),
+    [
+        ("init", "`init` holds other values"),
+        ("key", "`key` gives the chains other keys"),
+        ("data", "`data` holds other values"),
+    ],
+)
+def test_other_values_in_one_process_are_refused_by_every_process(
+    tmp_path, argument, named
+):
+    # JAX's raw `AssertionError` from `device_put`, naming no argument.
+    error = _agreed_error(argument, tmp_path)
+    assert f"- {named} in process 1 than in process 0\n" in error
+
+
+@pytest.mark.parametrize(
+    ("argument", "values"),
+    [
+        ("chunk_size", "process 0 has 8, process 1 has 4"),
+        ("trace", "process 0 has True, process 1 has False"),
+        ("progress", "process 0 has False, process 1 has True"),
+    ],
+)
+def test_other_options_in_one_process_are_refused_by_every_process(
+    tmp_path, argument, values
+):
+    # Each process ran its own run into the one checkpoint, or (a bar in one process
+    # only) the job hung.
+    error = _agreed_error(argument, tmp_path, checkpoint=True)
+    assert f"- `{argument}`" in error
+    assert f"differs between the processes of the job: {values}\n" in error
+
+
+def test_arguments_refused_in_one_process_stop_every_process(tmp_path):
+    # Process 1's 9 chains are refused by its checks: it raises its own error, and
+    # process 0, which would have waited for it, names it.
+    own = (
+        "`data` holds 2 problems, which do not divide the 9 chains: every problem "
+        "has the same number of chains"
+    )
+    other, refused = _errors("refused", tmp_path)
+    assert refused.startswith(own)
+    assert other.startswith(
+        "Checking `run_chains`' arguments failed in process 1 of this job of 2:\n"
+        f"- process 1: {own}"
+    )
+    assert FIX in other
