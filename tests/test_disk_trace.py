@@ -278,14 +278,11 @@ def test_a_killed_disk_run_resumes_to_the_same_trace(tmp_path):
     assert_trees_identical(_read(resumed.trace), _in_memory(memory.trace))
 
 
-_MEMORY = textwrap.dedent(
+# The memory scripts' prelude: this process's peak and resident memory, in KiB
+# (writing 5 to `/proc/self/clear_refs` restarts the peak from the resident memory).
+_MEMORY_PROBE = textwrap.dedent(
     """
     import sys
-    import jax.numpy as jnp, jax.random as jr
-    import eqx_batch as eb
-
-    def step(x, key):
-        return x + jr.normal(key, x.shape)
 
     def peak_kib():
         for line in open("/proc/self/status"):
@@ -296,6 +293,17 @@ _MEMORY = textwrap.dedent(
         for line in open("/proc/self/status"):
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
+    """
+)
+
+
+_MEMORY = _MEMORY_PROBE + textwrap.dedent(
+    """
+    import jax.numpy as jnp, jax.random as jr
+    import eqx_batch as eb
+
+    def step(x, key):
+        return x + jr.normal(key, x.shape)
 
     init = jnp.zeros((16, 1024))  # 64 KiB a draw
     # The same programs, compiled: a run of segments of the bound.
@@ -394,21 +402,10 @@ def test_a_saved_disk_trace_holds_its_numbers_without_the_checkpoint(
     assert kept.stat().st_size > sum(x.nbytes for x in jtu.tree_leaves(numbers))
 
 
-_SAVE_MEMORY = textwrap.dedent(
+_SAVE_MEMORY = _MEMORY_PROBE + textwrap.dedent(
     """
-    import sys
     import jax.numpy as jnp, jax.random as jr, numpy as np
     import eqx_batch as eb
-
-    def peak_kib():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-
-    def rss_kib():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
 
     # 16 KiB a draw, 32 MiB a chain: 128 MiB saved in blocks of part of a chain.
     result = eb.run_chains(
