@@ -42,7 +42,7 @@ import eqx_batch as eb
 
 # The workload is the test suite's: one Metropolis step, written once.
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tests"))
-from chains_worker import metropolis  # noqa: E402
+from chains_workloads import metropolis  # noqa: E402
 
 
 NUM_CHAINS = 1000

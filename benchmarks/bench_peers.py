@@ -47,7 +47,7 @@ import eqx_batch as eb
 # The chains workload and the ensemble step are the other benchmarks', written once.
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tests"))
 from bench_jit import MEMBERS, OPTIMISER, step as ensemble_step  # noqa: E402
-from chains_worker import log_density  # noqa: E402
+from chains_workloads import log_density  # noqa: E402
 
 
 def optional(module: str) -> tuple[ModuleType | None, str]:

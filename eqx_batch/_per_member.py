@@ -122,75 +122,90 @@ def per_member(
     """
     inner = _with_extra_args(tx)
 
-    # The checks below resolve `axes` only to validate it and name leaves; the vmaps
-    # take the spec itself, which Equinox resolves the same way.
     def init(params: Any) -> Any:
-        arrays = eqx.filter(params, eqx.is_array)
-        n = common_size(_member_sizes(arrays, axes, "params"), fix=_FIX)
-        enclosing = _RUNNING.get()
-        grid = (() if enclosing is None else enclosing.grid) + (n,)
-        level = _Level(grid, whole=set(), handled=set())
-        token = _RUNNING.set(level)
-        try:
-            shapes = eqx.filter_eval_shape(
-                eqx.filter_vmap(inner.init, in_axes=(axes,), out_axes=eqx.if_array(0)),
-                arrays,
-            )
-            found, seen = _per_cell_hyperparams(shapes, level)
-            whole = found | level.whole
-            state = _naming_list_hyperparameters(
-                eqx.filter_vmap(
-                    inner.init, in_axes=(axes,), out_axes=_state_axes(shapes, whole)
-                )
-            )(arrays)
-        finally:
-            _RUNNING.reset(token)
-        if enclosing is not None:
-            enclosing.whole.update(whole)
-            enclosing.handled.update(seen | level.handled)
-        return jtu.tree_map_with_path(
-            lambda path, leaf: (
-                jnp.broadcast_to(leaf, level.grid) if path in found else leaf
-            ),
-            state,
-        )
+        return _init(inner, axes, params)
 
+    # The extra arguments travel on as one dict: as keywords, one named `axes` would
+    # meet `_update`'s own.
     def update(
         updates: Any, state: Any, params: Any = None, **extra_args: Any
     ) -> tuple[Any, Any]:
-        update_arrays = eqx.filter(updates, eqx.is_array)
-        params_arrays = eqx.filter(params, eqx.is_array)
-        sizes = _member_sizes(update_arrays, axes, "updates")
-        if params is not None:
-            sizes += _member_sizes(params_arrays, axes, "params")
-        for name, value in extra_args.items():
-            sizes += _member_sizes(
-                eqx.filter(value, eqx.is_array), eqx.if_array(0), name
-            )
-        n = common_size(sizes, fix=_FIX)
-        state = _shared_hyperparams_per_member(state, n)
-        common_size(sizes + _state_sizes(state), fix=_FIX)
-        params_axes = None if params is None else axes
-
-        def member_update(
-            member_updates: Any,
-            member_state: Any,
-            member_params: Any,
-            member_extra: dict[str, Any],
-        ) -> tuple[Any, Any]:
-            return inner.update(
-                member_updates, member_state, member_params, **member_extra
-            )
-
-        return _naming_list_hyperparameters(
-            eqx.filter_vmap(
-                member_update,
-                in_axes=(axes, eqx.if_array(0), params_axes, eqx.if_array(0)),
-                out_axes=(axes, eqx.if_array(0)),
-            )
-        )(update_arrays, state, params_arrays, extra_args)
+        return _update(inner, axes, updates, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _init(inner: Any, axes: Any, params: Any) -> Any:
+    """`per_member(tx).init`, for `inner`, `tx` with extra-args support."""
+    # Here and in `_update`, the checks resolve `axes` only to validate it and name
+    # leaves; the vmaps take the spec itself, which Equinox resolves the same way.
+    arrays = eqx.filter(params, eqx.is_array)
+    n = common_size(_member_sizes(arrays, axes, "params"), fix=_FIX)
+    enclosing = _RUNNING.get()
+    grid = (() if enclosing is None else enclosing.grid) + (n,)
+    level = _Level(grid, whole=set(), handled=set())
+    token = _RUNNING.set(level)
+    try:
+        shapes = eqx.filter_eval_shape(
+            eqx.filter_vmap(inner.init, in_axes=(axes,), out_axes=eqx.if_array(0)),
+            arrays,
+        )
+        found, seen = _per_cell_hyperparams(shapes, level)
+        whole = found | level.whole
+        state = _naming_list_hyperparameters(
+            eqx.filter_vmap(
+                inner.init, in_axes=(axes,), out_axes=_state_axes(shapes, whole)
+            )
+        )(arrays)
+    finally:
+        _RUNNING.reset(token)
+    if enclosing is not None:
+        enclosing.whole.update(whole)
+        enclosing.handled.update(seen | level.handled)
+    return jtu.tree_map_with_path(
+        lambda path, leaf: (
+            jnp.broadcast_to(leaf, level.grid) if path in found else leaf
+        ),
+        state,
+    )
+
+
+def _update(
+    inner: Any,
+    axes: Any,
+    updates: Any,
+    state: Any,
+    params: Any,
+    extra_args: dict[str, Any],
+) -> tuple[Any, Any]:
+    """`per_member(tx).update`, for `inner`, `tx` with extra-args support."""
+    update_arrays = eqx.filter(updates, eqx.is_array)
+    params_arrays = eqx.filter(params, eqx.is_array)
+    sizes = _member_sizes(update_arrays, axes, "updates")
+    if params is not None:
+        sizes += _member_sizes(params_arrays, axes, "params")
+    for name, value in extra_args.items():
+        sizes += _member_sizes(eqx.filter(value, eqx.is_array), eqx.if_array(0), name)
+    n = common_size(sizes, fix=_FIX)
+    state = _shared_hyperparams_per_member(state, n)
+    common_size(sizes + _state_sizes(state), fix=_FIX)
+    params_axes = None if params is None else axes
+
+    def member_update(
+        member_updates: Any,
+        member_state: Any,
+        member_params: Any,
+        member_extra: dict[str, Any],
+    ) -> tuple[Any, Any]:
+        return inner.update(member_updates, member_state, member_params, **member_extra)
+
+    return _naming_list_hyperparameters(
+        eqx.filter_vmap(
+            member_update,
+            in_axes=(axes, eqx.if_array(0), params_axes, eqx.if_array(0)),
+            out_axes=(axes, eqx.if_array(0)),
+        )
+    )(update_arrays, state, params_arrays, extra_args)
 
 
 _FIX = (

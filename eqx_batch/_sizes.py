@@ -10,7 +10,7 @@ under `jax.jit` this runs once per trace and costs nothing per call.
 """
 
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax.tree_util as jtu
@@ -186,6 +186,11 @@ def _reference_size(
     return size, "the size most mapped leaves have"
 
 
+# Each argument's mapped leaves only (those with a member axis), for arguments that
+# have any.
+_MappedLeaves = dict[str, list[tuple[KeyPath, Any, int]]]
+
+
 def _ambiguous(
     arguments: dict[str, Any],
     axes: dict[str, Any],
@@ -196,11 +201,28 @@ def _ambiguous(
     """The message for arguments that each agree on a size of their own: the sizes by
     argument, and each reading that maps one size, in the order documented in
     `check_mapped_sizes`."""
-    leaves = {
+    leaves: _MappedLeaves = {
         name: [(path, leaf, axis) for path, leaf, axis in triples if axis is not None]
         for name, triples in mapped.items()
     }
     leaves = {name: triples for name, triples in leaves.items() if triples}
+    lists = _member_lists(arguments, list(leaves))
+    message = (
+        f"mapped leaves disagree on the size of the mapped axis. {lists}With no "
+        "axis_size given, any of several sizes could be the number of members. "
+        "Mapped sizes by argument:\n" + bullet_list(_sizes_by_argument(leaves, own))
+    )
+    if lists:
+        return message
+    readings = _readings(leaves, own)
+    if not readings:
+        return message
+    return message + _suggested_readings(arguments, axes, readings, positional)
+
+
+def _sizes_by_argument(leaves: _MappedLeaves, own: dict[str, int]) -> list[str]:
+    """One line per argument whose mapped leaves agree among themselves (one is enough
+    to show the size), one per leaf of the others."""
     lines = []
     for name, triples in leaves.items():
         if name in own and len(triples) > 1:
@@ -211,31 +233,46 @@ def _ambiguous(
             )
         else:
             lines.extend(_size_line(name, *triple) for triple in triples)
-    lists = _member_lists(arguments, list(leaves))
-    message = (
-        f"mapped leaves disagree on the size of the mapped axis. {lists}With no "
-        "axis_size given, any of several sizes could be the number of members. "
-        "Mapped sizes by argument:\n" + bullet_list(lines)
-    )
-    if lists:
-        return message
+    return lines
+
+
+class _Reading(NamedTuple):
+    """One way to read an ambiguous call: the arguments of one size mapped, giving
+    `size` members, and the others `shared` by every member."""
+
+    size: int
+    shared: list[str]
+
+
+def _readings(leaves: _MappedLeaves, own: dict[str, int]) -> list[_Reading]:
+    """Every reading that maps whole arguments of one size, most likely first (see
+    `check_mapped_sizes`); none that would map only part of an argument."""
     sizes = {
         name: {leaf.shape[axis] for _, leaf, axis in triples}
         for name, triples in leaves.items()
     }
-    readings = []
+    ranked = []
     for size in dict.fromkeys(own.values()):
         kept = [name for name in own if own[name] == size]
         shared = [name for name in leaves if name not in kept]
         if any(size in sizes[name] for name in shared):
             continue  # it would map only part of an argument
         scalar = any(np.ndim(leaf) == 1 for name in kept for _, leaf, _ in leaves[name])
-        readings.append(((-len(kept), scalar, -size), size, shared))
-    readings.sort(key=lambda reading: reading[0])  # stable: then argument order
-    if not readings:
-        return message
+        ranked.append(((-len(kept), scalar, -size), _Reading(size, shared)))
+    ranked.sort(key=lambda entry: entry[0])  # stable: then argument order
+    return [reading for _, reading in ranked]
+
+
+def _suggested_readings(
+    arguments: dict[str, Any],
+    axes: dict[str, Any],
+    readings: list[_Reading],
+    positional: int | None,
+) -> str:
+    """The advice that names each of `readings` (at least one), the first as the
+    question and the others as alternatives."""
     clauses = []
-    for _, size, shared in readings:
+    for size, shared in readings:
         suggestion = _suggest_in_axes(arguments, axes, shared, positional)
         clause = f"{_arguments(shared)} shared ({size} members)"
         if not clauses:
@@ -244,13 +281,13 @@ def _ambiguous(
         else:
             fix = f": in_axes={suggestion}" if suggestion else ""
             clauses.append(f"with {clause}{fix}")
-    message += (
+    advice = (
         "\nMap the arguments of one size, and give the others, if shared by every "
         f"member, the axis spec None. {clauses[0]}"
     )
     if len(clauses) > 1:
-        message += f" Otherwise, {'; '.join(clauses[1:])}."
-    return message
+        advice += f" Otherwise, {'; '.join(clauses[1:])}."
+    return advice
 
 
 def _member_lists(arguments: dict[str, Any], names: list[str]) -> str:

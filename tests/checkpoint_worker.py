@@ -2,13 +2,14 @@
 
     python checkpoint_worker.py [--job] OUT WORKLOAD CHECKPOINT [OPTIONS...]
 
-`WORKLOAD` is `metropolis` (`metropolis_run`: 16 chains of `chains_worker.metropolis`,
-20 000 steps, thin 10, checkpointed every 200), `disk` (the same with `trace="disk"`)
-or `stopping` (`chains_worker.stopping_run`). The process saves `final`, `trace`,
-`keys` and `steps_done` (gathered) to `OUT.<process id>` (`eb.save`), the bytes it
-wrote during the run (`/proc/self/io`'s `write_bytes`) to `OUT.<process id>.io`, and,
-if `run_chains` raises a `BatchError`, its message to `OUT.<process id>.error` (and
-exits cleanly: the test reads every process's error).
+`WORKLOAD` is `metropolis` (`metropolis_run`: 16 chains of
+`chains_workloads.metropolis`, 20 000 steps, thin 10, checkpointed every 200), `disk`
+(the same with `trace="disk"`) or `stopping` (`chains_workloads.stopping_run`). The
+process saves `final`, `trace`, `keys` and `steps_done` (gathered) to
+`OUT.<process id>` (`eb.save`), the bytes it wrote during the run (`/proc/self/io`'s
+`write_bytes`) to `OUT.<process id>.io`, and, if `run_chains` raises a `BatchError`,
+its message to `OUT.<process id>.error` (and exits cleanly: the test reads every
+process's error).
 
 Options, each for process 1 of a job only:
 
@@ -29,7 +30,7 @@ import time
 import jax
 import jax.random as jr
 import numpy as np
-from chains_worker import make_init, metropolis, outputs, run, stopping_run
+from chains_workloads import make_init, metropolis, outputs, run, stopping_run
 from helpers import checkpoint_steps_done
 
 import eqx_batch as eb

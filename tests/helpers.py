@@ -14,7 +14,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from chains_worker import metropolis
+from chains_workloads import metropolis
 
 import eqx_batch as eb
 

@@ -12,7 +12,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from chains_worker import (
+from chains_workloads import (
     counted_stretch,
     GAUSSIAN_COV,
     gaussian_log_density,
@@ -30,7 +30,8 @@ from multiprocess_launch import launch
 import eqx_batch as eb
 
 
-WORKER = pathlib.Path(__file__).with_name("chains_worker.py")
+RUN_WORKER = pathlib.Path(__file__).with_name("run_worker.py")
+JOB_RUN_WORKER = pathlib.Path(__file__).with_name("job_run_worker.py")
 
 
 @eb.all_chains
@@ -173,7 +174,7 @@ def test_a_run_killed_mid_way_resumes_counting_bit_for_bit(tmp_path):
     run = ("stretch", 64, 4_000)
     path, out = tmp_path / "run.ckpt", tmp_path / "out.eqx"
     worker = subprocess.Popen(
-        [sys.executable, str(WORKER), "--workload", "stretch", str(out)]
+        [sys.executable, str(RUN_WORKER), str(out), "stretch"]
         + [str(a) for a in (*run[1:], path, 100, 10)]
     )
     try:
@@ -198,7 +199,7 @@ def test_one_device_and_four_devices_give_the_same_bits(tmp_path):
     out = tmp_path / "one_device.eqx"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     subprocess.run(
-        [sys.executable, str(WORKER), "--workload", "stretch", str(out), "6", "30"],
+        [sys.executable, str(RUN_WORKER), str(out), "stretch", "6", "30"],
         env=env,
         check=True,
         timeout=120,
@@ -213,13 +214,13 @@ def test_a_job_of_two_processes_uses_as_many_devices_of_each(tmp_path):
     # 2 processes of 2 devices: 6 chains on one device of each (4 do not divide 6),
     # the same bits as here on 3 devices; 5 chains cannot be split over 2 processes.
     out = tmp_path / "job.eqx"
-    args = ["--job", "--workload", "stretch", str(out)]
-    launch(WORKER, [*args, "6", "20"], devices_per_process=2)
+    args = [str(out), "stretch"]
+    launch(JOB_RUN_WORKER, [*args, "6", "20"], devices_per_process=2)
     here = outputs(eb.run_chains(counted_stretch, make_stretch_init(6), jr.key(0), 20))
     for process_id in range(2):
         assert_trees_identical(eb.load(f"{out}.{process_id}", here), here)
     with pytest.raises(AssertionError, match="5 chains cannot be split evenly over"):
-        launch(WORKER, [*args, "5", "20"], devices_per_process=2)
+        launch(JOB_RUN_WORKER, [*args, "5", "20"], devices_per_process=2)
 
 
 @pytest.mark.parametrize("num_chains, devices", [(8, 4), (12, 4), (6, 3), (7, 1)])

@@ -16,7 +16,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from chains_worker import (
+from chains_workloads import (
     key_step,
     make_init,
     make_key_init,
@@ -29,7 +29,8 @@ from multiprocess_launch import launch
 import eqx_batch as eb
 
 
-WORKER = pathlib.Path(__file__).with_name("chains_worker.py")
+RUN_WORKER = pathlib.Path(__file__).with_name("run_worker.py")
+JOB_RUN_WORKER = pathlib.Path(__file__).with_name("job_run_worker.py")
 
 
 def _alone(result: eb.Chains, i: int) -> dict:
@@ -102,7 +103,7 @@ def test_one_device_and_four_devices_give_the_same_bits(tmp_path):
     out = tmp_path / "one_device.eqx"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     subprocess.run(
-        [sys.executable, str(WORKER), str(out), "6", "20"],
+        [sys.executable, str(RUN_WORKER), str(out), "metropolis", "6", "20"],
         env=env,
         check=True,
         timeout=120,
@@ -116,7 +117,7 @@ def test_two_processes_give_the_same_bits(tmp_path):
     # A job of 2 processes with 2 devices each: the chains are split over all 4
     # devices of both processes, and every process gathers whole results.
     out = tmp_path / "job.eqx"
-    launch(WORKER, ["--job", str(out), "6", "20"], devices_per_process=2)
+    launch(JOB_RUN_WORKER, [str(out), "metropolis", "6", "20"], devices_per_process=2)
     four = outputs(eb.run_chains(metropolis, make_init(6), jr.key(0), 20))
     for process_id in range(2):
         assert_trees_identical(eb.load(f"{out}.{process_id}", four), four)
@@ -204,7 +205,7 @@ def test_result_is_the_module_its_constructor_builds(with_output):
         step, make_init(4), jr.key(3), 5, with_output=with_output, diagnostics=True
     )
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(eb.Chains)}
-    nonfinite = eb.NonFinite(result.nonfinite.chains, result.nonfinite.steps)
+    nonfinite = eb.NonFinite(result.nonfinite.first_step)
     built = eb.Chains(**{**fields, "nonfinite": nonfinite})
     assert type(result) is eb.Chains and type(result.nonfinite) is eb.NonFinite
     assert (result.outputs is not None) is with_output
@@ -438,7 +439,6 @@ def test_trace_is_written_in_place():
         eqx.filter(init, eqx.is_array, inverse=True),
         chains,
         jnp.asarray(0, jnp.int32),
-        None,
         buffer,
     )
     stats = lowered.compile().memory_analysis()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
-from chains_worker import (
+from chains_workloads import (
     make_init,
     metropolis,
     mlp_step,
@@ -43,7 +43,8 @@ from multiprocess_launch import launch
 import eqx_batch as eb
 
 
-WORKER = pathlib.Path(__file__).with_name("chains_worker.py")
+TESTS = pathlib.Path(__file__).parent
+RUN_WORKER = TESTS / "run_worker.py"
 
 
 def _progress(path: pathlib.Path) -> dict:
@@ -171,8 +172,7 @@ def test_progress_bar_across_checkpoint_segments(tmp_path, capsys):
 
 def _start_worker(out: pathlib.Path, *args: Any, workload: str = "metropolis"):
     return subprocess.Popen(
-        [sys.executable, str(WORKER), "--workload", workload, str(out)]
-        + [str(a) for a in args]
+        [sys.executable, str(RUN_WORKER), str(out), workload] + [str(a) for a in args]
     )
 
 
@@ -288,7 +288,7 @@ def test_mlp_run_resumes_in_another_process(tmp_path):
     # the same in a new process: its finished checkpoint is read back, not refused.
     path, out = tmp_path / "run.ckpt", tmp_path / "out.eqx"
     subprocess.run(
-        [sys.executable, str(WORKER), "--workload", "mlp", str(out), "3", "30"]
+        [sys.executable, str(RUN_WORKER), str(out), "mlp", "3", "30"]
         + [str(path), "10"],
         check=True,
         timeout=300,
@@ -524,7 +524,7 @@ _CHUNKED_WORKER = """
 import sys
 import jax.random as jr
 import eqx_batch as eb
-from chains_worker import make_init, metropolis
+from chains_workloads import make_init, metropolis
 path, out = sys.argv[1:]
 result = eb.run_chains(metropolis, make_init(12), jr.key(0), 4000, thin=10,
     checkpoint=path, checkpoint_every=20, chunk_size=5)
@@ -554,7 +554,7 @@ def test_chunked_run_killed_mid_chunk_resumes_bit_for_bit(tmp_path):
     first, second = tmp_path / "run.ckpt.chains-0-5", tmp_path / "run.ckpt.chains-5-10"
     worker = subprocess.Popen(
         [sys.executable, "-c", _CHUNKED_WORKER, str(path), str(out)],
-        cwd=WORKER.parent,
+        cwd=TESTS,
     )
     try:
         _wait_for(
@@ -612,7 +612,7 @@ process_id, _ = initialize()
 import jax
 import jax.random as jr
 import eqx_batch as eb
-from chains_worker import make_init, metropolis, outputs
+from chains_workloads import make_init, metropolis, outputs
 out, path = sys.argv[1:]
 result = eb.run_chains(metropolis, make_init(7), jr.key(0), 40, thin=3,
     checkpoint=path, checkpoint_every=15, chunk_size=3)
@@ -626,7 +626,7 @@ def test_chunked_run_in_two_processes(tmp_path):
     # (padded to 4), checkpointed by process 0: every process gathers whole results,
     # bit for bit those of one unchunked process, and the checkpoint reads back.
     script = tmp_path / "job.py"
-    script.write_text(_CHUNKED_JOB.format(tests=str(WORKER.parent)))
+    script.write_text(_CHUNKED_JOB.format(tests=str(TESTS)))
     out, path = tmp_path / "job.eqx", tmp_path / "run.ckpt"
     launch(script, [str(out), str(path)], devices_per_process=2)
     plain = outputs(eb.run_chains(metropolis, make_init(7), jr.key(0), 40, thin=3))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from chains_worker import make_init, metropolis
+from chains_workloads import make_init, metropolis
 from helpers import assert_trees_identical, checkpoint_steps_done
 
 import eqx_batch as eb
@@ -198,7 +198,7 @@ _KILLED_WORKER = """
 import sys
 import jax.random as jr
 import eqx_batch as eb
-from chains_worker import make_init, metropolis
+from chains_workloads import make_init, metropolis
 path, out = sys.argv[1:]
 result = eb.run_chains(metropolis, make_init(6), jr.key(0), 4000, thin=3, burn_in=5,
     trace=False, diagnostics=True, checkpoint=path, checkpoint_every=20)

@@ -16,7 +16,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from chains_worker import key_step, make_init, make_key_init, metropolis
+from chains_workloads import key_step, make_init, make_key_init, metropolis
 from helpers import assert_trees_identical, checkpoint_steps_done, raises
 
 import eqx_batch as eb
@@ -235,7 +235,7 @@ _RUN = textwrap.dedent(
     import jax.numpy as jnp, jax.random as jr
     import eqx_batch as eb
     sys.path.insert(0, {tests!r})
-    from chains_worker import key_step, make_key_init
+    from chains_workloads import key_step, make_key_init
 
     eb.run_chains(
         key_step, make_key_init(8), jr.key(2), {steps}, thin=3, trace="disk",

@@ -9,7 +9,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from chains_worker import make_init, metropolis, outputs
+from chains_workloads import make_init, metropolis, outputs
 from helpers import assert_trees_identical
 
 import eqx_batch as eb

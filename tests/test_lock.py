@@ -10,7 +10,7 @@ from typing import Any
 import jax.random as jr
 import numpy as np
 import pytest
-from chains_worker import make_init, metropolis, outputs
+from chains_workloads import make_init, metropolis, outputs
 from helpers import (
     assert_trees_identical,
     counted_metropolis,

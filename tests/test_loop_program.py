@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from chains_worker import problems_run, stopping_problems_run
 from helpers import assert_trees_identical
 from hlo import loop_body_ops
+from problems_workloads import problems_run, stopping_problems_run
 
 import eqx_batch as eb
 from eqx_batch._chains import _chunk, _problems

@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 import pytest
-from chains_worker import everything, held_runs, outputs, run as run_chains_workload
+from chains_workloads import everything, outputs, run as run_chains_workload
+from held_worker import held_runs
 from helpers import assert_trees_identical, checkpoint_progress, checkpoint_steps_done
 from multiprocess_launch import Job, launch
 from multiprocess_worker import computation
@@ -22,7 +23,8 @@ import eqx_batch as eb
 
 
 WORKER = pathlib.Path(__file__).parent / "multiprocess_worker.py"
-CHAINS_WORKER = pathlib.Path(__file__).parent / "chains_worker.py"
+JOB_RUN_WORKER = pathlib.Path(__file__).parent / "job_run_worker.py"
+HELD_WORKER = pathlib.Path(__file__).parent / "held_worker.py"
 
 
 def test_two_processes_match_one_process_bit_for_bit(tmp_path):
@@ -96,8 +98,9 @@ def test_two_processes_checkpoint_are_killed_and_resume(tmp_path):
     # processes gets equals this one process's uninterrupted run, bit for bit.
     num_chains, num_steps, every, thin = 16, 10_000, 200, 10
     path, out = tmp_path / "run.ckpt", tmp_path / "job.eqx"
-    args = [str(out), str(num_chains), str(num_steps), str(path), str(every), str(thin)]
-    with Job.start(CHAINS_WORKER, ["--job", *args], timeout=480) as job:
+    run = (num_chains, num_steps, path, every, thin)
+    args = [str(out), "metropolis", *map(str, run)]
+    with Job.start(JOB_RUN_WORKER, args, timeout=480) as job:
         deadline = time.monotonic() + 480
         while not (path.exists() and _steps_done(path) >= 5 * every):
             assert job.running(), job.finished()
@@ -110,7 +113,7 @@ def test_two_processes_checkpoint_are_killed_and_resume(tmp_path):
     written = first_draws.stat().st_mtime_ns
 
     # A generous timeout: each process compiles for a while on a busy machine.
-    launch(CHAINS_WORKER, ["--job", *args], timeout=480)
+    launch(JOB_RUN_WORKER, args, timeout=480)
     assert _steps_done(path) == num_steps
     # Resumed, not restarted: the draws from before the kill were not written again.
     assert first_draws.stat().st_mtime_ns == written
@@ -124,7 +127,7 @@ def test_two_processes_each_hold_their_own_chains(tmp_path):
     # own chains' rows, gathers every chain on asking, and shares the small
     # statistics (NaN report, diagnostics) of every chain.
     out = tmp_path / "held"
-    launch(CHAINS_WORKER, ["--job", "--held", str(out)], timeout=480)
+    launch(HELD_WORKER, [str(out)], timeout=480)
     here = {name: everything(result) for name, result in held_runs().items()}
     # 6 chains in 2 groups of 3 (padding dropped, one device per process); 8 chains
     # in chunks of 3 joined as 4 blocks of 2 (two devices per process).

@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from chains_worker import outputs, stopping_run
+from chains_workloads import outputs, stopping_run
 from checkpoint_worker import metropolis_run
 from helpers import assert_trees_identical, checkpoint_progress, checkpoint_steps_done
 from multiprocess_launch import Job, launch

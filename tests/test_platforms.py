@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from chains_worker import ar1, outputs
+from chains_workloads import ar1, outputs
 from helpers import assert_trees_identical, checkpoint_steps_done, tree_allclose
 
 import eqx_batch as eb
@@ -61,7 +61,7 @@ def watched_run(
         init = np.linspace(-2.0, 2.0, 8 * 3, dtype=np.float32).reshape(8, 3)
     kw.setdefault("key", jr.split(jr.key(0), 8))
     kw.setdefault("num_steps", NUM_STEPS)
-    return eb.run_chains(
+    result = eb.run_chains(
         watched_ar1,
         init,
         thin=THIN,
@@ -69,6 +69,9 @@ def watched_run(
         checkpoint_every=None if checkpoint is None else EVERY,
         **kw,
     )
+    # `run_chains` returns while its loop may still run: its callbacks must see
+    # `INTERRUPTED` as it is now, not as the next run sets it.
+    return jax.block_until_ready(result)
 
 
 def interrupted_run(checkpoint: str | pathlib.Path) -> None:
@@ -110,7 +113,7 @@ def test_an_interrupted_run_resumes_in_this_process_bit_for_bit(tmp_path):
 _CPU_WRITER = """
 import sys
 import eqx_batch as eb
-from chains_worker import outputs
+from chains_workloads import outputs
 from test_platforms import INTERRUPT_AT, interrupted_run, watched_run
 checkpoint, out = sys.argv[1:]
 first = watched_run(num_steps=INTERRUPT_AT)

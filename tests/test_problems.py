@@ -16,9 +16,17 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from chains_worker import (
+from chains_workloads import everything
+from helpers import (
+    assert_trees_identical,
+    checkpoint_steps_done,
+    compilations,
+    raises,
+    tree_allclose,
+)
+from multiprocess_launch import launch
+from problems_workloads import (
     ar1_problem,
-    everything,
     posterior,
     problems_run,
     RHOS,
@@ -28,19 +36,12 @@ from chains_worker import (
     schools_step,
     stopping_problems_run,
 )
-from helpers import (
-    assert_trees_identical,
-    checkpoint_steps_done,
-    compilations,
-    raises,
-    tree_allclose,
-)
-from multiprocess_launch import launch
 
 import eqx_batch as eb
 
 
-CHAINS_WORKER = pathlib.Path(__file__).with_name("chains_worker.py")
+TESTS = pathlib.Path(__file__).parent
+PROBLEMS_WORKER = TESTS / "problems_worker.py"
 
 
 def _alone(result: eb.Chains, p: int, **options) -> eb.Chains:
@@ -270,13 +271,13 @@ def test_resuming_with_or_without_data_names_data(tmp_path, written_with_data):
 
 
 def _killed_at(run: str, path: pathlib.Path, steps: int) -> int:
-    """Runs `run` (a call of `chains_worker`, given the checkpoint's path as
+    """Runs `run` (a call of `problems_workloads`, given the checkpoint's path as
     `path`) in a process SIGKILLed once its checkpoint holds `steps` steps; the steps
     it holds then."""
-    script = f"import sys\nfrom chains_worker import *\npath = sys.argv[1]\n{run}\n"
-    worker = subprocess.Popen(
-        [sys.executable, "-c", script, str(path)], cwd=CHAINS_WORKER.parent
+    script = (
+        f"import sys\nfrom problems_workloads import *\npath = sys.argv[1]\n{run}\n"
     )
+    worker = subprocess.Popen([sys.executable, "-c", script, str(path)], cwd=TESTS)
     try:
         deadline = time.monotonic() + 300
         while checkpoint_steps_done(path) < steps:
@@ -304,8 +305,7 @@ def test_killed_and_resumed_equals_one_run(tmp_path):
 @pytest.mark.parametrize("until", [False, True], ids=["fixed", "until"])
 def test_a_job_of_two_processes_runs_each_problem_as_one(tmp_path, until):
     out = tmp_path / "problems"
-    args = ["--job", "--problems", str(out)] + (["--until"] if until else [])
-    launch(CHAINS_WORKER, args, timeout=480)
+    launch(PROBLEMS_WORKER, [str(out), "until" if until else "fixed"], timeout=480)
     here = stopping_problems_run() if until else problems_run()
     for process_id in range(2):
         whole = eb.load(f"{out}.{process_id}", everything(here))

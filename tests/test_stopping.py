@@ -16,13 +16,13 @@ import jax.random as jr
 import numpy as np
 import pytest
 import safetensors
-from chains_worker import ar1, stopping_run
+from chains_workloads import ar1, stopping_run
 from helpers import assert_trees_identical, checkpoint_steps_done
 
 import eqx_batch as eb
 
 
-WORKER = pathlib.Path(__file__).with_name("chains_worker.py")
+TESTS = pathlib.Path(__file__).parent
 
 
 def fast(x, key):
@@ -209,7 +209,7 @@ _steps_done = checkpoint_steps_done
 
 _KILLED_WORKER = """
 import sys
-from chains_worker import stopping_run
+from chains_workloads import stopping_run
 stopping_run(sys.argv[1], chunk_size=48)
 """
 
@@ -220,7 +220,7 @@ def test_killed_and_resumed_stops_at_the_same_step(tmp_path):
     path = tmp_path / "run.ckpt"
     last_chunk = tmp_path / "run.ckpt.chains-96-128"
     worker = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_WORKER, str(path)], cwd=WORKER.parent
+        [sys.executable, "-c", _KILLED_WORKER, str(path)], cwd=TESTS
     )
     try:
         deadline = time.monotonic() + 180

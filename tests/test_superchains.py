@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from chains_worker import metropolis
+from chains_workloads import metropolis
 from helpers import assert_trees_identical
 
 import eqx_batch as eb

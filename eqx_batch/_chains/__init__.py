@@ -1,28 +1,44 @@
 """Many Markov chains in parallel: `run_chains` and its result, `Chains`.
 
-From the top down:
+Every file, from the top down:
 
 - `_run.py`: `run_chains`, the algorithm: checked arguments, the plan, the checkpoint,
     the chunks, the result;
 - `_loop.py`: the chunks through their steps, one after another or, with `until`,
     boundary by boundary;
 - `_chunk.py`: one chunk: placed, resumed, advanced a segment at a time, checkpointed;
-- `_plan.py`: `RunPlan`, what the chunks of one call share;
+- `_compaction.py`: once some problems have stopped, a segment of the chains of those
+    still running only, gathered into a smaller batch and written back;
 - `_agreement.py`: the processes of a job agreeing on the call before any step;
+- `_plan.py`: `RunPlan`, what the chunks of one call share;
 - `_prepared.py`: the memo of a run prepared once per step and kind of state;
-- `_arguments.py`: the counts, the chains `init` holds and one key for each, checked;
-- `_checkpoint.py`, `_checkpoint_files.py`, `_checkpoint_rows.py`, `_lock.py`,
-    `_job.py`, `_identity.py`: the checkpoint (its reading and writing, its file names,
-    each process's rows), the lock, what the processes of a job agree on, and what
-    makes two calls one run;
+- `_arguments.py`, `_superchains.py`: the counts, the chains `init` holds and one key
+    for each, checked; and superchains, the chains started from one point;
+- `_checkpoint.py`: one chunk's checkpoint, read back once, then written;
+- `_checkpoint_reader.py`, `_checkpoint_writer.py`: the checkpoint read back (the run
+    as checkpointed, and the draw files of a `trace="disk"` trace), and written in the
+    background (the writer thread, the write in flight, the files it makes), apart;
+- `_checkpoint_rows.py`: the rows (chains) each process writes, and reads back onto
+    any layout of processes and devices;
+- `_checkpoint_metadata.py`: what every file of a checkpoint says of its run, checked
+    when read;
+- `_checkpoint_files.py`: the names of a checkpoint's files, and which of them make
+    its newest complete step;
+- `_lock.py`, `_job.py`, `_identity.py`: the lock, what the processes of a job tell
+    each other, and what makes two calls one run;
 - `_segment.py`: the compiled segment, which knows nothing about files;
 - `_step.py`: the user's step, traced on one chain and checked;
+- `_problems.py`: many problems in one run (`data=`), each chain with its problem's row;
+- `_all_chains.py`: steps that see every chain;
 - `_placement.py`: chains padded and split over the devices;
 - `_stopping.py`, `_convergence.py`, `_moments.py`: `until`'s rule and checks, the
     diagnostics, and the running moments they read;
-- `_result.py`, `_arviz.py`: `Chains` and `NonFinite`, and the trace as ArviZ data;
+- `_result.py`, `_nonfinite.py`, `_arviz.py`: `Chains`, `NonFinite`, and the trace as
+    ArviZ data;
 - `_disk_trace.py`: `DiskArray`, a `trace="disk"` trace read lazily from its files;
-- `_all_chains.py`, `_superchains.py`: steps that see every chain, and superchains;
+- `_problem_records.py`, `_records.py`: the records of `until`'s checks, one per
+    problem with `data`; a check's outcome, one run's checks and `Stopped`: plain data
+    that the checkpoint keeps, below the statistics that make it;
 - `_common.py`: the shared vocabulary: `ChainState`, `OneChain`, `Draws` (which steps
     are draws) and `structs` (shape-dtype structs).
 """
@@ -30,10 +46,8 @@ From the top down:
 from ._all_chains import all_chains as all_chains, AllChains as AllChains
 from ._convergence import Diagnostics as Diagnostics
 from ._disk_trace import DiskArray as DiskArray
-from ._result import Chains as Chains, NonFinite as NonFinite
+from ._nonfinite import NonFinite as NonFinite
+from ._records import Stopped as Stopped
+from ._result import Chains as Chains
 from ._run import run_chains as run_chains
-from ._stopping import (
-    converged as converged,
-    Stopped as Stopped,
-    StoppingRule as StoppingRule,
-)
+from ._stopping import converged as converged, StoppingRule as StoppingRule

@@ -43,8 +43,8 @@ _VALUED = {
     "checkpoint": "whether a `checkpoint` is given",
     "checkpoint_every": "`checkpoint_every`",
     "progress": (
-        "`progress` (the bar is updated from inside the compiled loop, which every "
-        "process must run alike; each process shows its own)"
+        "`progress` (the bar cuts the loop into segments, which every process must "
+        "run alike; each process shows its own)"
     ),
     "init structure": "`init`'s structure",
     "init leaves": "`init`'s leaves",

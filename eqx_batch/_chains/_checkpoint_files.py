@@ -12,7 +12,8 @@ may come in several files, and from several layouts of processes and devices (a 
 resumed on another topology). There is no manifest: the checkpoint's state is the
 newest step whose state files tile every row exactly once.
 
-Nothing here reads or writes arrays; `_checkpoint.py` does.
+Nothing here reads or writes arrays; `_checkpoint_reader.py` and
+`_checkpoint_writer.py` do.
 """
 
 import contextlib
@@ -107,6 +108,16 @@ class StateFile(NamedTuple):
     path: pathlib.Path
     step: int
     rows: tuple[int, int]
+
+
+class OnDisk(NamedTuple):
+    """What of a run's checkpoint the reader found, for the writer to go on from: its
+    run file, the newest step whose state files cover every chain (None: none), and
+    the draw files they list."""
+
+    run_file: bool = False
+    steps_done: int | None = None
+    draw_files: tuple[DrawFile, ...] = ()
 
 
 def checkpoint_name_pattern(path: pathlib.Path) -> str:

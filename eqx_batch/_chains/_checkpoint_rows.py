@@ -12,7 +12,7 @@ once, and no other: nothing goes through one host.
 
 import pathlib
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 import jax
 import jax.tree_util as jtu
@@ -23,6 +23,7 @@ from .._file_format import BadFileError
 from .._serialise import read_tree
 from .._tree import as_keys_like, host_array
 from ._checkpoint_files import DrawFile, StateFile
+from ._checkpoint_metadata import RunMetadata
 from ._common import ChainState, structs
 
 
@@ -30,29 +31,18 @@ if TYPE_CHECKING:
     from ._placement import Placement
 
 
-class _Files(Protocol):
-    """What the reader asks of the checkpoint: its errors, and checked draw files."""
-
-    path: pathlib.Path
-
-    def check_draw_file(self, entry: DrawFile) -> pathlib.Path: ...
-
-    def damaged(self, problem: str) -> BatchError: ...
-
-    def unreadable(self, what: str, error: Exception) -> BatchError: ...
-
-
 class RowReader:
     """The chains and draws of a checkpointed step, read by rows where placed.
 
     `chains_like` and `trace_like` hold key data (not typed keys) for the whole run,
     one row per chain; `states` tile the chains; `draws` cover the chains' first
-    `num_draws` draws.
+    `num_draws` draws. `metadata` checks each draw file as it is opened, and words
+    the errors of files that do not read.
     """
 
     def __init__(
         self,
-        files: _Files,
+        metadata: RunMetadata,
         *,
         chains_like: dict,
         trace_like: Any,
@@ -60,7 +50,7 @@ class RowReader:
         draws: list[DrawFile],
         num_draws: int,
     ):
-        self.files = files
+        self.metadata = metadata
         self.chains_like = chains_like
         self.trace_like = trace_like
         self.states = states
@@ -154,7 +144,7 @@ class RowReader:
         return self._leaves(block.path, like, "state file")
 
     def _draw_leaves(self, block: DrawFile) -> list[np.ndarray]:
-        path = self.files.check_draw_file(block)
+        path = self.metadata.check_draw_file(block)
         like = structs(
             self.trace_like,
             drop=2,
@@ -167,10 +157,10 @@ class RowReader:
             try:
                 tree, _ = read_tree(path, like, argname=what, on_host=True)
             except (BadFileError, OSError) as e:
-                raise self.files.unreadable(what, e) from None
+                raise self.metadata.unreadable(what, e) from None
             except BatchError as e:
                 # Its run identity matched: only a damaged or tampered file gets here.
-                raise self.files.damaged(
+                raise self.metadata.damaged(
                     f"its {what} {path} names this run but does not hold its "
                     f"arrays: {e}"
                 ) from None

@@ -11,7 +11,9 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._progress import ProgressBar
-from ._checkpoint import Checkpoint, Restored, SegmentFiles, Snapshot
+from ._checkpoint import Checkpoint
+from ._checkpoint_reader import Restored
+from ._checkpoint_writer import segment_files, SegmentFiles, Snapshot
 from ._common import ChainState, structs
 from ._compaction import (
     batch_size,
@@ -27,8 +29,12 @@ from ._placement import Placement
 from ._plan import RunPlan
 from ._problem_records import ProblemRecords
 from ._problems import ProblemStep
-from ._segment import run_segment, SegmentProgress
-from ._stopping import Record
+from ._records import Record
+from ._segment import run_segment
+
+
+# About how many times the progress bar moves over a run without a checkpoint.
+BAR_UPDATES = 16
 
 
 class RunContext(NamedTuple):
@@ -37,6 +43,30 @@ class RunContext(NamedTuple):
     plan: RunPlan
     bar: ProgressBar | None
     access: WriteAccess | None  # the right to write the checkpoint, if any
+
+    def next_stop(self, step: int) -> int:
+        """The step the segment from `step` ends at: the plan's next boundary, or
+        with a progress bar and no checkpoint, the bar's next update if sooner (the
+        bar moves between segments; a checkpointed run moves it at each write)."""
+        stop = self.plan.next_boundary(step)
+        if self.bar is None or self.access is not None:
+            return stop
+        every = bar_spacing(self.plan.num_steps)
+        return min(stop, (step // every + 1) * every)
+
+
+def bar_spacing(num_steps: int) -> int:
+    """The steps between two moves of the progress bar: about `num_steps /
+    BAR_UPDATES`, chosen to divide `num_steps` where a divisor is near, so that every
+    segment is one compiled length."""
+    spacings = [
+        num_steps // count
+        for count in range(BAR_UPDATES // 2, 2 * BAR_UPDATES + 1)
+        if num_steps % count == 0
+    ]
+    if not spacings:
+        return max(1, -(-num_steps // BAR_UPDATES))
+    return min(spacings, key=lambda s: abs(num_steps / s - BAR_UPDATES))
 
 
 class ChunkJob(NamedTuple):
@@ -95,16 +125,10 @@ class ChunkRun:
                 job.chains,
                 plan.trace_like(num_chains),
                 restored,
-                one_segment=0 < plan.num_steps == plan.next_boundary(0),
+                one_segment=0 < plan.num_steps == context.next_stop(0),
             )
-            self.progress = None
-            if context.bar is not None:
-                handle = context.bar.handle
-                self.progress = SegmentProgress(
-                    handle,
-                    handle.start(job.steps_before + self.steps_done),
-                    np.int32(job.steps_before),
-                )
+            # The steps of the chunks run before it, for the progress bar.
+            self.steps_before = job.steps_before
             # The last segment's new draws and where they go, until written.
             self._unwritten: tuple[Any, SegmentFiles | None] | None = None
             # With `trace="disk"`: the draws being written, and those written.
@@ -151,7 +175,7 @@ class ChunkRun:
         plan = self.plan
         files = None
         if self.store is not None and plan.records:
-            files = self.store.segment_files(plan.draws, self.steps_done, stop)
+            files = segment_files(plan.draws, self.steps_done, stop)
         emit = 0 if files is None else files.emit
         trace = self.trace
         if plan.segment.streams and files is not None:
@@ -176,12 +200,9 @@ class ChunkRun:
             plan.shared,
             self.chains,
             np.int32(self.steps_done),
-            self.progress,
             trace,
         )
         self.chains, self.trace = result.chains, result.trace
-        if self.progress is not None:
-            self.progress = self.progress._replace(due=result.due)
         self.steps_done = stop
         self._unwritten = (result.new_draws, files)
 
@@ -192,7 +213,7 @@ class ChunkRun:
         split = self.placement.split
         files = None
         if self.store is not None and plan.records:
-            files = self.store.segment_files(plan.draws, start, stop)
+            files = segment_files(plan.draws, start, stop)
         first, end = plan.draws.before(start), plan.draws.before(stop)
         made = None  # the segment's own draws, from its first, in the batch's rows
         if len(rows):
@@ -213,12 +234,9 @@ class ChunkRun:
                 plan.shared,
                 gathered(self.chains, index, batch.split),
                 np.int32(start),
-                self.progress,
                 own,
             )
             self.chains = written_back(self.chains, result.chains, index, split)
-            if self.progress is not None:
-                self.progress = self.progress._replace(due=result.due)
             if result.new_draws is not None:
                 made = (result.new_draws, index, np.int32(end - first))
         new_draws = None

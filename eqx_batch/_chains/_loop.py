@@ -18,7 +18,8 @@ from ._common import ChainState
 from ._convergence import diagnose, diagnose_problems
 from ._placement import joined, whole_here
 from ._problem_records import ProblemRecords
-from ._stopping import Check, check, passes_each, postfix, Record
+from ._records import Check, Record
+from ._stopping import check, passes_each, postfix
 
 
 def run_chunks(
@@ -66,7 +67,7 @@ def _run_group(
     while (here := min(chunk.steps_done for chunk in chunks)) < record.end(
         plan.num_steps
     ):
-        stop = plan.next_boundary(here)
+        stop = context.next_stop(here)
         moving = [chunk for chunk in chunks if chunk.steps_done == here]
         running = None
         if isinstance(record, ProblemRecords):
@@ -76,6 +77,10 @@ def _run_group(
             if len(chunks) > 1:
                 # As between groups: one chunk's working memory at a time.
                 jax.block_until_ready(chunk.chains)
+        if context.bar is not None:
+            # Counted over the run: the steps of chunks run before included.
+            done = chunks[0].steps_before + stop
+            context.bar.follow(done, [chunk.chains.first_bad for chunk in moving])
         if plan.until is None:
             if _shows_moments(context) and not separate:
                 moments = [chunk.moments() for chunk in chunks]

@@ -4,7 +4,7 @@ step runs."""
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -19,9 +19,10 @@ from ._placement import Placement
 from ._prepared import prepared_run, PreparedRun
 from ._problem_records import ProblemRecords
 from ._problems import ProblemStep
+from ._records import Record
 from ._segment import SegmentPlan
 from ._step import trace_step
-from ._stopping import Record, Schedule, StoppingRule
+from ._stopping import Schedule, StoppingRule
 
 
 # With `trace="disk"`, a segment records at most this many bytes of draws (of a whole
@@ -185,40 +186,19 @@ def plan_run(
     prepared = prepared_run(step, init.whole, keys, legacy, with_output, traced)
     draws = Draws.of(counts.num_steps, counts.burn_in, counts.thin)
     if diagnostics:
-        asked_by = "`diagnostics=True`"
-        if until is not None:
-            asked_by = "`until` reads the chains' diagnostics"
-        check_diagnostics(prepared.one_chain.state, draws.total, asked_by)
+        _check_diagnostics(prepared, draws, until)
     schedule = _schedule(until, counts.num_steps, superchains, num_chains, problems)
     chunk_size = min(counts.chunk_size or num_chains, num_chains)
-    records = trace is not False and draws.total > 0
-    streams = records and trace == "disk"
-    streamed_steps = None
-    if streams:
-        one_draw = prepared.trace_like(max(chunk_size, 1), 1)
-        draw_bytes = sum(
-            math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(one_draw)
-        )
-        streamed_steps = max(1, STREAMED_BYTES // max(draw_bytes, 1)) * counts.thin
+    recording = _Recording.of(trace, draws, prepared, chunk_size)
     return RunPlan(
         step=step,
         shared=init.shared,
         prepared=prepared,
         segment=SegmentPlan(
-            0, draws, with_output, records and not streams, legacy, streams
+            0, draws, with_output, recording.keep_trace, legacy, recording.streams
         ),
-        options=RunOptions(
-            num_steps=counts.num_steps,
-            thin=counts.thin,
-            burn_in=counts.burn_in,
-            with_output=with_output,
-            # `"disk"` records the draws that `True` does: one run, read back either
-            # way.
-            trace=trace is not False,
-            diagnostics=diagnostics,
-            all_chains=all_chains,
-            superchains=superchains,
-            until=None if schedule is None else str(schedule),
+        options=_run_options(
+            counts, with_output, trace, diagnostics, all_chains, superchains, schedule
         ),
         trace_mode=trace,
         num_chains=num_chains,
@@ -228,8 +208,77 @@ def plan_run(
         superchains=superchains,
         problems=problems,
         program=None if traced is None else traced.program,
-        streamed_steps=streamed_steps,
+        streamed_steps=recording.streamed_steps,
     )
+
+
+def _run_options(
+    counts: Counts,
+    with_output: bool,
+    trace: bool | Literal["disk"],
+    diagnostics: bool,
+    all_chains: bool,
+    superchains: int | None,
+    schedule: Schedule | None,
+) -> RunOptions:
+    """The arguments that change the run's results or where it stops, as its identity
+    names them."""
+    return RunOptions(
+        num_steps=counts.num_steps,
+        thin=counts.thin,
+        burn_in=counts.burn_in,
+        with_output=with_output,
+        # `"disk"` records the draws that `True` does: one run, read back either way.
+        trace=trace is not False,
+        diagnostics=diagnostics,
+        all_chains=all_chains,
+        superchains=superchains,
+        until=None if schedule is None else str(schedule),
+    )
+
+
+def _check_diagnostics(
+    prepared: PreparedRun, draws: Draws, until: StoppingRule | None
+) -> None:
+    """Refuses diagnostics for a run with nothing to diagnose, naming what asked for
+    them: `diagnostics=True`, or `until`, which reads them."""
+    asked_by = "`diagnostics=True`"
+    if until is not None:
+        asked_by = "`until` reads the chains' diagnostics"
+    check_diagnostics(prepared.one_chain.state, draws.total, asked_by)
+
+
+class _Recording(NamedTuple):
+    """Where the run's draws go: into a trace buffer (`keep_trace`), or segment by
+    segment to files (`streams`, with `trace="disk"`); neither if it records none."""
+
+    keep_trace: bool
+    streams: bool
+    # When streamed, the most steps of a segment: see `_streamed_steps`.
+    streamed_steps: int | None
+
+    @classmethod
+    def of(
+        cls,
+        trace: bool | Literal["disk"],
+        draws: Draws,
+        prepared: PreparedRun,
+        chunk_size: int,
+    ) -> "_Recording":
+        records = trace is not False and draws.total > 0
+        if not (records and trace == "disk"):
+            return cls(records, False, None)
+        return cls(False, True, _streamed_steps(prepared, chunk_size, draws.thin))
+
+
+def _streamed_steps(prepared: PreparedRun, chunk_size: int, thin: int) -> int:
+    """The most steps of a segment whose draws of a chunk of chains fit in
+    `STREAMED_BYTES`: as many draws as fit (at least one), `thin` steps each."""
+    one_draw = prepared.trace_like(max(chunk_size, 1), 1)
+    draw_bytes = sum(
+        math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(one_draw)
+    )
+    return max(1, STREAMED_BYTES // max(draw_bytes, 1)) * thin
 
 
 def _schedule(

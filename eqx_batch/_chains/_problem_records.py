@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._stopping import Record
+from ._records import Record
 
 
 class ProblemRecords(NamedTuple):

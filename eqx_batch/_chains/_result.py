@@ -1,5 +1,4 @@
-"""`Chains`, the result of `run_chains`, and `NonFinite`, its report of chains whose
-state went NaN or infinite."""
+"""`Chains`, the result of `run_chains`."""
 
 import dataclasses
 import functools as ft
@@ -17,39 +16,13 @@ from .._tree import is_array, is_key
 from ._arviz import trace_to_arviz
 from ._convergence import Diagnostics
 from ._disk_trace import DiskArray
+from ._nonfinite import NonFinite
 from ._placement import whole_here
-from ._stopping import Stopped
+from ._records import Stopped
 
 
 if TYPE_CHECKING:
     import xarray
-
-
-class NonFinite(eqx.Module):
-    """Which chains' states went NaN or infinite, and when.
-
-    A chain whose state stops being finite keeps running (and usually stays non-finite);
-    the other chains are unaffected. This report says which ones to discard or inspect.
-
-    **Fields:**
-
-    - `chains`: the indices of those chains, ascending (NumPy `int64`, possibly empty).
-    - `steps`: for each of them, the first step, counted from 1, after which its state
-        held a NaN or an infinity.
-
-    !!! Example
-
-        ```python
-        step = lambda x, key: x * 10.0  # overflows float32 after a few dozen steps
-        init = jnp.array([0.0, 1.0])
-        result = eb.run_chains(step, init, jr.key(0), 50)
-        result.nonfinite.chains  # array([1])
-        result.nonfinite.steps  # array([39])
-        ```
-    """
-
-    chains: np.ndarray
-    steps: np.ndarray
 
 
 class Chains(eqx.Module):
@@ -182,7 +155,9 @@ class Chains(eqx.Module):
         final, keys, trace, outputs = _problem_rows(
             (self.final, self.keys, self.trace, self.outputs), start, stop, made
         )
-        mine = (self.nonfinite.chains >= start) & (self.nonfinite.chains < stop)
+        # Whole in every process (also in a job), so sliced apart from the global
+        # arrays above.
+        first_step = self.nonfinite.first_step[start:stop]
         superchain = None
         if self.superchain is not None:
             superchain = self.superchain[start:stop] - self.superchain[start]
@@ -200,11 +175,7 @@ class Chains(eqx.Module):
             trace=trace,
             outputs=outputs,
             keys=keys,
-            nonfinite=assembled(
-                NonFinite,
-                chains=self.nonfinite.chains[mine] - start,
-                steps=self.nonfinite.steps[mine],
-            ),
+            nonfinite=assembled(NonFinite, first_step=first_step),
             superchain=superchain,
             diagnostics=diagnostics,
             steps_done=steps_done,

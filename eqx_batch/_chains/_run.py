@@ -32,7 +32,11 @@ from ._arguments import (
     Init,
     split_init,
 )
-from ._checkpoint import chunk_path, longest_file_name, warn_of_other_chunkings
+from ._checkpoint_files import (
+    chunk_path,
+    longest_file_name,
+    warn_of_other_chunkings,
+)
 from ._chunk import ChunkJob, RunContext
 from ._common import ChainState
 from ._convergence import diagnose_problems, Diagnostics
@@ -40,13 +44,15 @@ from ._disk_trace import disk_trace
 from ._lock import check_folder, refuse_if_in_use, WriteAccess
 from ._loop import run_chunks
 from ._moments import zeros
+from ._nonfinite import NonFinite
 from ._placement import joined_chains, whole_here, without_copies
 from ._plan import plan_run, RunPlan
 from ._problem_records import ProblemRecords
 from ._problems import problem_ids, problem_step
-from ._result import assembled, Chains, NonFinite
+from ._records import Record
+from ._result import assembled, Chains
 from ._step import pytree_step
-from ._stopping import Record, StoppingRule
+from ._stopping import StoppingRule
 from ._superchains import expand_superchains
 
 
@@ -100,8 +106,8 @@ def run_chains(
     - `trace`: whether to record a trace at all; `"disk"` streams it to the
         checkpoint's files and returns it read lazily from them ([Traces larger
         than memory](../chains.md#traces-larger-than-memory)).
-    - `progress`: show one tqdm bar for all chains, updated from inside the compiled
-        loop about every 0.1 s ([Progress](../chains.md#progress)).
+    - `progress`: show one tqdm bar for all chains, moved from the host as the
+        loop's segments finish ([Progress](../chains.md#progress)).
     - `checkpoint`: a file path. The run is checkpointed there (safetensors files in
         its folder, under a lock) and a call of the same run resumes from it bit for
         bit, or reads a finished run back. What makes two calls one run, the lock, and
@@ -320,21 +326,16 @@ def _result(
     final, states, outputs, keys = without_copies(
         (eqx.combine(chains.states, plan.shared), states, outputs, keys)
     )
-    # Read last, as it waits for the loop: the work above is done while it runs.
-    # In a job, gathered, as the moments are: small statistics, one row per chain.
-    nonfinite_steps = np.asarray(whole_here(chains.first_bad))
-    bad_chains = np.flatnonzero(nonfinite_steps)
     return assembled(
         Chains,
         final=final,
         trace=states,
         outputs=outputs,
         keys=keys,
-        nonfinite=assembled(
-            NonFinite,
-            chains=bad_chains.astype(np.int64),
-            steps=nonfinite_steps[bad_chains].astype(np.int64),
-        ),
+        # Left on the devices: read when asked for, so that the call returns while
+        # the loop runs (on a TPU, reading it back was a third of a short run's cost
+        # beyond the loop). In a job, gathered, as the moments are: one row per chain.
+        nonfinite=assembled(NonFinite, first_step=whole_here(chains.first_bad)),
         superchain=superchain_ids,
         diagnostics=_diagnostics(chains.moments, plan)
         if plan.options.diagnostics

@@ -1,10 +1,12 @@
 """The compiled segment: `length` steps of every chain, in one program.
 
 The program is a `lax.scan` over steps whose body `vmap`s one step over all chains.
-Keeping the step counter outside the `vmap` leaves it unbatched, so the trace write,
-the progress bar and the segment offsets are plain scalar logic, and nothing about one
-chain depends on how many others run beside it. An `eb.all_chains` step is called once
-on the whole stack instead, with the keys split per chain as for a per-chain step.
+Keeping the step counter outside the `vmap` leaves it unbatched, so the trace write
+and the segment offsets are plain scalar logic, and nothing about one chain depends on
+how many others run beside it. The program holds no host callback: the progress bar
+moves from the host between segments (`_progress.py` says why). An `eb.all_chains`
+step is called once on the whole stack instead, with the keys split per chain as for a
+per-chain step.
 
 Typed PRNG keys, in the states and the chains' keys, stay typed in and out of the
 program. This module knows nothing about files.
@@ -24,7 +26,6 @@ import jax.random as jr
 import jax.tree_util as jtu
 
 from .._compile import AsyncJit
-from .._progress import ProgressHandle
 from .._tree import is_array
 from ._all_chains import AllChains
 from ._common import ChainState, Draws
@@ -54,19 +55,9 @@ class SegmentPlan:
     emit: int = 0
 
 
-class SegmentProgress(NamedTuple):
-    """The progress bar as a segment drives it."""
-
-    handle: ProgressHandle
-    due: Any  # the step at which the next report is due
-    steps_before: Any  # steps of chunks run before this one (`int32`, so chunks
-    # share the program)
-
-
 class SegmentResult(NamedTuple):
     chains: ChainState
     trace: Any  # the trace buffer, every draw so far written in; None if it streams
-    due: Any  # the due step of the next progress report; None without a bar
     new_draws: Any  # the draws around the segment's, if `plan.emit`; else None
 
 
@@ -99,7 +90,6 @@ def _segment(
     shared: Any,
     chains: ChainState,
     start: jax.Array,
-    progress: SegmentProgress | None,
     trace: Any,
 ) -> SegmentResult:
     """Runs `plan.length` steps of every chain from step `start`.
@@ -164,7 +154,7 @@ def _segment(
         )
 
     def body(carry: tuple, _: None) -> tuple:
-        (states, keys, first_bad, moments, problem), buffer, t, due = carry
+        (states, keys, first_bad, moments, problem), buffer, t = carry
         # The states carried in are those after step `t` (counted from 1; at `t = 0`
         # no step has run, and 0 stays 0). They are read where they are held, so
         # XLA does not repeat the step's arithmetic to check them.
@@ -177,15 +167,11 @@ def _segment(
         if records:
             recorded = (states, output) if plan.with_output else states
             buffer = write(t, recorded, buffer)
-        if progress is not None:
-            # Counted over the whole run: chains run earlier (in chunks) included.
-            due = progress.handle(progress.steps_before + t + 1, due)
         chains = ChainState(states, keys, first_bad, moments, problem)
-        return (chains, buffer, t + 1, due), None
+        return (chains, buffer, t + 1), None
 
-    due = None if progress is None else progress.due
-    (chains, trace, end, due), _ = lax.scan(
-        body, (chains, trace, start, due), None, length=plan.length
+    (chains, trace, end), _ = lax.scan(
+        body, (chains, trace, start), None, length=plan.length
     )
     # The states after the segment's last step, which no step of it carried in.
     chains = chains._replace(
@@ -199,7 +185,7 @@ def _segment(
         new_draws = jtu.tree_map(
             lambda b: lax.dynamic_slice_in_dim(b, first, plan.emit, 1), trace
         )
-    return SegmentResult(chains, trace, due, new_draws)
+    return SegmentResult(chains, trace, new_draws)
 
 
 def _per_chain_step(step: Callable, problem: Any) -> tuple[Callable, tuple]:

@@ -75,9 +75,22 @@ def trace_step(
     has not one row per chain.
     """
     whole = isinstance(step, AllChains)
+    like, program, result = _traced(step, states, key, legacy)
+    new, output = _new_state_and_output(result, with_output)
+    if whole and with_output:
+        output = _output_per_chain(output, key.shape[0])
+    _check_new_state(like, new, whole)
+    return TracedStep(program, output)
+
+
+def _traced(
+    step: Callable, states: Any, key: jax.Array, legacy: bool
+) -> tuple[Any, jax.extend.core.ClosedJaxpr, Any]:
+    """What `step` was given (shape-dtype structs of one chain's state, or of every
+    chain's for an all-chains step), its program, and what it returned."""
     one_key = step_key_like(key, legacy)
     # Through a closure, so that the arrays of a partial are the program's constants.
-    if whole:
+    if isinstance(step, AllChains):
         like = structs(states)
         program, dynamic, static = eqx.filter_make_jaxpr(
             lambda s, k, count: step(s, k, count)
@@ -86,36 +99,54 @@ def trace_step(
             jax.ShapeDtypeStruct((*key.shape, *one_key.shape), one_key.dtype),
             jax.ShapeDtypeStruct((), jnp.int32),
         )
+    elif isinstance(step, ProblemStep):
+        like = structs(states, drop=1)
+        # With `data`, the chain's problem too, whose row of the data the step gets.
+        # The data is an argument, not a constant of the program: the run's identity
+        # names it on its own (`RunIdentity.of`).
+        inner = step.step
+        program, dynamic, static = eqx.filter_make_jaxpr(
+            lambda s, k, p, d: ProblemStep(inner, d)(s, k, p)
+        )(like, one_key, jax.ShapeDtypeStruct((), jnp.int32), structs(step.data))
     else:
         like = structs(states, drop=1)
-        if isinstance(step, ProblemStep):
-            # With `data`, the chain's problem too, whose row of the data the step
-            # gets. The data is an argument, not a constant of the program: the run's
-            # identity names it on its own (`RunIdentity.of`).
-            inner = step.step
-            program, dynamic, static = eqx.filter_make_jaxpr(
-                lambda s, k, p, d: ProblemStep(inner, d)(s, k, p)
-            )(like, one_key, jax.ShapeDtypeStruct((), jnp.int32), structs(step.data))
-        else:
-            program, dynamic, static = eqx.filter_make_jaxpr(lambda s, k: step(s, k))(
-                like, one_key
-            )
-    result = eqx.combine(dynamic, static)
-    if with_output:
-        if not isinstance(result, tuple) or len(result) != 2:
-            raise BatchError(
-                "`step` must return `(new_state, output)` when `with_output=True`, but "
-                f"returned {jtu.tree_structure(result)}."
-            )
-        new, output = result
-        output = jtu.tree_map(
-            lambda x: jax.eval_shape(jnp.asarray, x) if isinstance(x, _NUMBERS) else x,
-            output,
+        program, dynamic, static = eqx.filter_make_jaxpr(lambda s, k: step(s, k))(
+            like, one_key
         )
-        if whole:
-            output = _output_per_chain(output, key.shape[0])
-    else:
-        new, output = result, None
+    return like, program, eqx.combine(dynamic, static)
+
+
+def _new_state_and_output(result: Any, with_output: bool) -> tuple[Any, Any]:
+    """What `step` returned, as the new state and the output: with `with_output`, the
+    second of a pair, its Python numbers as shape-dtype structs; else None.
+
+    **Raises:**
+
+    `BatchError` if `step` does not return a pair with `with_output`.
+    """
+    if not with_output:
+        return result, None
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise BatchError(
+            "`step` must return `(new_state, output)` when `with_output=True`, but "
+            f"returned {jtu.tree_structure(result)}."
+        )
+    new, output = result
+    output = jtu.tree_map(
+        lambda x: jax.eval_shape(jnp.asarray, x) if isinstance(x, _NUMBERS) else x,
+        output,
+    )
+    return new, output
+
+
+def _check_new_state(like: Any, new: Any, whole: bool) -> None:
+    """Checks that `step` returned the state it was given, `like`, in structure,
+    shapes and dtypes (`whole`: of every chain at once).
+
+    **Raises:**
+
+    `BatchError` naming the leaves that changed.
+    """
     before = jtu.tree_flatten_with_path(like)
     after = jtu.tree_flatten_with_path(new)
     if before[1] != after[1]:
@@ -139,7 +170,6 @@ def trace_step(
                 else "."
             )
         )
-    return TracedStep(program, output)
 
 
 def _output_per_chain(output: Any, num_chains: int) -> Any:

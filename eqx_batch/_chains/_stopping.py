@@ -1,5 +1,5 @@
-"""Stopping when converged: the rule (`eb.converged`), the report (`eb.Stopped`), the
-check made on the host between segments, and the record of checks a checkpoint keeps.
+"""Stopping when converged: the rule (`eb.converged`) and the check made on the host
+between segments; what a check finds is recorded in `_records.py`.
 
 A check reads the `Diagnostics` of the draws since the last check (a failed check
 discards its window's moments, as Margossian et al.'s adaptive warmup discards a failed
@@ -18,6 +18,7 @@ import numpy as np
 
 from .._errors import BatchError, check_int, describe, is_bool
 from ._convergence import Diagnostics
+from ._records import Check
 
 
 # Nested R-hat's default threshold is sqrt(1 + min(K, FULL_K) / (FULL_K * M) + TAU):
@@ -273,12 +274,6 @@ class Schedule(NamedTuple):
         return (step // self.every + 1) * self.every
 
 
-class Check(NamedTuple):
-    passed: bool
-    worst: float  # of the first criterion's statistic
-    reason: str
-
-
 def check(schedule: Schedule, diagnostics: Diagnostics, nonfinite: np.ndarray) -> Check:
     """Whether `diagnostics` meet every criterion, and why (the failing one first).
 
@@ -370,161 +365,3 @@ def postfix(diagnostics: Diagnostics, nonfinite: np.ndarray) -> str:
     ess_at, ess = worst_of(diagnostics, "ess")
     text = f"{_NAMES[statistic]} {rhat:.4g} at {rhat_at}, ESS {ess:.4g} at {ess_at}"
     return text if not len(nonfinite) else f"{text}; {_nonfinite_text(nonfinite)}"
-
-
-class Stopped(eqx.Module):
-    """When and why [`eb.run_chains`][]`(..., until=...)` stopped.
-
-    **Fields:**
-
-    - `step`: the steps run (`Chains.steps_done`).
-    - `converged`: whether the rule held; `False` when the run reached the cap,
-        `num_steps`, without it holding.
-    - `reason`: the statistics of the last check, each with its worst value, the leaf
-        path and element where it is, and its threshold (a failing one first), or
-        why no check was made.
-    - `window_start`: the step the last window began at: its draws (those the
-        statistics of the last check describe) are the states recorded after steps
-        `window_start + 1` to `step`.
-    - `checks`: the steps at which the rule was checked (NumPy `int64`).
-    - `worst`: the worst value of the rule's first statistic at each check (NumPy
-        `float64`), to plot against `checks`.
-
-    !!! Example
-
-        ```python
-        import matplotlib.pyplot as plt
-
-        def step(x, key):  # an AR(1) chain; stationary: N(0, 1)
-            return 0.9 * x + 0.44 * jr.normal(key, x.shape)
-
-        starts, keys = jnp.array([[-3.0], [3.0]]), jr.split(jr.key(0), 2 * 32)
-        result = eb.run_chains(
-            step, starts, keys, 1000, superchains=2, until=eb.converged(every=50)
-        )
-        stopped = result.stopped  # e.g. Stopped(step=100, converged=True, ...)
-        plt.plot(stopped.checks, stopped.worst)  # nested R-hat at each check
-        ```
-    """
-
-    step: int
-    converged: bool
-    reason: str
-    window_start: int
-    checks: np.ndarray
-    worst: np.ndarray
-
-
-class Record(NamedTuple):
-    """The checks of a run so far, and its `Stopped` once it stops, as a checkpoint
-    keeps them (JSON)."""
-
-    checks: tuple[int, ...] = ()
-    worst: tuple[float, ...] = ()
-    stopped: Stopped | None = None
-
-    def to_json(self) -> dict:
-        stopped = self.stopped
-        return {
-            "checks": list(self.checks),
-            "worst": list(self.worst),
-            "stopped": None
-            if stopped is None
-            else [stopped.step, stopped.converged, stopped.reason],
-        }
-
-    @classmethod
-    def from_json(cls, saved: Any, burn_in: int) -> "Record":
-        """Raises `ValueError`, `TypeError` or `KeyError` if `saved` is malformed."""
-        checks = tuple(int(step) for step in saved["checks"])
-        worst = tuple(float(value) for value in saved["worst"])
-        if len(checks) != len(worst):
-            raise ValueError("as many checks as worst values")
-        record = cls(checks, worst)
-        if saved["stopped"] is not None:
-            step, is_converged, reason = saved["stopped"]
-            record = record.stop(int(step), bool(is_converged), str(reason), burn_in)
-        return record
-
-    def as_of(self, step: int) -> "Record":
-        """The record as a chunk that has run `step` steps keeps it."""
-        kept = sum(1 for check_step in self.checks if check_step <= step)
-        stopped = self.stopped
-        if stopped is not None and stopped.step > step:
-            stopped = None
-        return Record(self.checks[:kept], self.worst[:kept], stopped)
-
-    def disagreement(self, steps_done: int, *, stops_last: bool = True) -> str | None:
-        """What in this record contradicts a progress of `steps_done` steps, if
-        anything: a check after them, checks out of order, or a stop elsewhere than
-        at `steps_done` (with `stops_last=False`, one of many problems', after them
-        or before its last check)."""
-        if list(self.checks) != sorted(set(self.checks)):
-            return f"its record of `until`'s checks is out of order ({self.checks})"
-        if self.checks and self.checks[-1] > steps_done:
-            return (
-                f"its record of `until`'s checks has a check at step "
-                f"{self.checks[-1]}, but its progress says {steps_done} steps were done"
-            )
-        stopped = self.stopped
-        if stopped is not None and not stops_last:
-            if stopped.step > steps_done or stopped.step < max(self.checks, default=0):
-                return (
-                    f"its record of `until`'s checks says it stopped at step "
-                    f"{stopped.step}, after its progress ({steps_done} steps) or "
-                    "before its last check"
-                )
-        elif stopped is not None and stopped.step != steps_done:
-            return (
-                f"its record of `until`'s checks says the run stopped at step "
-                f"{stopped.step}, but its progress says {steps_done} steps were "
-                "done"
-            )
-        return None
-
-    @property
-    def progress(self) -> tuple[int, int]:
-        """How far this record has come: checks made, and whether it stopped (to pick
-        the furthest of the chunks' records on resume)."""
-        return len(self.checks), int(self.stopped is not None)
-
-    def end(self, num_steps: int) -> int:
-        """The step the run ends at: where it stopped, else `num_steps`."""
-        return num_steps if self.stopped is None else self.stopped.step
-
-    def decided(self, step: int) -> bool:
-        return step in self.checks or self._stopped_at(step)
-
-    def failed(self, step: int) -> bool:
-        """Whether the check at `step` failed and its window was discarded."""
-        return step in self.checks and not self._stopped_at(step)
-
-    def _stopped_at(self, step: int) -> bool:
-        return self.stopped is not None and self.stopped.step == step
-
-    def window_start(self, step: int) -> int:
-        """Where the window of draws that ends at `step` began."""
-        return max((c for c in self.checks if c < step), default=0)
-
-    def with_check(
-        self, step: int, result: Check, stop: bool, burn_in: int
-    ) -> "Record":
-        """The record with the check at `step` added, stopping there if `stop`."""
-        record = Record((*self.checks, step), (*self.worst, result.worst))
-        if stop:
-            record = record.stop(step, result.passed, result.reason, burn_in)
-        return record
-
-    def stop(
-        self, step: int, is_converged: bool, reason: str, burn_in: int
-    ) -> "Record":
-        """The record of a run that stops at `step`."""
-        stopped = Stopped(
-            step=step,
-            converged=is_converged,
-            reason=reason,
-            window_start=max(self.window_start(step), burn_in),
-            checks=np.asarray(self.checks, np.int64),
-            worst=np.asarray(self.worst, np.float64),
-        )
-        return self._replace(stopped=stopped)

@@ -1,0 +1,102 @@
+"""The records of `until`'s checks of a run of many problems, one per problem: which
+problems run and which checks failed at a step, where the run ends, and the records as
+a chunk that has run so far keeps them (`_chains/_problem_records.py`)."""
+
+import numpy as np
+import pytest
+
+from eqx_batch._chains._problem_records import ProblemRecords
+from eqx_batch._chains._records import Check, Record
+
+
+def checked(*steps: int) -> Record:
+    """A problem's record whose checks at `steps` all failed: it runs on."""
+    record = Record()
+    for step in steps:
+        record = record.with_check(step, Check(False, 1.5, ""), stop=False, burn_in=0)
+    return record
+
+
+def converged(*steps: int) -> Record:
+    """A problem's record whose checks at `steps` failed but the last, where it
+    converged and stopped."""
+    *failed, last = steps
+    passed = Check(True, 1.01, "nested R-hat 1.01")
+    return checked(*failed).with_check(last, passed, stop=True, burn_in=0)
+
+
+def capped(*steps: int, cap: int) -> Record:
+    """A problem's record whose checks at `steps` failed, stopped at the cap `cap`
+    with no check there (no draw since its last check)."""
+    return checked(*steps).stop(cap, False, "reached the cap", burn_in=0)
+
+
+# Problem 0 converges at step 100, problem 1 runs on, problem 2 converges at step 50.
+RECORDS = ProblemRecords((converged(50, 100), checked(50, 100), converged(50)))
+
+
+@pytest.mark.parametrize(
+    "step, running, failed, decided",
+    [
+        (0, [True, True, True], [False, False, False], False),
+        (49, [True, True, True], [False, False, False], False),
+        (50, [True, True, False], [True, True, False], True),
+        (75, [True, True, False], [False, False, False], False),
+        (100, [False, True, False], [False, True, False], True),
+        (150, [False, True, False], [False, False, False], False),
+    ],
+)
+def test_running_failed_and_decided_at_each_step(step, running, failed, decided):
+    np.testing.assert_array_equal(RECORDS.running(step), running)
+    np.testing.assert_array_equal(RECORDS.failed(step), failed)
+    assert RECORDS.decided(step) is decided
+
+
+def test_no_check_yet_runs_every_problem_to_the_end():
+    records = ProblemRecords.empty(3)
+    assert records == ProblemRecords((Record(), Record(), Record()))
+    np.testing.assert_array_equal(records.running(100), [True, True, True])
+    np.testing.assert_array_equal(records.failed(100), [False, False, False])
+    assert not records.decided(100)
+    assert records.end(200) == 200
+    assert records.as_of(100) == records
+
+
+@pytest.mark.parametrize(
+    "records, end",
+    [
+        # A problem running: the run goes on to `num_steps`.
+        ((converged(50, 100), checked(50, 100), converged(50)), 200),
+        ((checked(50),), 200),
+        # Every problem stopped: the run ends at the last stop.
+        ((converged(50, 100), converged(50)), 100),
+        ((converged(50), converged(50, 100, 150), converged(50, 100)), 150),
+        ((converged(50), capped(50, 100, 150, cap=200)), 200),
+    ],
+)
+def test_the_run_ends_at_the_last_stop_once_every_problem_stopped(records, end):
+    assert ProblemRecords(records).end(200) == end
+
+
+@pytest.mark.parametrize(
+    "step, kept",
+    [
+        (0, (Record(), Record(), Record())),
+        (49, (Record(), Record(), Record())),
+        (50, (checked(50), checked(50), converged(50))),
+        (99, (checked(50), checked(50), converged(50))),
+        (100, (converged(50, 100), checked(50, 100), converged(50))),
+        (150, (converged(50, 100), checked(50, 100), converged(50))),
+    ],
+)
+def test_as_of_a_step_keeps_the_checks_and_stops_up_to_it(step, kept):
+    assert RECORDS.as_of(step) == ProblemRecords(kept)
+
+
+def test_a_stop_at_the_cap_without_a_check_is_decided_not_failed():
+    records = ProblemRecords((capped(50, 100, cap=120), checked(50, 100)))
+    np.testing.assert_array_equal(records.running(119), [True, True])
+    np.testing.assert_array_equal(records.running(120), [False, True])
+    np.testing.assert_array_equal(records.failed(120), [False, False])
+    assert records.decided(120)
+    assert records.as_of(119) == ProblemRecords((checked(50, 100), checked(50, 100)))
