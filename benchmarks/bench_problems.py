@@ -365,7 +365,7 @@ def check_problems(
 ) -> None:
     """Problem p's chains of the one call are p's run alone, by every side, and all
     chains' final states are those of the loop written by hand."""
-    assert ours.problems == w.problems, ours.problems
+    assert ours.problems is not None and ours.problems.count == w.problems
     assert_as_by_hand(ours, hand)
     for p in CHECKED:
         mine = ours.problem(p)
@@ -596,7 +596,7 @@ def assert_stops_as_alone(name: str, ours: eb.Chains, p: int, alone: eb.Chains) 
     """Problem p of a run with `until` stopped where its run alone did, with its
     draws."""
     mine = ours.problem(p)
-    assert int(mine.steps_done) == int(alone.steps_done), (
+    assert mine.steps_done == alone.steps_done, (
         name,
         p,
         mine.steps_done,
@@ -634,7 +634,8 @@ def until_rows() -> None:
         start = time.perf_counter()
         ours = one()
         cold_seconds = time.perf_counter() - start
-    steps = np.asarray(ours.steps_done)
+    assert ours.problems is not None
+    steps = ours.problems.steps_done
     # The first problem to stop, the last, and the ends: bit for bit.
     for p in sorted({0, PROBLEMS - 1, int(steps.argmin()), int(steps.argmax())}):
         assert_stops_as_alone("until", ours, p, alone(p))
@@ -730,7 +731,8 @@ def compaction_rows() -> None:
         start = time.perf_counter()
         ours = compacted()
         cold_seconds = time.perf_counter() - start
-    steps = np.asarray(ours.steps_done)
+    assert ours.problems is not None
+    steps = ours.problems.steps_done
     slowest = int(steps.max())
 
     def to_the_slowest() -> eb.Chains:
@@ -739,7 +741,7 @@ def compaction_rows() -> None:
     everyone = to_the_slowest()
     # The same chains: each problem's draws are the first of its chains run on.
     for p in sorted({0, 1, int(steps.argmin()), int(steps.argmax())}):
-        made = int(np.asarray(ours.draws_made)[p])
+        made = int(ours.problems.draws_made[p])
         mine, theirs = ours.problem(p), everyone.problem(p)
         first = jax.tree.map(lambda x, made=made: x[:, :made], theirs.trace)
         assert_same(f"compaction, problem {p}", mine.trace, first)

@@ -1,8 +1,9 @@
 """`BatchError` and the helpers that make its messages name leaves and values the
 user's way, and check the integer arguments of the public functions."""
 
+import inspect
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -150,3 +151,18 @@ def bullet_list(lines: Sequence[str], limit: int = 20) -> str:
     if len(lines) > limit:
         shown.append(f"  ... and {len(lines) - limit} more")
     return "\n".join(shown)
+
+
+def call_mismatch(step: Callable, num_args: int) -> tuple[str, str] | None:
+    """Why `step` cannot be called with `num_args` positional arguments, before it is
+    traced: its name and signature, and Python's reason. None if it can, or if it has
+    no signature to read (some builtins: calling it will tell)."""
+    try:
+        signature = inspect.signature(step)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*[None] * num_args)
+    except TypeError as e:
+        return f"{qualified_name(step) or describe(step)}{signature}", str(e)
+    return None

@@ -490,10 +490,11 @@ def report_mixing(result: eb.Chains, replications: int) -> dict:
     (nested R-hat only for a run of superchains)."""
     acceptance = np.asarray(result.outputs["acceptance"])
     acceptance = acceptance.reshape(replications, -1).mean(axis=1)
+    assert result.problems is not None  # a run of `data=`: one entry per replication
     worst = {}
     for statistic in ("rhat", "nested_rhat"):
         # Leaves [replications, ...]: the worst element of each replication.
-        leaves = jax.tree.leaves(getattr(result.diagnostics, statistic))
+        leaves = jax.tree.leaves(getattr(result.problems.diagnostics, statistic))
         if not leaves:
             continue
         worst[statistic] = np.max(
@@ -611,9 +612,10 @@ def plot_stopping(
 
 def report_stopping(warm: eb.Chains, replications: int) -> dict:
     """Where each replication's warmup stopped, summarised over them."""
-    steps_done = np.asarray(warm.steps_done)
-    each = warm.stopped
-    assert isinstance(each, tuple)  # with `data=`: one `eb.Stopped` per replication
+    assert warm.problems is not None  # a run of `data=`: one entry per replication
+    steps_done = warm.problems.steps_done
+    each = warm.problems.stopped
+    assert each is not None  # with `until`: one `eb.Stopped` per replication
     converged = sum(stopped.converged for stopped in each)
     stops, counts = np.unique(steps_done, return_counts=True)
     print(
@@ -691,7 +693,8 @@ def main() -> None:
     sample = sample_all(warm, data, args.tau_prior)
     jax.block_until_ready(sample.trace)
     sampled = time.perf_counter()
-    steps_done = np.asarray(warm.steps_done)
+    assert warm.problems is not None
+    steps_done = warm.problems.steps_done
     chain_steps = {
         "fixed budget": replications * CHAINS * NUM_STEPS,
         "stopping + fresh sample": CHAINS

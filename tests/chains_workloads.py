@@ -182,8 +182,8 @@ def everything(result: eb.Chains) -> dict:
         **outputs(result),
         "nonfinite": result.nonfinite,
         "diagnostics": result.diagnostics,
-        "steps_done": np.asarray(result.steps_done, np.int64),
-        "draws_made": result.draws_made,
+        "steps_done": np.int64(result.steps_done),
+        "problems": result.problems,
     }
 
 

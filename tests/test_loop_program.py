@@ -52,7 +52,8 @@ def test_the_loop_of_a_data_run_holds_no_gather(loop_programs, chunk_size):
 def test_the_compacted_segments_hold_no_gather(loop_programs):
     # Problems stop at different checks: later segments run the running chains only.
     result = stopping_problems_run(num_steps=600)
-    assert len(np.unique(result.steps_done)) > 1
+    assert result.problems is not None
+    assert len(np.unique(result.problems.steps_done)) > 1
     assert len(loop_programs) > 2 and _gathers(loop_programs) == [0] * len(
         loop_programs
     )

@@ -85,10 +85,17 @@ def _own(result: eb.Chains) -> dict:
 def test_each_problem_is_its_run_alone(chunk_size):
     # 36 chains over 4 devices (padded), and in chunks of 10 that cut problems apart.
     result = problems_run(chunk_size=chunk_size)
-    assert result.problems == 6
+    problems = result.problems
+    assert problems is not None and problems.count == 6
     assert result.trace["eta"].shape == (36, 30, 8)
-    assert result.diagnostics is not None
-    assert result.diagnostics.nested_rhat["eta"].shape == (6, 8)
+    # One problem's shape beside `problems`, which holds each problem's values.
+    assert result.steps_done == 60 and result.stopped is None
+    assert result.diagnostics is None and problems.stopped is None
+    assert problems.steps_done.dtype == np.int64
+    assert problems.steps_done.tolist() == [60] * 6
+    assert problems.draws_made.tolist() == [30] * 6
+    assert problems.diagnostics is not None
+    assert problems.diagnostics.nested_rhat["eta"].shape == (6, 8)
     for p in range(6):
         mine, alone = result.problem(p), _alone(result, p)
         assert_trees_identical(_own(mine), _own(alone))
@@ -336,7 +343,7 @@ def _alone_until(p: int, num_steps: int = 3000) -> eb.Chains:
 
 def _stops(result: eb.Chains) -> dict:
     stopped = result.stopped
-    assert isinstance(stopped, eb.Stopped)
+    assert stopped is not None
     return {
         "steps_done": np.int64(result.steps_done),
         "stopped": (stopped.step, stopped.converged, stopped.reason),
@@ -368,11 +375,19 @@ def test_each_problem_stops_where_it_would_alone(tmp_path, alone_until, options)
     # bit, its trace cut at its own stop.
     checkpoint = str(tmp_path / "run") if options.get("trace") == "disk" else None
     result = stopping_problems_run(checkpoint, **options)
-    steps = np.asarray(result.steps_done)
-    assert steps.shape == (6,) and len(set(steps.tolist())) > 2, steps
-    assert isinstance(result.stopped, tuple) and len(result.stopped) == 6
-    assert result.draws_made is not None
-    assert result.draws_made.tolist() == (steps // 2).tolist()
+    problems = result.problems
+    assert problems is not None
+    steps = problems.steps_done
+    assert steps.dtype == np.int64 and steps.shape == (6,), steps
+    assert len(set(steps.tolist())) > 2, steps
+    assert problems.stopped is not None and len(problems.stopped) == 6
+    assert [s.step for s in problems.stopped] == steps.tolist()
+    assert problems.draws_made.dtype == np.int64
+    assert problems.draws_made.tolist() == (steps // 2).tolist()
+    # The fields beside `problems` keep one problem's types.
+    assert result.steps_done == steps.max() and type(result.steps_done) is int
+    assert result.stopped is None and result.diagnostics is None
+    assert problems.diagnostics is not None
     # Every problem's statistics are reduced over its chains in one program: on a TPU
     # they may round apart from the run alone's in the last bits (not on a CPU).
     rounds_apart = "chunk_size" in options or jax.default_backend() != "cpu"
@@ -402,12 +417,12 @@ def test_each_problem_stops_where_it_would_alone(tmp_path, alone_until, options)
             assert_trees_identical(_read(_own(mine)), _own(alone))
         # A stopped problem's rows hold zeros after its draws.
         rows = np.asarray(result.trace)[32 * p : 32 * (p + 1)]
-        assert not rows[:, result.draws_made[p] :].any()
+        assert not rows[:, problems.draws_made[p] :].any()
     if result.trace is None:
         return
     assert result.trace.shape == (192, steps.max() // 2, 2)
     posterior = result.problem(1).to_arviz()["posterior"]
-    assert posterior["state"].shape == (32, result.draws_made[1], 2)
+    assert posterior["state"].shape == (32, problems.draws_made[1], 2)
 
 
 @pytest.mark.accelerator
@@ -417,8 +432,9 @@ def test_problems_that_stop_early_are_compacted_out():
     # alone (the test above); here, that the run is not the slowest problem's for
     # all: the fast problems' final states are those at their own stops.
     result = stopping_problems_run()
-    fast = int(np.argmin(result.steps_done))
-    alone = _alone_until(fast, num_steps=int(np.max(result.steps_done)))
+    assert result.problems is not None
+    fast = int(np.argmin(result.problems.steps_done))
+    alone = _alone_until(fast, num_steps=result.steps_done)
     assert_trees_identical(result.problem(fast).final, alone.final)
 
 
@@ -428,7 +444,7 @@ def test_killed_after_some_problems_stopped_resumes_bit_for_bit(tmp_path):
     done = _killed_at("stopping_problems_run(path, num_steps=20000)", path, 120)
     resumed = stopping_problems_run(str(path), num_steps=20000)
     plain = stopping_problems_run(num_steps=20000)
-    assert done < int(np.max(plain.steps_done)), done
+    assert done < plain.steps_done, done
     assert_trees_identical(everything(resumed), everything(plain))
     for p in (0, 1):
         assert_trees_identical(_stops(resumed.problem(p)), _stops(plain.problem(p)))

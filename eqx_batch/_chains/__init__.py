@@ -26,27 +26,30 @@ Every file, from the top down:
     its newest complete step;
 - `_lock.py`, `_job.py`, `_identity.py`: the lock, what the processes of a job tell
     each other, and what makes two calls one run;
-- `_segment.py`: the compiled segment, which knows nothing about files;
+- `_segment.py`, `_segment_plan.py`: the compiled segment, which knows nothing about
+    files, and `SegmentPlan`, what it fixes when it is traced;
 - `_step.py`: the user's step, traced on one chain and checked;
 - `_problems.py`: many problems in one run (`data=`), each chain with its problem's row;
 - `_all_chains.py`: steps that see every chain;
 - `_placement.py`: chains padded and split over the devices;
-- `_stopping.py`, `_convergence.py`, `_moments.py`: `until`'s rule and checks, the
-    diagnostics, and the running moments they read;
-- `_result.py`, `_nonfinite.py`, `_arviz.py`: `Chains`, `NonFinite`, and the trace as
-    ArviZ data;
+- `_stopping.py`, `_convergence.py`, `_moments.py`: `until`'s rule (checked) and
+    checks, the diagnostics, and the running moments they read;
+- `_result.py`, `_per_problem.py`, `_nonfinite.py`, `_arviz.py`: `Chains`, `Problems`
+    (each problem's values, in a run of many), `NonFinite`, and the trace as ArviZ data;
 - `_disk_trace.py`: `DiskArray`, a `trace="disk"` trace read lazily from its files;
 - `_problem_records.py`, `_records.py`: the records of `until`'s checks, one per
     problem with `data`; a check's outcome, one run's checks and `Stopped`: plain data
     that the checkpoint keeps, below the statistics that make it;
 - `_common.py`: the shared vocabulary: `ChainState`, `OneChain`, `Draws` (which steps
-    are draws) and `structs` (shape-dtype structs).
+    are draws), `ProblemLayout` (which problem each chain is in) and `structs`
+    (shape-dtype structs).
 """
 
 from ._all_chains import all_chains as all_chains, AllChains as AllChains
 from ._convergence import Diagnostics as Diagnostics
 from ._disk_trace import DiskArray as DiskArray
 from ._nonfinite import NonFinite as NonFinite
+from ._per_problem import Problems as Problems
 from ._records import Stopped as Stopped
 from ._result import Chains as Chains
 from ._run import run_chains as run_chains

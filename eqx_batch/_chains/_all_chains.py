@@ -11,9 +11,7 @@ from typing import Any
 
 import equinox as eqx
 
-from .._errors import BatchError, describe
-from ._common import call_mismatch
-from ._placement import chain_devices
+from .._errors import BatchError, call_mismatch, describe
 
 
 class AllChains(eqx.Module):
@@ -116,21 +114,3 @@ def _check_signature(step: Callable) -> None:
             "ignored), or pass a per-chain `step(state, key)` to `run_chains` without "
             "`eb.all_chains`."
         )
-
-
-def check_all_chains_run(num_chains: int, chunk_size: int | None) -> None:
-    """Refuses, before any work, a run that an all-chains step cannot take.
-
-    **Raises:**
-
-    `BatchError` if `chunk_size` is given, or if the chains cannot be split evenly
-    over the processes of a job.
-    """
-    if chunk_size is not None:
-        raise BatchError(
-            f"`chunk_size={chunk_size}` cannot be used with an `eb.all_chains` step: "
-            "the step must see every chain at once, and a chunk holds only some of "
-            "them (its moves would depend on the chunking). Pass `chunk_size=None`, or "
-            "fewer chains if they do not fit in memory."
-        )
-    chain_devices(num_chains)

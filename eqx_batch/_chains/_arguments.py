@@ -1,5 +1,6 @@
-"""`run_chains`' arguments, checked: its counts and `until`, how many chains `init`
-holds, one key for each, and NumPy leaves read with the dtypes JAX gives them."""
+"""`run_chains`' arguments, checked: its counts, how many chains `init` holds, one key
+for each, and NumPy leaves read with the dtypes JAX gives them (`until` is checked in
+`_stopping.py`)."""
 
 from typing import Any, Literal, NamedTuple
 
@@ -11,7 +12,6 @@ import numpy as np
 
 from .._errors import BatchError, check_bool, check_int, describe, is_bool
 from .._tree import axis_sizes, common_size, is_array, is_key, is_numpy, mapped_leaves
-from ._stopping import checked_rule, StoppingRule
 
 
 class Counts(NamedTuple):
@@ -64,25 +64,6 @@ def checked_trace(trace: Any, *, checkpointed: bool) -> bool | Literal["disk"]:
         shown = describe(trace) if getattr(trace, "ndim", 0) else repr(trace)
         raise BatchError(f"`trace` is {shown}; it must be True, False or 'disk'.")
     return bool(trace)
-
-
-def checked_until(until: Any, num_steps: Any) -> StoppingRule | None:
-    """`until`, its fields checked however the rule was built (`checked_rule`).
-
-    **Raises:**
-
-    `BatchError` naming `until` (and its field) for an `until` that is not a rule
-    `eb.converged` would make, or `until` without `num_steps` (its cap).
-    """
-    if until is None:
-        return None
-    until = checked_rule(until)
-    if num_steps is None:
-        raise BatchError(
-            "`until` is given but `num_steps` is None: `num_steps` is the cap, the "
-            "most steps the chains run if the rule never holds. Pass one."
-        )
-    return until
 
 
 def checked_counts(

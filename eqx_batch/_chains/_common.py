@@ -1,19 +1,18 @@
 """The vocabulary every part of `run_chains` shares: the chains between two steps, one
-chain's layout, which steps are draws, and shape-dtype structs.
+chain's layout, which steps are draws, which problem each chain is in, and shape-dtype
+structs.
 
 Nothing here runs or writes anything; the drivers above it do.
 """
 
-import inspect
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 
-from .._errors import describe, qualified_name
 from .._tree import is_array
 
 
@@ -83,6 +82,50 @@ class Draws(NamedTuple):
         return min(-(-length // self.thin), self.total)
 
 
+class ProblemLayout(NamedTuple):
+    """Which problem each chain is in: `num_problems` blocks of `chains_each` chains,
+    in order. A run without `data` is one problem.
+
+    The one answer to "which problem is chain `c`", for the host and inside a
+    program: chain `c` of `C` belongs to problem `c // (C // P)`, and superchain `s`
+    of `K` to problem `s // (K // P)`.
+    """
+
+    num_chains: int
+    num_problems: int
+
+    @property
+    def chains_each(self) -> int:
+        """The chains of each problem."""
+        return self.num_chains // self.num_problems
+
+    def superchains_each(self, superchains: int | None) -> int | None:
+        """The superchains of each problem, of `superchains` in all (None: none)."""
+        return None if superchains is None else superchains // self.num_problems
+
+    def problem_of(self, chain: Any) -> Any:
+        """The problem of chain `chain` (an int, or an array of chain indices)."""
+        return chain // self.chains_each
+
+    def chains_of(self, problem: int) -> range:
+        """The chains of problem `problem`."""
+        first = problem * self.chains_each
+        return range(first, first + self.chains_each)
+
+    def own(self, chains: np.ndarray, problem: int) -> np.ndarray:
+        """Those of `chains` (indices) that are `problem`'s, counted from its first."""
+        return chains[self.problem_of(chains) == problem] - problem * self.chains_each
+
+    def ids(self) -> np.ndarray:
+        """Each chain's problem, `int32[chains]`."""
+        return self.problem_of(np.arange(self.num_chains)).astype(np.int32)
+
+    def blocks(self, x: Any) -> Any:
+        """`x`, one row per chain, as one block per problem: `[problems, chains_each,
+        ...]`."""
+        return x.reshape(self.num_problems, self.chains_each, *x.shape[1:])
+
+
 def structs(tree: Any, *, drop: int = 0, add: tuple[int, ...] = ()) -> Any:
     """Shape-dtype structs of `tree`'s array leaves (or structs), with their first
     `drop` axes replaced by axes of sizes `add`; other leaves are kept as they are.
@@ -101,18 +144,3 @@ def structs(tree: Any, *, drop: int = 0, add: tuple[int, ...] = ()) -> Any:
 
 def is_struct(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct)
-
-
-def call_mismatch(step: Callable, num_args: int) -> tuple[str, str] | None:
-    """Why `step` cannot be called with `num_args` positional arguments, before it is
-    traced: its name and signature, and Python's reason. None if it can, or if it has
-    no signature to read (some builtins: calling it will tell)."""
-    try:
-        signature = inspect.signature(step)
-    except (TypeError, ValueError):
-        return None
-    try:
-        signature.bind(*[None] * num_args)
-    except TypeError as e:
-        return f"{qualified_name(step) or describe(step)}{signature}", str(e)
-    return None

@@ -16,6 +16,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import BatchError
+from ._common import ProblemLayout
 from ._moments import bins, merge, Moments, Summary
 
 
@@ -165,18 +166,15 @@ def diagnose_problems(
     """`diagnose` of each problem's chains (`data=`), stacked: each statistic with a
     leading axis of `num_problems`; of every chain, as `diagnose`, if it is None.
 
-    The chains of one problem are one block (`_problems.py`), so the moments are split
+    The chains of one problem are one block (`ProblemLayout`), so the moments are split
     into blocks and one program computes every problem's statistics at once.
     """
     if num_problems is None:
         return diagnose(moments, num_superchains)
     moments = jtu.tree_map(_on_one_device, moments)
-    blocks = jtu.tree_map(
-        lambda x: x.reshape(num_problems, x.shape[0] // num_problems, *x.shape[1:]),
-        moments,
-    )
-    per_problem = None if num_superchains is None else num_superchains // num_problems
-    return _diagnose_each(blocks, per_problem)
+    layout = ProblemLayout(moments.count.shape[0], num_problems)
+    blocks = jtu.tree_map(layout.blocks, moments)
+    return _diagnose_each(blocks, layout.superchains_each(num_superchains))
 
 
 # `jax.jit` rather than `eqx.filter_jit`: its arguments are arrays and an int, and

@@ -7,7 +7,7 @@ same step: a chunked run stops where the unchunked one does.
 """
 
 import contextlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.tree_util as jtu
@@ -17,6 +17,7 @@ from ._chunk import ChunkJob, ChunkRun, RunContext
 from ._common import ChainState
 from ._convergence import diagnose, diagnose_problems
 from ._placement import joined, whole_here
+from ._plan import RunPlan
 from ._problem_records import ProblemRecords
 from ._records import Check, Record
 from ._stopping import check, passes_each, postfix
@@ -105,18 +106,9 @@ def _decide(
     """The record with the check at step `stop` (every chunk is there) added."""
     plan = context.plan
     assert plan.until is not None
-    at_cap = stop == plan.num_steps
-    start = record.window_start(stop)
-    burn_in = plan.draws.burn_in
-    if plan.draws.before(stop) == plan.draws.before(start):
-        # Nothing recorded since the last check (before `burn_in`): nothing to check.
-        if not at_cap:
-            return record
-        reason = (
-            f"reached the cap, num_steps={stop}, with no draw recorded since step "
-            f"{start} to check"
-        )
-        return record.stop(stop, False, reason, burn_in)
+    undrawn = _without_draws(plan, record, stop)
+    if undrawn is not None:
+        return undrawn
     diagnostics = diagnose(
         joined([chunk.moments() for chunk in chunks]), plan.superchains
     )
@@ -124,11 +116,7 @@ def _decide(
     result = check(plan.until, diagnostics, nonfinite)
     if context.bar is not None:
         context.bar.show(stop, postfix(diagnostics, nonfinite))
-    if at_cap and not result.passed:
-        result = result._replace(
-            reason=f"reached the cap, num_steps={stop}: {result.reason}"
-        )
-    return record.with_check(stop, result, result.passed or at_cap, burn_in)
+    return _with_check(plan, record, stop, result)
 
 
 def _decide_each(
@@ -137,66 +125,112 @@ def _decide_each(
     """The records with the checks at step `stop` of every problem still running,
     each made on its own chains, as `_decide` makes it for a run of one problem."""
     plan = context.plan
-    assert plan.until is not None and plan.problems is not None
-    at_cap = stop == plan.num_steps
-    burn_in = plan.draws.burn_in
-    # On the host at once: each problem's check reads its row of every statistic.
-    diagnostics = jax.device_get(
-        diagnose_problems(
-            joined([chunk.moments() for chunk in chunks]),
-            plan.superchains,
-            plan.problems,
-        )
-    )
-    nonfinite = _nonfinite(_first_bad(chunks))
-    per_problem = plan.num_chains // plan.problems
-    has_nonfinite = np.zeros(plan.problems, bool)
-    has_nonfinite[nonfinite // per_problem] = True
-    schedule = plan.until
-    passed, worst = passes_each(schedule, diagnostics, has_nonfinite)
-
-    def checked(p: int) -> Check:
-        """Problem `p`'s check with its reason, as `check` makes it."""
-        own = nonfinite[nonfinite // per_problem == p] - p * per_problem
-        result = check(schedule, jtu.tree_map(lambda x: x[p], diagnostics), own)
-        if at_cap and not result.passed:
-            result = result._replace(
-                reason=f"reached the cap, num_steps={stop}: {result.reason}"
-            )
-        return result
-
-    decided, made = [], {}
+    checks = _ProblemChecks.of(plan, chunks)
+    decided, checked = [], []
     for p, record in enumerate(records.records):
-        if record.stopped is not None:
-            decided.append(record)
-            continue
-        start = record.window_start(stop)
-        if plan.draws.before(stop) == plan.draws.before(start):
-            if at_cap:
-                reason = (
-                    f"reached the cap, num_steps={stop}, with no draw recorded since "
-                    f"step {start} to check"
-                )
-                record = record.stop(stop, False, reason, burn_in)
-            decided.append(record)
-            continue
-        # A reason is kept only where the problem stops.
-        made[p] = result = (
-            checked(p) if passed[p] or at_cap else Check(False, float(worst[p]), "")
-        )
-        decided.append(
-            record.with_check(stop, result, result.passed or at_cap, burn_in)
-        )
+        if record.stopped is None:
+            undrawn = _without_draws(plan, record, stop)
+            if undrawn is not None:
+                record = undrawn
+            else:
+                checked.append(p)
+                record = _with_check(plan, record, stop, checks.result(p, stop))
+        decided.append(record)
     records = ProblemRecords(tuple(decided))
     if context.bar is not None:
-        text = f"{int(records.running(stop).sum())} of {plan.problems} problems running"
-        running = [p for p in made if records.running(stop)[p]]
-        if running:
-            # The worst by the first criterion, NaN (nothing to compare) last.
-            p = max(running, key=lambda p: (not np.isnan(worst[p]), worst[p]))
-            text = f"{text}; worst: problem {p}, {checked(p).reason}"
-        context.bar.show(stop, text)
+        _show_running(context, records, stop, checks, checked)
     return records
+
+
+def _without_draws(plan: RunPlan, record: Record, stop: int) -> Record | None:
+    """`record` at step `stop` if no draw was recorded since its last check (before
+    `burn_in`): as it is, or stopped at the cap, with nothing to check. None if there
+    are draws to check."""
+    start = record.window_start(stop)
+    if plan.draws.before(stop) != plan.draws.before(start):
+        return None
+    if stop != plan.num_steps:
+        return record
+    reason = (
+        f"reached the cap, num_steps={stop}, with no draw recorded since step "
+        f"{start} to check"
+    )
+    return record.stop(stop, False, reason, plan.draws.burn_in)
+
+
+def _with_check(plan: RunPlan, record: Record, stop: int, result: Check) -> Record:
+    """`record` with `result`, the check at step `stop`, added: the chains stop if it
+    passed or at the cap, where a failed check's reason says so."""
+    at_cap = stop == plan.num_steps
+    if at_cap and not result.passed:
+        result = result._replace(
+            reason=f"reached the cap, num_steps={stop}: {result.reason}"
+        )
+    return record.with_check(stop, result, result.passed or at_cap, plan.draws.burn_in)
+
+
+class _ProblemChecks(NamedTuple):
+    """What the checks of every problem at one step read: their diagnostics (on the
+    host, each statistic with a leading axis of problems), the chains gone NaN or
+    infinite, and which problems pass, with the worst value of each."""
+
+    plan: RunPlan
+    diagnostics: Any
+    nonfinite: np.ndarray
+    passed: np.ndarray
+    worst: np.ndarray
+
+    @classmethod
+    def of(cls, plan: RunPlan, chunks: list[ChunkRun]) -> "_ProblemChecks":
+        assert plan.until is not None and plan.problems is not None
+        # On the host at once: each problem's check reads its row of every statistic.
+        diagnostics = jax.device_get(
+            diagnose_problems(
+                joined([chunk.moments() for chunk in chunks]),
+                plan.superchains,
+                plan.problems,
+            )
+        )
+        nonfinite = _nonfinite(_first_bad(chunks))
+        has_nonfinite = np.zeros(plan.problems, bool)
+        has_nonfinite[plan.layout.problem_of(nonfinite)] = True
+        passed, worst = passes_each(plan.until, diagnostics, has_nonfinite)
+        return cls(plan, diagnostics, nonfinite, passed, worst)
+
+    def checked(self, p: int) -> Check:
+        """Problem `p`'s check with its reason, as `check` makes it."""
+        assert self.plan.until is not None
+        own = self.plan.layout.own(self.nonfinite, p)
+        row = jtu.tree_map(lambda x: x[p], self.diagnostics)
+        return check(self.plan.until, row, own)
+
+    def result(self, p: int, stop: int) -> Check:
+        """Problem `p`'s check at step `stop`: a reason is made only where the
+        problem stops (it passed, or the run is at its cap)."""
+        if self.passed[p] or stop == self.plan.num_steps:
+            return self.checked(p)
+        return Check(False, float(self.worst[p]), "")
+
+
+def _show_running(
+    context: RunContext,
+    records: ProblemRecords,
+    stop: int,
+    checks: _ProblemChecks,
+    checked: list[int],
+) -> None:
+    """The bar at step `stop`: the problems still running and, of those `checked`
+    there, the worst, with its check's reason."""
+    assert context.bar is not None
+    running = records.running(stop)
+    text = f"{int(running.sum())} of {context.plan.problems} problems running"
+    still = [p for p in checked if running[p]]
+    if still:
+        # The worst by the first criterion, NaN (nothing to compare) last.
+        worst = checks.worst
+        p = max(still, key=lambda p: (not np.isnan(worst[p]), worst[p]))
+        text = f"{text}; worst: problem {p}, {checks.checked(p).reason}"
+    context.bar.show(stop, text)
 
 
 def _shows_moments(context: RunContext) -> bool:

@@ -10,17 +10,18 @@ import equinox as eqx
 import jax
 import jax.extend
 
-from ._all_chains import AllChains, check_all_chains_run
+from .._errors import BatchError
+from ._all_chains import AllChains
 from ._arguments import Counts, Init
-from ._common import ChainState, Draws
+from ._common import ChainState, Draws, ProblemLayout
 from ._identity import RunIdentity, RunOptions
 from ._moments import check_diagnostics
-from ._placement import Placement
+from ._placement import chain_devices, Placement
 from ._prepared import prepared_run, PreparedRun
 from ._problem_records import ProblemRecords
 from ._problems import ProblemStep
 from ._records import Record
-from ._segment import SegmentPlan
+from ._segment_plan import SegmentPlan
 from ._step import trace_step
 from ._stopping import Schedule, StoppingRule
 
@@ -63,6 +64,11 @@ class RunPlan:
     @property
     def draws(self) -> Draws:
         return self.segment.draws
+
+    @property
+    def layout(self) -> ProblemLayout:
+        """Which problem each chain is in (one problem without `data`)."""
+        return ProblemLayout(self.num_chains, self.problems or 1)
 
     @property
     def chunks(self) -> list[range]:
@@ -179,7 +185,7 @@ def plan_run(
     num_chains = init.num_chains
     all_chains = isinstance(step, AllChains)
     if all_chains:
-        check_all_chains_run(num_chains, counts.chunk_size)
+        _check_all_chains_run(num_chains, counts.chunk_size)
     traced = None
     if checkpointed:
         traced = trace_step(step, init.whole, keys, legacy, with_output)
@@ -210,6 +216,24 @@ def plan_run(
         program=None if traced is None else traced.program,
         streamed_steps=recording.streamed_steps,
     )
+
+
+def _check_all_chains_run(num_chains: int, chunk_size: int | None) -> None:
+    """Refuses, before any work, a run that an all-chains step cannot take.
+
+    **Raises:**
+
+    `BatchError` if `chunk_size` is given, or if the chains cannot be split evenly
+    over the processes of a job.
+    """
+    if chunk_size is not None:
+        raise BatchError(
+            f"`chunk_size={chunk_size}` cannot be used with an `eb.all_chains` step: "
+            "the step must see every chain at once, and a chunk holds only some of "
+            "them (its moves would depend on the chunking). Pass `chunk_size=None`, or "
+            "fewer chains if they do not fit in memory."
+        )
+    chain_devices(num_chains)
 
 
 def _run_options(
@@ -292,10 +316,7 @@ def _schedule(
     and chains, on which it is checked."""
     if until is None:
         return None
-    if problems is None:
-        return until.schedule(num_steps, superchains, num_chains)
+    layout = ProblemLayout(num_chains, problems or 1)
     return until.schedule(
-        num_steps,
-        None if superchains is None else superchains // problems,
-        num_chains // problems,
+        num_steps, layout.superchains_each(superchains), layout.chains_each
     )

@@ -20,7 +20,7 @@ from .._memo import BoundedCache
 from ._all_chains import AllChains
 from ._common import OneChain, structs
 from ._placement import Placement
-from ._segment import SegmentPlan
+from ._segment_plan import SegmentPlan
 from ._step import step_layout, StepLayout, trace_step, TracedStep
 
 

@@ -1,9 +1,10 @@
 """Many problems in one run: `run_chains(..., data=data)` gives each block of chains a
 row of `data`, its problem's, so that one compiled loop fits one model to many datasets.
 
-Chain `c` of `C` belongs to problem `c // (C // P)`. Each chain carries its problem's
-index (`ChainState.problem`), so chunks, devices, padding and checkpoints move it with
-the chain. `data` is held once (one row per problem, on every device of the run).
+Chain `c` of `C` belongs to problem `c // (C // P)` (`ProblemLayout`). Each chain
+carries its problem's index (`ChainState.problem`), so chunks, devices, padding and
+checkpoints move it with the chain. `data` is held once (one row per problem, on
+every device of the run).
 
 Each segment reads the rows its chains need once, before its loop, and the loop reads
 them as loop invariants, as a loop written by hand over `vmap(step)` does. A row read by
@@ -24,10 +25,9 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError, describe, leaf_name
+from .._errors import BatchError, call_mismatch, describe, leaf_name
 from .._tree import common_size, host_array, is_array
 from ._all_chains import AllChains
-from ._common import call_mismatch
 
 
 # The most bytes of `data`'s rows that a segment copies per chain (see the module's
@@ -187,11 +187,6 @@ def _num_problems(data: Any) -> int:
             f"{_DATA_IS} Pass data of at least one problem, or leave `data` out."
         )
     return int(num_problems)
-
-
-def problem_ids(num_chains: int, num_problems: int) -> np.ndarray:
-    """Each chain's problem, `int32[chains]`: chain `c` is in `c // (C // P)`."""
-    return (np.arange(num_chains) // (num_chains // num_problems)).astype(np.int32)
 
 
 def _check_signature(step: Callable) -> None:

@@ -14,9 +14,11 @@ import numpy as np
 from .._errors import BatchError, check_int, leaf_name
 from .._tree import is_array, is_key
 from ._arviz import trace_to_arviz
+from ._common import ProblemLayout
 from ._convergence import Diagnostics
 from ._disk_trace import DiskArray
 from ._nonfinite import NonFinite
+from ._per_problem import Problems
 from ._placement import whole_here
 from ._records import Stopped
 
@@ -52,22 +54,21 @@ class Chains(eqx.Module):
         `c` (NumPy `int64[chains]`); `None` without superchains.
     - `diagnostics`: with `diagnostics=True`, an [`eb.Diagnostics`][] of the chains
         (R-hat, split R-hat, nested R-hat with superchains, ESS), computed on the
-        devices from running moments of the recorded draws; `None` without. With
-        `until`, of the last window's draws (a failed check discards its window), and
+        devices from running moments of the recorded draws; `None` without, and
+        with many problems (`data`: each problem's are in `problems`). With `until`,
+        of the last window's draws (a failed check discards its window), and
         `split_rhat` is `None`.
-    - `steps_done`: the steps each chain ran: `num_steps`, or fewer when `until`
-        stopped the run early.
-    - `stopped`: with `until`, an [`eb.Stopped`][]: when the run stopped and why, and
-        the checks made; `None` without `until`.
-    - `problems`: with `data`, how many problems the chains ran (P); `None` without.
-        Each statistic of `diagnostics` then has a leading axis of P, one entry per
-        problem, and [`problem(p)`][eqx_batch.Chains.problem] is one problem's result.
-        With `until` too, each problem stops on its own: `steps_done` is each
-        problem's steps (NumPy `int64[P]`), `stopped` a tuple of each problem's
-        `Stopped`, and the trace holds the draws of the problem that ran longest.
-    - `draws_made`: with `data` and `until`, how many of the trace's draws each
-        problem made (NumPy `int64[P]`); its rows hold zeros after them. `None`
-        otherwise.
+    - `steps_done`: the steps the chains ran: `num_steps`, or fewer when `until`
+        stopped the run early. With many problems, the most that any problem ran:
+        the trace's extent (each problem's are in `problems`).
+    - `stopped`: with `until`, an [`eb.Stopped`][]: when the run stopped and why,
+        and the checks made; `None` without `until`, and with many problems (each
+        stops on its own: their stops are in `problems`).
+    - `problems`: with `data`, an [`eb.Problems`][]: how many problems the chains
+        ran, and each problem's steps, stop, draws and diagnostics, one entry per
+        problem; `None` without `data`. [`problem(p)`][eqx_batch.Chains.problem] is
+        one problem's result alone. The trace holds the draws of the problem that
+        ran longest.
 
     !!! Example
 
@@ -93,10 +94,9 @@ class Chains(eqx.Module):
     nonfinite: NonFinite
     superchain: np.ndarray | None = None
     diagnostics: Diagnostics | None = None
-    steps_done: int | np.ndarray = 0
-    stopped: Stopped | tuple[Stopped, ...] | None = None
-    problems: int | None = None
-    draws_made: np.ndarray | None = None
+    steps_done: int = 0
+    stopped: Stopped | None = None
+    problems: Problems | None = None
 
     def problem(self, p: int) -> "Chains":
         """Problem `p`'s chains alone, from a run of many problems (`data=`).
@@ -116,11 +116,12 @@ class Chains(eqx.Module):
 
         **Arguments:**
 
-        - `p`: the problem, `0 <= p < problems`.
+        - `p`: the problem, `0 <= p < problems.count`.
 
         **Returns:**
 
-        A `Chains` of the problem's chains, with `problems=None`.
+        A `Chains` of the problem's chains, with `problems=None`: its own
+        `steps_done`, `stopped` and `diagnostics`.
 
         **Raises:**
 
@@ -138,7 +139,8 @@ class Chains(eqx.Module):
             result.problem(2).trace.shape  # (4, 100, 2)
             ```
         """
-        if self.problems is None:
+        problems = self.problems
+        if problems is None:
             raise BatchError(
                 "these chains ran without `data`, so they are one problem: use them "
                 "as they are, or run many problems with `run_chains(..., data=data)`."
@@ -146,12 +148,13 @@ class Chains(eqx.Module):
         p = check_int(
             p,
             "p",
-            maximum=self.problems - 1,
-            hint=f"The chains ran {self.problems} problems.",
+            maximum=problems.count - 1,
+            hint=f"The chains ran {problems.count} problems.",
         )
-        per_problem = self.keys.shape[0] // self.problems
-        start, stop = p * per_problem, (p + 1) * per_problem
-        made = None if self.draws_made is None else int(self.draws_made[p])
+        rows = ProblemLayout(self.keys.shape[0], problems.count).chains_of(p)
+        start, stop = rows.start, rows.stop
+        # Without `until`, every problem made every draw of the trace.
+        made = None if problems.stopped is None else int(problems.draws_made[p])
         final, keys, trace, outputs = _problem_rows(
             (self.final, self.keys, self.trace, self.outputs), start, stop, made
         )
@@ -162,13 +165,8 @@ class Chains(eqx.Module):
         if self.superchain is not None:
             superchain = self.superchain[start:stop] - self.superchain[start]
         diagnostics = None
-        if self.diagnostics is not None:
-            diagnostics = jtu.tree_map(lambda x: x[p], self.diagnostics)
-        steps_done, stopped = self.steps_done, self.stopped
-        if isinstance(stopped, tuple):
-            stopped = stopped[p]
-        if isinstance(steps_done, np.ndarray):
-            steps_done = int(steps_done[p])
+        if problems.diagnostics is not None:
+            diagnostics = jtu.tree_map(lambda x: x[p], problems.diagnostics)
         return assembled(
             Chains,
             final=final,
@@ -178,10 +176,9 @@ class Chains(eqx.Module):
             nonfinite=assembled(NonFinite, first_step=first_step),
             superchain=superchain,
             diagnostics=diagnostics,
-            steps_done=steps_done,
-            stopped=stopped,
+            steps_done=int(problems.steps_done[p]),
+            stopped=None if problems.stopped is None else problems.stopped[p],
             problems=None,
-            draws_made=None,
         )
 
     def gathered(self) -> "Chains":
@@ -333,9 +330,9 @@ class Chains(eqx.Module):
         """
         if self.problems is not None:
             raise BatchError(
-                f"these chains ran {self.problems} problems (`data`), each its own "
-                "posterior, and ArviZ would pool them as the chains of one. Convert "
-                "one problem at a time: `result.problem(p).to_arviz()`."
+                f"these chains ran {self.problems.count} problems (`data`), each its "
+                "own posterior, and ArviZ would pool them as the chains of one. "
+                "Convert one problem at a time: `result.problem(p).to_arviz()`."
             )
         here = _held_here({"trace": self.trace, "outputs": self.outputs})
         return trace_to_arviz(

@@ -28,7 +28,6 @@ from ._arguments import (
     checked_counts,
     checked_flags,
     checked_trace,
-    checked_until,
     Init,
     split_init,
 )
@@ -38,21 +37,22 @@ from ._checkpoint_files import (
     warn_of_other_chunkings,
 )
 from ._chunk import ChunkJob, RunContext
-from ._common import ChainState
+from ._common import ChainState, ProblemLayout
 from ._convergence import diagnose_problems, Diagnostics
 from ._disk_trace import disk_trace
 from ._lock import check_folder, refuse_if_in_use, WriteAccess
 from ._loop import run_chunks
 from ._moments import zeros
 from ._nonfinite import NonFinite
+from ._per_problem import Problems
 from ._placement import joined_chains, whole_here, without_copies
 from ._plan import plan_run, RunPlan
 from ._problem_records import ProblemRecords
-from ._problems import problem_ids, problem_step
-from ._records import Record
+from ._problems import problem_step
+from ._records import Record, Stopped
 from ._result import assembled, Chains
 from ._step import pytree_step
-from ._stopping import StoppingRule
+from ._stopping import checked_until, StoppingRule
 from ._superchains import expand_superchains
 
 
@@ -140,11 +140,12 @@ def run_chains(
 
     A [`eb.Chains`][]: `final`, `trace` (`[chains, draws, ...]` per leaf), `outputs`
     (with `with_output=True`), `keys` (to continue the run exactly), `nonfinite`,
-    `superchain`, `diagnostics`, `steps_done` and `stopped` (with `until`; each
-    problem's, with `data`), `problems` and `draws_made` (with `data`). Its arrays
-    stay split over the devices. In a job of several processes, `final`, `trace`,
-    `outputs` and `keys` are global arrays split by chain: each process holds only its
-    own chains' rows ([What each process
+    `superchain`, `diagnostics`, `steps_done` and `stopped` (with `until`), each of
+    one type whatever the options; and `problems` (with `data`), an [`eb.Problems`][]
+    of each problem's steps, stop, draws and diagnostics, which the fields beside it
+    leave out. Its arrays stay split over the devices. In a job of several processes,
+    `final`, `trace`, `outputs` and `keys` are global arrays split by chain: each
+    process holds only its own chains' rows ([What each process
     holds](../multi.md#what-each-process-holds));
     [`Chains.gathered`][eqx_batch.Chains.gathered] makes them whole. `nonfinite` and
     `diagnostics` are of every chain, in every process.
@@ -212,7 +213,7 @@ def run_chains(
         step, num_problems, problems = pytree_step(step), None, None
         if data is not None:
             step, num_problems = problem_step(step, data, whole.num_chains, superchains)
-            problems = problem_ids(whole.num_chains, num_problems)
+            problems = ProblemLayout(whole.num_chains, num_problems).ids()
         plan = plan_run(
             step,
             whole,
@@ -307,9 +308,10 @@ def _result(
     """The chunks' chains and traces joined into `Chains`; with `trace="disk"`, the
     trace read lazily from the chunks' draw files."""
     chains = joined_chains([chains for chains, _ in results])
-    stopped, steps_done, draws_made = _stops(plan, record)
+    stopped, steps_done = _stops(plan, record)
     # The trace holds the draws made by the problem that ran longest.
-    recorded = _recorded(plan, results, int(np.max(steps_done)), chains, checkpoint)
+    last = int(np.max(steps_done))
+    recorded = _recorded(plan, results, last, chains, checkpoint)
     states = outputs = None
     if recorded is not None:
         # The leaves of a draw that are the same in every draw (an MLP's activation)
@@ -326,6 +328,21 @@ def _result(
     final, states, outputs, keys = without_copies(
         (eqx.combine(chains.states, plan.shared), states, outputs, keys)
     )
+    diagnostics, problems = _diagnostics(chains.moments, plan), None
+    if plan.problems is not None:
+        # What differs between the problems has a field of its own: the rest is
+        # shaped as one problem's result, whatever the options.
+        problems = assembled(
+            Problems,
+            count=plan.problems,
+            steps_done=steps_done,
+            stopped=stopped,
+            draws_made=np.array(
+                [plan.draws.before(int(s)) for s in steps_done], np.int64
+            ),
+            diagnostics=diagnostics,
+        )
+        stopped, diagnostics = None, None
     return assembled(
         Chains,
         final=final,
@@ -337,13 +354,10 @@ def _result(
         # beyond the loop). In a job, gathered, as the moments are: one row per chain.
         nonfinite=assembled(NonFinite, first_step=whole_here(chains.first_bad)),
         superchain=superchain_ids,
-        diagnostics=_diagnostics(chains.moments, plan)
-        if plan.options.diagnostics
-        else None,
-        steps_done=steps_done,
-        stopped=stopped,
-        problems=plan.problems,
-        draws_made=draws_made,
+        diagnostics=diagnostics,
+        steps_done=last,
+        stopped=None if stopped is None else stopped[0],
+        problems=problems,
     )
 
 
@@ -389,21 +403,23 @@ def _recorded(
 
 def _stops(
     plan: RunPlan, record: Record | ProblemRecords
-) -> tuple[Any, int | np.ndarray, np.ndarray | None]:
-    """`Chains.stopped`, `steps_done` and `draws_made` of a run that ended with
-    `record`: with `data` and `until`, each problem's."""
+) -> tuple[tuple[Stopped, ...] | None, np.ndarray]:
+    """Each problem's `Stopped` (one problem without `data`; None without `until`)
+    and steps run (NumPy `int64`), of a run that ended with `record`."""
     if plan.until is None:
-        return None, plan.num_steps, None
-    if isinstance(record, ProblemRecords):
-        stopped = tuple(r.stopped for r in record.records)
-        steps = np.array([plan.num_steps if s is None else s.step for s in stopped])
-        made = np.array([plan.draws.before(int(s)) for s in steps], np.int64)
-        return stopped, steps.astype(np.int64), made
-    stopped = record.stopped
-    return stopped, plan.num_steps if stopped is None else stopped.step, None
+        return None, np.full(plan.problems or 1, plan.num_steps, np.int64)
+    records = record.records if isinstance(record, ProblemRecords) else (record,)
+    steps = np.array([r.end(plan.num_steps) for r in records], np.int64)
+    # The cap stops every problem still running: each has its `Stopped`.
+    stopped = tuple(r.stopped for r in records if r.stopped is not None)
+    return (stopped if len(stopped) == len(records) else None), steps
 
 
-def _diagnostics(moments: Any, plan: RunPlan) -> Diagnostics:
+def _diagnostics(moments: Any, plan: RunPlan) -> Diagnostics | None:
+    """Every problem's diagnostics (a leading axis of P with `data`); None without
+    `diagnostics`."""
+    if not plan.options.diagnostics:
+        return None
     # Moments are per chain, not per draw: small enough to gather in a job.
     diagnostics = diagnose_problems(
         whole_here(moments), plan.superchains, plan.problems

@@ -12,7 +12,6 @@ Typed PRNG keys, in the states and the chains' keys, stay typed in and out of th
 program. This module knows nothing about files.
 """
 
-import dataclasses
 import functools as ft
 import math
 from collections.abc import Callable
@@ -28,31 +27,12 @@ import jax.tree_util as jtu
 from .._compile import AsyncJit
 from .._tree import is_array
 from ._all_chains import AllChains
-from ._common import ChainState, Draws
+from ._common import ChainState
 from ._moments import add_draw
 from ._placement import made_zeros
 from ._problems import ProblemStep
+from ._segment_plan import SegmentPlan
 from ._step import numbers_as_arrays
-
-
-@dataclasses.dataclass(frozen=True)
-class SegmentPlan:
-    """Everything about a segment that is fixed at trace time."""
-
-    length: int
-    draws: Draws
-    with_output: bool
-    keep_trace: bool  # whether the run keeps a trace buffer
-    legacy: bool  # `step` takes legacy `uint32` keys rather than typed ones
-    # `trace="disk"`: no trace buffer of the run; the segment records its own draws
-    # only, `emit` of them from its first, and returns them as `new_draws`.
-    streams: bool = False
-    # How many draws from the segment's first one on to return a copy of, for the
-    # checkpoint (the next segment takes over, donates, the trace buffer while they
-    # are written). The most any segment of this length records, so that segments
-    # that record fewer share the compiled loop; the slice then ends at the buffer's
-    # end and starts before the segment's first draw.
-    emit: int = 0
 
 
 class SegmentResult(NamedTuple):

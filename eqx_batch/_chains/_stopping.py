@@ -147,6 +147,25 @@ def _check_criteria(rule: StoppingRule, subject: str, prefix: str) -> None:
         )
 
 
+def checked_until(until: Any, num_steps: Any) -> StoppingRule | None:
+    """`until`, its fields checked however the rule was built (`checked_rule`).
+
+    **Raises:**
+
+    `BatchError` naming `until` (and its field) for an `until` that is not a rule
+    `eb.converged` would make, or `until` without `num_steps` (its cap).
+    """
+    if until is None:
+        return None
+    until = checked_rule(until)
+    if num_steps is None:
+        raise BatchError(
+            "`until` is given but `num_steps` is None: `num_steps` is the cap, the "
+            "most steps the chains run if the rule never holds. Pass one."
+        )
+    return until
+
+
 def checked_rule(until: Any) -> StoppingRule:
     """`until`, a `StoppingRule`, with its fields checked as `eb.converged` checks
     them, however it was built.
