@@ -2,8 +2,8 @@
 everything above.
 
 What kind of leaf a value is (array, tracer, NumPy, weakly typed, typed PRNG key), its
-raw bits on the host, and the codec between typed PRNG keys and their raw key data are
-here, so that no module spells them again.
+raw bits on the host, its shape-dtype struct, and the codec between typed PRNG keys and
+their raw key data are here, so that no module spells them again.
 
 An *axis spec* is Equinox's vocabulary: a pytree prefix of `None` (not mapped / shared),
 an `int` (the member axis of that leaf), or a callable such as `eqx.if_array(0)` that is
@@ -306,3 +306,23 @@ def common_size(
     if fix:
         message += "\n" + fix
     raise BatchError(message)
+
+
+def structs(tree: Any, *, drop: int = 0, add: tuple[int, ...] = ()) -> Any:
+    """Shape-dtype structs of `tree`'s array leaves (or structs), with their first
+    `drop` axes replaced by axes of sizes `add`; other leaves are kept as they are.
+
+    `structs(states, drop=1)` is one chain of a stack; `structs(one, add=(n,))` is `n`
+    of them.
+    """
+
+    def struct(x: Any) -> Any:
+        if not (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
+            return x
+        return jax.ShapeDtypeStruct((*add, *x.shape[drop:]), x.dtype)
+
+    return jtu.tree_map(struct, tree)
+
+
+def is_struct(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)

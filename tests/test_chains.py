@@ -417,6 +417,7 @@ def test_trace_is_written_in_place():
     # trace's size, with no second copy of it.
     from eqx_batch._chains._common import ChainState, Draws
     from eqx_batch._chains._segment import run_segment, SegmentPlan
+    from eqx_batch._chains._step import PerChain
 
     num_chains, num_steps = 8, 50
     init = make_init(num_chains)
@@ -425,7 +426,7 @@ def test_trace_is_written_in_place():
         length=num_steps,
         draws=Draws.of(num_steps, burn_in=0, thin=1),
         with_output=False,
-        keep_trace=True,
+        writes_trace=True,
         legacy=False,
     )
     chains = ChainState(
@@ -435,7 +436,7 @@ def test_trace_is_written_in_place():
     )
     lowered: Any = run_segment.lower(
         plan,
-        metropolis,
+        PerChain(metropolis),
         eqx.filter(init, eqx.is_array, inverse=True),
         chains,
         jnp.asarray(0, jnp.int32),

@@ -1,6 +1,7 @@
-"""The records of `until`'s checks of a run of many problems, one per problem: which
-problems run and which checks failed at a step, where the run ends, and the records as
-a chunk that has run so far keeps them (`_chains/_problem_records.py`)."""
+"""The records of `until`'s checks of a run, one per problem (one without `data`):
+which problems run and which checks failed at a step, where the run ends, the records
+as a chunk that has run so far keeps them, and their two forms in a checkpoint's files
+(`_chains/_problem_records.py`)."""
 
 import numpy as np
 import pytest
@@ -100,3 +101,57 @@ def test_a_stop_at_the_cap_without_a_check_is_decided_not_failed():
     np.testing.assert_array_equal(records.failed(120), [False, False])
     assert records.decided(120)
     assert records.as_of(119) == ProblemRecords((checked(50, 100), checked(50, 100)))
+
+
+@pytest.mark.parametrize(
+    "records, stopped, steps",
+    [
+        # A problem running at the cap: no problem's `Stopped` is reported.
+        ((converged(50), checked(50, 100)), None, [50, 200]),
+        ((converged(50), capped(50, cap=200)), (50, 200), [50, 200]),
+        # A run without `data` is one problem.
+        ((converged(50, 100),), (100,), [100]),
+        ((checked(50),), None, [200]),
+    ],
+)
+def test_stops_reports_each_problem_once_every_one_stopped(records, stopped, steps):
+    found, steps_done = ProblemRecords(records).stops(200)
+    assert steps_done.dtype == np.int64
+    np.testing.assert_array_equal(steps_done, steps)
+    if stopped is None:
+        assert found is None
+    else:
+        assert found is not None and tuple(s.step for s in found) == stopped
+
+
+def test_one_problem_is_kept_in_the_form_of_a_run_without_data():
+    records = ProblemRecords((converged(50, 100),))
+    saved = records.to_json(one_problem=True)
+    assert saved == converged(50, 100).to_json()
+    assert ProblemRecords.from_json(saved, 0, one_problem=True) == records
+    # Either form read as the other is malformed (`CheckpointReader` reports it).
+    with pytest.raises(KeyError):
+        ProblemRecords.from_json({"problems": [saved]}, 0, one_problem=True)
+
+
+def test_many_problems_are_kept_as_a_list_of_one_record_each():
+    saved = RECORDS.to_json()
+    assert saved == {"problems": [r.to_json() for r in RECORDS.records]}
+    assert ProblemRecords.from_json(saved, 0) == RECORDS
+    with pytest.raises(KeyError):
+        ProblemRecords.from_json(RECORDS.records[0].to_json(), 0)
+
+
+def test_a_disagreement_names_the_problem_only_with_many():
+    one = ProblemRecords((converged(50),))
+    assert one.disagreement(50, one_problem=True) is None
+    assert one.disagreement(100, one_problem=True) == (
+        "its record of `until`'s checks says the run stopped at step 50, but its "
+        "progress says 100 steps were done"
+    )
+    # One of many problems stops before the others: no disagreement.
+    assert one.disagreement(100) is None
+    assert one.disagreement(40) == (
+        "problem 0: its record of `until`'s checks has a check at step 50, but its "
+        "progress says 40 steps were done"
+    )

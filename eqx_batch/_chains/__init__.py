@@ -41,8 +41,8 @@ Every file, from the top down:
     problem with `data`; a check's outcome, one run's checks and `Stopped`: plain data
     that the checkpoint keeps, below the statistics that make it;
 - `_common.py`: the shared vocabulary: `ChainState`, `OneChain`, `Draws` (which steps
-    are draws), `ProblemLayout` (which problem each chain is in) and `structs`
-    (shape-dtype structs).
+    are draws) and `ProblemLayout` (which problem each chain is in); shape-dtype
+    `structs` are `eqx_batch/_tree.py`'s.
 """
 
 from ._all_chains import all_chains as all_chains, AllChains as AllChains

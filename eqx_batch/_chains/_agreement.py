@@ -167,7 +167,7 @@ def _call_fields(
     fields = identity_fields(init, start.keys, plan.options, plan.data, plan.program)
     return {
         **fields,
-        "trace": repr(plan.trace_mode),  # as given: "disk" writes, True does not
+        "trace": repr(plan.trace.value),  # as given: "disk" writes, True does not
         "chunk_size": str(plan.chunk_size),
         "checkpoint": str(checkpointed),
         "checkpoint_every": str(plan.checkpoint_every),

@@ -4,14 +4,65 @@ Ensemble samplers (the emcee stretch move) and adaptation schemes (ChEES, MEADS)
 each chain with the help of the others, so their step cannot be written for one chain
 and mapped. Marking such a step, rather than adding a flag to `run_chains`, keeps the
 kind of step with the step: whatever runs it asks the step what it takes.
+
+`RunStep` is what the driver asks of every kind of step (this one, a per-chain step,
+a step given `data`), so that it never asks which kind it has: as BlackJAX's driver
+only calls a `SamplingAlgorithm`'s `init` and `step`.
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar, NoReturn, Protocol
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 
 from .._errors import BatchError, call_mismatch, describe
+from .._tree import structs
+
+
+class RunStep(Protocol):
+    """A step as a run calls it: `PerChain`, `AllChains` or `ProblemStep`, each
+    answering the driver's questions for itself."""
+
+    # Whether it takes every chain at once: its chains are never padded (it would see
+    # the padding), and each segment calls it once on the whole stack.
+    sees_every_chain: ClassVar[bool]
+
+    @property
+    def data(self) -> Any:
+        """What it reads of `data` (one row per problem, for the run's identity); None
+        without `data`."""
+        ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def placed(self, sharding: jax.sharding.Sharding) -> "RunStep":
+        """This step with what it holds of `data` on the devices of `sharding`."""
+        ...
+
+    def for_chains(self, problem: Any) -> tuple[Callable, tuple]:
+        """One chain's step and what each chain gives it beside its state and key
+        (stacked by chain), from each chain's `problem` (None without `data`): made
+        once per segment, before its loop."""
+        ...
+
+    def traced_call(
+        self, states: Any, keys: jax.Array, one_key: jax.ShapeDtypeStruct
+    ) -> tuple[Callable, tuple]:
+        """What tracing it calls, and the shape-dtype structs it is called with, the
+        state's first (of one chain, or of every chain), from every chain's `states`
+        and `keys` and the struct of the key one chain's step gets."""
+        ...
+
+    def with_data(self, data: Any) -> "RunStep":
+        """This step given its chain's problem's row of `data`.
+
+        **Raises:**
+
+        `BatchError` if it cannot take `data`.
+        """
+        ...
 
 
 class AllChains(eqx.Module):
@@ -33,9 +84,49 @@ class AllChains(eqx.Module):
     """
 
     step: Callable
+    # What a run asks of it (`RunStep`).
+    sees_every_chain: ClassVar[bool] = True
 
     def __call__(self, states: Any, keys: Any, count: Any) -> Any:
         return self.step(states, keys, count)
+
+    @property
+    def data(self) -> None:
+        """None: it reads no `data`."""
+        return None
+
+    def placed(self, sharding: jax.sharding.Sharding) -> "AllChains":
+        """Itself: it holds no `data` to place."""
+        return self
+
+    def for_chains(self, problem: Any) -> tuple[Callable, tuple]:
+        """Itself, given nothing more: each segment calls it on the whole stack."""
+        return self, ()
+
+    def traced_call(
+        self, states: Any, keys: jax.Array, one_key: jax.ShapeDtypeStruct
+    ) -> tuple[Callable, tuple]:
+        """Every chain's state, one key per chain and an `int32` count."""
+        return (lambda s, k, count: self(s, k, count)), (
+            structs(states),
+            jax.ShapeDtypeStruct((*keys.shape, *one_key.shape), one_key.dtype),
+            jax.ShapeDtypeStruct((), jnp.int32),
+        )
+
+    def with_data(self, data: Any) -> NoReturn:
+        """Refused: there is no one problem to give a step of every chain the row of.
+
+        **Raises:**
+
+        `BatchError`, always.
+        """
+        raise BatchError(
+            "`data` is given with an `eb.all_chains` step: the step sees every chain "
+            "at once, so there is no one problem to give it the row of. Pass the data "
+            "to the step yourself (`functools.partial(step, data=data)`) and index it "
+            "by each chain's problem inside, or use a per-chain "
+            "`step(state, key, data)`."
+        )
 
 
 def all_chains(step: Callable) -> AllChains:

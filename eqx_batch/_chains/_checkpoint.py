@@ -99,7 +99,7 @@ class Checkpoint:
             record_kind=record_kind,
         )
         self.writer = CheckpointWriter(
-            self.metadata, self.num_chains, self.access, found.on_disk
+            self.metadata, self.num_chains, self.access, found.on_disk, record_kind
         )
         return found.restored
 

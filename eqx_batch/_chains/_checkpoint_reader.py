@@ -33,7 +33,8 @@ class Restored(NamedTuple):
 
     steps_done: int
     rows: RowReader  # reads the chains and draws of any rows, to place them
-    record: Record | ProblemRecords | None  # the checks of `until`; None without it
+    # The checks of `until`, one per problem (one without `data`); None without it.
+    record: ProblemRecords | None
 
 
 class Found(NamedTuple):
@@ -66,7 +67,8 @@ class CheckpointReader:
         """The run as last checkpointed, and what of it is on disk.
 
         `chains_like` and `trace_like` (the whole trace, or None) are shape-dtype
-        structs. A run with `until` reads the record of its checks, a `record_kind`.
+        structs. A run with `until` reads the record of its checks, kept in the form
+        `record_kind` names: one `Record` without `data`, `ProblemRecords` with it.
 
         Raises if a file is not a checkpoint's, is corrupt, or belongs to another run;
         in a job, in every process if any process raises, or if the processes found
@@ -151,16 +153,19 @@ class CheckpointReader:
         record_kind: type[Record] | type[ProblemRecords],
         burn_in: int,
         steps_done: int,
-    ) -> Record | ProblemRecords:
+    ) -> ProblemRecords:
         """The record of `until`'s checks in a state file's `progress`, checked
-        against its steps."""
+        against its steps: one problem's as it is kept without `data`."""
+        one_problem = record_kind is Record
         try:
-            record = record_kind.from_json(progress["stopping"], burn_in)
+            record = ProblemRecords.from_json(
+                progress["stopping"], burn_in, one_problem=one_problem
+            )
         except (ValueError, TypeError, KeyError) as e:
             raise self.metadata.damaged(
                 f"its record of `until`'s checks does not parse ({e!r})"
             ) from None
-        problem = record.disagreement(steps_done)
+        problem = record.disagreement(steps_done, one_problem=one_problem)
         if problem is not None:
             raise self.metadata.damaged(problem)
         return record

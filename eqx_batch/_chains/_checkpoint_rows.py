@@ -21,10 +21,10 @@ import numpy as np
 from .._errors import BatchError
 from .._file_format import BadFileError
 from .._serialise import read_tree
-from .._tree import as_keys_like, host_array
+from .._tree import as_keys_like, host_array, structs
 from ._checkpoint_files import DrawFile, StateFile
 from ._checkpoint_metadata import RunMetadata
-from ._common import ChainState, structs
+from ._common import ChainState
 
 
 if TYPE_CHECKING:

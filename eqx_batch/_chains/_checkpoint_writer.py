@@ -64,7 +64,7 @@ class Snapshot(NamedTuple):
     chains: ChainState
     draws: Any
     files: SegmentFiles | None
-    record: Record | ProblemRecords | None  # with `until`: the checks so far
+    record: ProblemRecords | None  # with `until`: the checks so far
 
 
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -86,6 +86,7 @@ class CheckpointWriter:
         num_chains: int,
         access: WriteAccess,
         on_disk: OnDisk,
+        record_kind: type[Record] | type[ProblemRecords] | None = None,
     ):
         self.metadata = metadata
         self.path = metadata.path
@@ -100,6 +101,8 @@ class CheckpointWriter:
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
         self._pending_step: int | None = None
+        # The form the files keep the record in: one problem's, without `data`.
+        self._one_problem = record_kind is Record
 
     def start(self) -> None:
         """Takes the right to write (see `WriteAccess`), writes the run file (process
@@ -233,7 +236,9 @@ class CheckpointWriter:
             ],
         }
         if snapshot.record is not None:
-            progress["stopping"] = snapshot.record.to_json()
+            progress["stopping"] = snapshot.record.to_json(
+                one_problem=self._one_problem
+            )
         write_tree(
             self.files.state_path(snapshot.steps_done, rows),
             state,

@@ -11,10 +11,11 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._progress import ProgressBar
+from .._tree import structs
 from ._checkpoint import Checkpoint
 from ._checkpoint_reader import Restored
 from ._checkpoint_writer import segment_files, SegmentFiles, Snapshot
-from ._common import ChainState, structs
+from ._common import ChainState
 from ._compaction import (
     batch_size,
     draws_written_back,
@@ -28,9 +29,8 @@ from ._lock import WriteAccess
 from ._placement import Placement
 from ._plan import RunPlan
 from ._problem_records import ProblemRecords
-from ._problems import ProblemStep
-from ._records import Record
 from ._segment import run_segment
+from ._segment_plan import TraceMode
 
 
 # About how many times the progress bar moves over a run without a checkpoint.
@@ -118,7 +118,9 @@ class ChunkRun:
             if job.chains.problem is not None:
                 self.problem_of_row = np.asarray(job.chains.problem)
             self.step = plan.step
-            if isinstance(plan.step, ProblemStep):
+            if plan.data is not None:
+                # Asked only of a step with `data`: asking an `eqx.Module` costs a
+                # bound method made on every call.
                 self.step = plan.step.placed(self.placement.everywhere)
             self.steps_done, self.chains, self.trace = _start(
                 self.placement,
@@ -173,17 +175,14 @@ class ChunkRun:
             if len(rows) < len(self.problem_of_row):
                 return self._advance_running(stop, rows)
         plan = self.plan
-        files = None
-        if self.store is not None and plan.records:
-            files = segment_files(plan.draws, self.steps_done, stop)
+        files = self._files(self.steps_done, stop)
         emit = 0 if files is None else files.emit
         trace = self.trace
-        if plan.segment.streams and files is not None:
+        if plan.trace is TraceMode.DISK and files is not None:
             # The segment's own draws, from its first, written over a buffer whose
             # draws are in their file: memory reused rather than allocated for each
             # segment, which the allocator fragments until resident memory grows
             # with the steps. Slots past the segment's draws are not written out.
-            files = files._replace(offset=0)
             like = plan.draws_like(self.placement.num_chains, emit)
             spare, self._spare = self._spare, None
             if spare is None or _shapes(spare) != _shapes(
@@ -211,9 +210,7 @@ class ChunkRun:
         problems have stopped, and their rows stay as they are."""
         plan, start = self.plan, self.steps_done
         split = self.placement.split
-        files = None
-        if self.store is not None and plan.records:
-            files = segment_files(plan.draws, start, stop)
+        files = self._files(start, stop)
         first, end = plan.draws.before(start), plan.draws.before(stop)
         made = None  # the segment's own draws, from its first, in the batch's rows
         if len(rows):
@@ -229,7 +226,7 @@ class ChunkRun:
             if emit:
                 own = batch.zeros(plan.draws_like(batch.num_chains, emit))
             result = run_segment(
-                plan.prepared.segment(plan.streamed_segment, stop - start, emit),
+                plan.prepared.segment(plan.own_draws_segment, stop - start, emit),
                 self.step,
                 plan.shared,
                 gathered(self.chains, index, batch.split),
@@ -247,9 +244,8 @@ class ChunkRun:
                 )
             if files is not None:
                 new_draws = sliced_draws(self.trace, np.int32(first), files.emit)
-        elif plan.segment.streams and files is not None:
+        elif plan.trace is TraceMode.DISK and files is not None:
             # The stopped chains' draws are zeros, as in a trace buffer.
-            files = files._replace(offset=0)
             like = plan.draws_like(self.placement.num_chains, files.emit)
             new_draws = self.placement.zeros(like)
             if made is not None:
@@ -259,7 +255,20 @@ class ChunkRun:
         self.steps_done = stop
         self._unwritten = (new_draws, files)
 
-    def write(self, record: Record | ProblemRecords | None = None) -> None:
+    def _files(self, start: int, stop: int) -> SegmentFiles | None:
+        """Where the draws of the segment from step `start` to `stop` go: None if the
+        chunk is not checkpointed, or the segment records no draw. With the trace on
+        disk, the segment returns its own draws, the first at offset 0; else the
+        draws around the segment's, sliced from the trace buffer."""
+        plan = self.plan
+        if self.store is None or not plan.records:
+            return None
+        files = segment_files(plan.draws, start, stop)
+        if files is not None and plan.trace is TraceMode.DISK:
+            files = files._replace(offset=0)
+        return files
+
+    def write(self, record: ProblemRecords | None = None) -> None:
         """Checkpoints the chains after the last segment (in the background), with
         `until`'s `record`."""
         assert self._unwritten is not None
@@ -271,7 +280,7 @@ class ChunkRun:
         self.store.write(
             Snapshot(self.steps_done, self.chains, new_draws, files, record)
         )
-        if self.plan.segment.streams and new_draws is not None:
+        if self.plan.trace is TraceMode.DISK and new_draws is not None:
             # `Checkpoint.write` waited for the write before this one: the draws it
             # wrote are free for the next segment to write over.
             self._spare, self._writing = self._writing, new_draws
@@ -310,7 +319,7 @@ class ChunkRun:
         trace = None
         if self.trace is not None:
             trace = self.placement.real_chains(self.trace)
-        elif self.plan.segment.streams:
+        elif self.plan.trace is TraceMode.DISK and self.plan.records:
             assert self.store is not None
             trace = self.store.draw_listing()
         return self.placement.real_chains(self.chains), trace

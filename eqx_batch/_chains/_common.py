@@ -1,6 +1,5 @@
 """The vocabulary every part of `run_chains` shares: the chains between two steps, one
-chain's layout, which steps are draws, which problem each chain is in, and shape-dtype
-structs.
+chain's layout, which steps are draws, and which problem each chain is in.
 
 Nothing here runs or writes anything; the drivers above it do.
 """
@@ -10,10 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-import jax.tree_util as jtu
 import numpy as np
-
-from .._tree import is_array
 
 
 class ChainState(NamedTuple):
@@ -124,23 +120,3 @@ class ProblemLayout(NamedTuple):
         """`x`, one row per chain, as one block per problem: `[problems, chains_each,
         ...]`."""
         return x.reshape(self.num_problems, self.chains_each, *x.shape[1:])
-
-
-def structs(tree: Any, *, drop: int = 0, add: tuple[int, ...] = ()) -> Any:
-    """Shape-dtype structs of `tree`'s array leaves (or structs), with their first
-    `drop` axes replaced by axes of sizes `add`; other leaves are kept as they are.
-
-    `structs(states, drop=1)` is one chain of a stack; `structs(one, add=(n,))` is `n`
-    of them.
-    """
-
-    def struct(x: Any) -> Any:
-        if not (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
-            return x
-        return jax.ShapeDtypeStruct((*add, *x.shape[drop:]), x.dtype)
-
-    return jtu.tree_map(struct, tree)
-
-
-def is_struct(x: Any) -> bool:
-    return isinstance(x, jax.ShapeDtypeStruct)

@@ -149,29 +149,25 @@ class Diagnostics(eqx.Module):
         return dict(sorted(found.items(), key=badness))
 
 
-def diagnose(moments: Moments, num_superchains: int | None) -> Diagnostics:
-    """The diagnostics of every chain's `moments` (the real chains only, in order:
-    chain `c` in superchain `c // M`), on a device, in one program.
+def diagnose(
+    moments: Moments, num_superchains: int | None, num_problems: int | None = None
+) -> Diagnostics:
+    """The diagnostics of every chain's `moments` (the real chains only, in order), on
+    a device, in one program: of each of `num_problems` problems (`data=`), stacked,
+    each statistic with a leading axis of problems; of the chains as one problem,
+    with no such axis, if it is None (chain `c` in superchain `c // M`).
+
+    As BlackJAX's `rhat` takes batch axes, the problems are a batch axis: the chains
+    of one problem are one block (`ProblemLayout`), and one program computes every
+    block's statistics at once.
 
     The moments are first put on one device: a program over moments split across
     devices sums in another order, so the statistics (and a stopping rule's decision)
     would change in their last bits with the chunking or the device count.
     """
-    return _diagnose(jtu.tree_map(_on_one_device, moments), num_superchains)
-
-
-def diagnose_problems(
-    moments: Moments, num_superchains: int | None, num_problems: int | None
-) -> Diagnostics:
-    """`diagnose` of each problem's chains (`data=`), stacked: each statistic with a
-    leading axis of `num_problems`; of every chain, as `diagnose`, if it is None.
-
-    The chains of one problem are one block (`ProblemLayout`), so the moments are split
-    into blocks and one program computes every problem's statistics at once.
-    """
-    if num_problems is None:
-        return diagnose(moments, num_superchains)
     moments = jtu.tree_map(_on_one_device, moments)
+    if num_problems is None:
+        return _diagnose(moments, num_superchains)
     layout = ProblemLayout(moments.count.shape[0], num_problems)
     blocks = jtu.tree_map(layout.blocks, moments)
     return _diagnose_each(blocks, layout.superchains_each(num_superchains))

@@ -15,22 +15,22 @@ import numpy as np
 
 from ._chunk import ChunkJob, ChunkRun, RunContext
 from ._common import ChainState
-from ._convergence import diagnose, diagnose_problems
+from ._convergence import diagnose
 from ._placement import joined, whole_here
 from ._plan import RunPlan
 from ._problem_records import ProblemRecords
 from ._records import Check, Record
-from ._stopping import check, passes_each, postfix
+from ._stopping import check, passes, postfix
 
 
 def run_chunks(
     context: RunContext, jobs: list[ChunkJob]
-) -> tuple[list[tuple[ChainState, Any]], Record | ProblemRecords]:
+) -> tuple[list[tuple[ChainState, Any]], ProblemRecords]:
     """Every chunk's chains and trace after the run, and the record of `until`'s
-    checks (empty without it; one per problem with `data`)."""
+    checks, one per problem (a run without `data` is one; empty without `until`)."""
     together = context.plan.until is not None
     groups = [jobs] if together else [[job] for job in jobs]
-    results, record = [], context.plan.empty_record()
+    results, record = [], _no_checks(context.plan)
     for group in groups:
         with contextlib.ExitStack() as stack:
             chunks = [stack.enter_context(ChunkRun(context, job)) for job in group]
@@ -51,18 +51,25 @@ def run_chunks(
     return results, record
 
 
+def _no_checks(plan: RunPlan) -> ProblemRecords:
+    """The record of `until`'s checks before any, one per problem; without `until`,
+    one, so that a run of many problems does not walk a record per problem at every
+    boundary for checks it never makes."""
+    return ProblemRecords.empty(1 if plan.until is None else plan.layout.num_problems)
+
+
 def _run_group(
     context: RunContext, chunks: list[ChunkRun], separate: bool
-) -> Record | ProblemRecords:
+) -> ProblemRecords:
     """Moves `chunks` to the run's end, boundary by boundary, checkpointing each after
-    every segment; with `until`, checks the rule where due (every chunk there). With
-    `data`, each problem is checked on its own, and a segment runs only the chains of
-    the problems still running."""
+    every segment; with `until`, checks the rule where due (every chunk there). Each
+    problem is checked on its own, and a segment runs only the chains of the problems
+    still running."""
     plan = context.plan
     # Resumed chunks may stand at different steps (a kill between two chunks'
     # writes): the one furthest on holds the decisions of the others' next checks.
     record = max(
-        (chunk.record or plan.empty_record() for chunk in chunks),
+        (chunk.record or _no_checks(plan) for chunk in chunks),
         key=lambda r: r.progress,
     )
     while (here := min(chunk.steps_done for chunk in chunks)) < record.end(
@@ -70,11 +77,11 @@ def _run_group(
     ):
         stop = context.next_stop(here)
         moving = [chunk for chunk in chunks if chunk.steps_done == here]
-        running = None
-        if isinstance(record, ProblemRecords):
-            running = record.running(here)
+        # Without `until` no problem stops: its record is not walked.
+        running = None if plan.until is None else record.running(here)
         for chunk in moving:
-            chunk.advance(stop, running)
+            # A chunk of a run without `data` has one problem, still running.
+            chunk.advance(stop, None if chunk.problem_of_row is None else running)
             if len(chunks) > 1:
                 # As between groups: one chunk's working memory at a time.
                 jax.block_until_ready(chunk.chains)
@@ -87,45 +94,31 @@ def _run_group(
                 moments = [chunk.moments() for chunk in chunks]
                 _show(context, stop, moments, _nonfinite(_first_bad(chunks)))
         elif plan.until.is_check(stop, plan.num_steps) and not record.decided(stop):
-            if isinstance(record, ProblemRecords):
-                record = _decide_each(context, record, stop, chunks)
-            else:
-                record = _decide(context, record, stop, chunks)
+            record = _decide(context, record, stop, chunks)
         for chunk in moving:
-            if isinstance(record, ProblemRecords):
-                chunk.discard_moments(record.failed(stop))
-            elif record.failed(stop):
-                chunk.discard_moments()
+            if plan.until is not None:
+                _discard_failed(chunk, record.failed(stop))
             chunk.write(None if plan.until is None else record.as_of(stop))
     return record
 
 
+def _discard_failed(chunk: ChunkRun, failed: np.ndarray) -> None:
+    """Discards the moments of the problems whose check `failed` (`bool[problems]`):
+    a chunk of a run without `data`, one problem, has no problem per row."""
+    if chunk.problem_of_row is not None:
+        chunk.discard_moments(failed)
+    elif failed[0]:
+        chunk.discard_moments()
+
+
 def _decide(
-    context: RunContext, record: Record, stop: int, chunks: list[ChunkRun]
-) -> Record:
-    """The record with the check at step `stop` (every chunk is there) added."""
-    plan = context.plan
-    assert plan.until is not None
-    undrawn = _without_draws(plan, record, stop)
-    if undrawn is not None:
-        return undrawn
-    diagnostics = diagnose(
-        joined([chunk.moments() for chunk in chunks]), plan.superchains
-    )
-    nonfinite = _nonfinite(_first_bad(chunks))
-    result = check(plan.until, diagnostics, nonfinite)
-    if context.bar is not None:
-        context.bar.show(stop, postfix(diagnostics, nonfinite))
-    return _with_check(plan, record, stop, result)
-
-
-def _decide_each(
     context: RunContext, records: ProblemRecords, stop: int, chunks: list[ChunkRun]
 ) -> ProblemRecords:
-    """The records with the checks at step `stop` of every problem still running,
-    each made on its own chains, as `_decide` makes it for a run of one problem."""
+    """The records with the checks at step `stop` (every chunk is there) of every
+    problem still running, each made on its own chains."""
     plan = context.plan
-    checks = _ProblemChecks.of(plan, chunks)
+    # Diagnosed once a problem has draws to check: not before `burn_in`.
+    checks: _ProblemChecks | None = None
     decided, checked = [], []
     for p, record in enumerate(records.records):
         if record.stopped is None:
@@ -133,12 +126,14 @@ def _decide_each(
             if undrawn is not None:
                 record = undrawn
             else:
+                if checks is None:
+                    checks = _ProblemChecks.of(plan, chunks)
                 checked.append(p)
                 record = _with_check(plan, record, stop, checks.result(p, stop))
         decided.append(record)
     records = ProblemRecords(tuple(decided))
     if context.bar is not None:
-        _show_running(context, records, stop, checks, checked)
+        _show_checks(context, records, stop, checks, checked)
     return records
 
 
@@ -182,27 +177,33 @@ class _ProblemChecks(NamedTuple):
 
     @classmethod
     def of(cls, plan: RunPlan, chunks: list[ChunkRun]) -> "_ProblemChecks":
-        assert plan.until is not None and plan.problems is not None
+        assert plan.until is not None
         # On the host at once: each problem's check reads its row of every statistic.
         diagnostics = jax.device_get(
-            diagnose_problems(
+            diagnose(
                 joined([chunk.moments() for chunk in chunks]),
                 plan.superchains,
                 plan.problems,
             )
         )
+        if plan.problems is None:
+            # The one problem's row: its statistics have no axis of problems.
+            diagnostics = jtu.tree_map(lambda x: x[None], diagnostics)
         nonfinite = _nonfinite(_first_bad(chunks))
-        has_nonfinite = np.zeros(plan.problems, bool)
+        has_nonfinite = np.zeros(plan.layout.num_problems, bool)
         has_nonfinite[plan.layout.problem_of(nonfinite)] = True
-        passed, worst = passes_each(plan.until, diagnostics, has_nonfinite)
+        passed, worst = passes(plan.until, diagnostics, has_nonfinite)
         return cls(plan, diagnostics, nonfinite, passed, worst)
+
+    def row(self, p: int) -> Any:
+        """Problem `p`'s diagnostics."""
+        return jtu.tree_map(lambda x: x[p], self.diagnostics)
 
     def checked(self, p: int) -> Check:
         """Problem `p`'s check with its reason, as `check` makes it."""
         assert self.plan.until is not None
         own = self.plan.layout.own(self.nonfinite, p)
-        row = jtu.tree_map(lambda x: x[p], self.diagnostics)
-        return check(self.plan.until, row, own)
+        return check(self.plan.until, self.row(p), own)
 
     def result(self, p: int, stop: int) -> Check:
         """Problem `p`'s check at step `stop`: a reason is made only where the
@@ -212,20 +213,25 @@ class _ProblemChecks(NamedTuple):
         return Check(False, float(self.worst[p]), "")
 
 
-def _show_running(
+def _show_checks(
     context: RunContext,
     records: ProblemRecords,
     stop: int,
-    checks: _ProblemChecks,
+    checks: _ProblemChecks | None,
     checked: list[int],
 ) -> None:
     """The bar at step `stop`: the problems still running and, of those `checked`
-    there, the worst, with its check's reason."""
+    there (by `checks`, None if none was), the worst, with its check's reason;
+    without `data`, the one problem's statistics, if it was checked."""
     assert context.bar is not None
+    if context.plan.problems is None:
+        if checks is not None:
+            context.bar.show(stop, postfix(checks.row(0), checks.nonfinite))
+        return
     running = records.running(stop)
     text = f"{int(running.sum())} of {context.plan.problems} problems running"
     still = [p for p in checked if running[p]]
-    if still:
+    if still and checks is not None:
         # The worst by the first criterion, NaN (nothing to compare) last.
         worst = checks.worst
         p = max(still, key=lambda p: (not np.isnan(worst[p]), worst[p]))
@@ -246,7 +252,7 @@ def _show(
     first index of an element being its problem."""
     assert context.bar is not None
     plan = context.plan
-    diagnostics = diagnose_problems(joined(moments), plan.superchains, plan.problems)
+    diagnostics = diagnose(joined(moments), plan.superchains, plan.problems)
     text = postfix(diagnostics, nonfinite)
     if plan.problems is not None:
         text = f"{plan.problems} problems, at [problem, ...]: {text}"

@@ -3,15 +3,14 @@ step runs."""
 
 import dataclasses
 import math
-from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import jax.extend
 
 from .._errors import BatchError
-from ._all_chains import AllChains
+from ._all_chains import RunStep
 from ._arguments import Counts, Init
 from ._common import ChainState, Draws, ProblemLayout
 from ._identity import RunIdentity, RunOptions
@@ -19,9 +18,8 @@ from ._moments import check_diagnostics
 from ._placement import chain_devices, Placement
 from ._prepared import prepared_run, PreparedRun
 from ._problem_records import ProblemRecords
-from ._problems import ProblemStep
 from ._records import Record
-from ._segment_plan import SegmentPlan
+from ._segment_plan import SegmentPlan, TraceMode
 from ._step import trace_step
 from ._stopping import Schedule, StoppingRule
 
@@ -37,14 +35,14 @@ STREAMED_BYTES = 16 * 2**20
 class RunPlan:
     """What every chunk of one call of `run_chains` shares."""
 
-    step: Callable
+    step: RunStep
     shared: Any  # the non-array leaves of the state
     prepared: PreparedRun  # one chain's structs, and the segments and placements
     segment: SegmentPlan  # with `length` 0: `prepared.segment` sets it per segment
     options: RunOptions  # the arguments that change results, for the identity
-    # `trace` as given (True, False or "disk"); `options.trace` records only whether
+    # Where the draws go, as `trace` chose; `options.trace` records only whether
     # draws are recorded, which is what makes two calls one run.
-    trace_mode: bool | Literal["disk"]
+    trace: TraceMode
     num_chains: int
     chunk_size: int  # chains per chunk: `num_chains` unless chunked
     checkpoint_every: int | None
@@ -102,11 +100,13 @@ class RunPlan:
         )
 
     @property
-    def streamed_segment(self) -> SegmentPlan:
-        """`segment`, recording each segment's own draws (`streams`): for a batch of
-        the running problems' chains, whose draws are then written over their rows
+    def own_draws_segment(self) -> SegmentPlan:
+        """`segment`, returning each segment's own draws: for a batch of the running
+        problems' chains, whose draws are then written over their rows
         (`ChunkRun._advance_running`)."""
-        return dataclasses.replace(self.segment, keep_trace=False, streams=True)
+        return dataclasses.replace(
+            self.segment, writes_trace=False, returns_own_draws=True
+        )
 
     @property
     def record_kind(self) -> type[Record] | type[ProblemRecords] | None:
@@ -127,11 +127,11 @@ class RunPlan:
     @property
     def records(self) -> bool:
         """Whether the run records draws: in a trace buffer, or streamed to files."""
-        return self.segment.keep_trace or self.segment.streams
+        return self.segment.writes_trace or self.segment.returns_own_draws
 
     def trace_like(self, num_chains: int) -> Any:
         """The trace buffer's shape-dtype structs; None without a trace buffer."""
-        if not self.segment.keep_trace:
+        if not self.segment.writes_trace:
             return None
         return self.prepared.trace_like(num_chains, self.draws.total)
 
@@ -146,19 +146,19 @@ class RunPlan:
     @property
     def data(self) -> Any:
         """`data` of a run of many problems, as the step holds it; else None."""
-        return self.step.data if isinstance(self.step, ProblemStep) else None
+        return self.step.data
 
     def identity(self, chains: ChainState) -> RunIdentity:
         """The identity of the run of these chains (at their start)."""
         assert self.program is not None
         init = eqx.combine(chains.states, self.shared)
         return RunIdentity.of(
-            self.program, init, chains.keys, self.options, self.data, self.trace_mode
+            self.program, init, chains.keys, self.options, self.data, self.trace.value
         )
 
 
 def plan_run(
-    step: Callable,
+    step: RunStep,
     init: Init,
     keys: jax.Array,
     legacy: bool,
@@ -183,7 +183,7 @@ def plan_run(
     or an all-chains step cannot take the run.
     """
     num_chains = init.num_chains
-    all_chains = isinstance(step, AllChains)
+    all_chains = step.sees_every_chain
     if all_chains:
         _check_all_chains_run(num_chains, counts.chunk_size)
     traced = None
@@ -195,18 +195,20 @@ def plan_run(
         _check_diagnostics(prepared, draws, until)
     schedule = _schedule(until, counts.num_steps, superchains, num_chains, problems)
     chunk_size = min(counts.chunk_size or num_chains, num_chains)
-    recording = _Recording.of(trace, draws, prepared, chunk_size)
+    mode = TraceMode(trace)  # decided once: nothing below asks `trace` again
+    segment = _segment_plan(mode, draws, with_output, legacy)
+    streamed_steps = None
+    if segment.returns_own_draws:
+        streamed_steps = _streamed_steps(prepared, chunk_size, draws.thin)
     return RunPlan(
         step=step,
         shared=init.shared,
         prepared=prepared,
-        segment=SegmentPlan(
-            0, draws, with_output, recording.keep_trace, legacy, recording.streams
-        ),
+        segment=segment,
         options=_run_options(
-            counts, with_output, trace, diagnostics, all_chains, superchains, schedule
+            counts, with_output, mode, diagnostics, all_chains, superchains, schedule
         ),
-        trace_mode=trace,
+        trace=mode,
         num_chains=num_chains,
         chunk_size=chunk_size,
         checkpoint_every=counts.checkpoint_every,
@@ -214,7 +216,7 @@ def plan_run(
         superchains=superchains,
         problems=problems,
         program=None if traced is None else traced.program,
-        streamed_steps=recording.streamed_steps,
+        streamed_steps=streamed_steps,
     )
 
 
@@ -239,7 +241,7 @@ def _check_all_chains_run(num_chains: int, chunk_size: int | None) -> None:
 def _run_options(
     counts: Counts,
     with_output: bool,
-    trace: bool | Literal["disk"],
+    trace: TraceMode,
     diagnostics: bool,
     all_chains: bool,
     superchains: int | None,
@@ -253,7 +255,7 @@ def _run_options(
         burn_in=counts.burn_in,
         with_output=with_output,
         # `"disk"` records the draws that `True` does: one run, read back either way.
-        trace=trace is not False,
+        trace=trace is not TraceMode.NONE,
         diagnostics=diagnostics,
         all_chains=all_chains,
         superchains=superchains,
@@ -272,27 +274,22 @@ def _check_diagnostics(
     check_diagnostics(prepared.one_chain.state, draws.total, asked_by)
 
 
-class _Recording(NamedTuple):
-    """Where the run's draws go: into a trace buffer (`keep_trace`), or segment by
-    segment to files (`streams`, with `trace="disk"`); neither if it records none."""
-
-    keep_trace: bool
-    streams: bool
-    # When streamed, the most steps of a segment: see `_streamed_steps`.
-    streamed_steps: int | None
-
-    @classmethod
-    def of(
-        cls,
-        trace: bool | Literal["disk"],
-        draws: Draws,
-        prepared: PreparedRun,
-        chunk_size: int,
-    ) -> "_Recording":
-        records = trace is not False and draws.total > 0
-        if not (records and trace == "disk"):
-            return cls(records, False, None)
-        return cls(False, True, _streamed_steps(prepared, chunk_size, draws.thin))
+def _segment_plan(
+    mode: TraceMode, draws: Draws, with_output: bool, legacy: bool
+) -> SegmentPlan:
+    """The run's segments (their `length` set per segment) for the trace `mode`: a
+    run that records draws writes them into its trace buffer, or with the trace on
+    disk each segment returns its own draws, for the files; neither records any if
+    the run makes no draw."""
+    records = mode is not TraceMode.NONE and draws.total > 0
+    return SegmentPlan(
+        0,
+        draws,
+        with_output,
+        writes_trace=records and mode is TraceMode.MEMORY,
+        legacy=legacy,
+        returns_own_draws=records and mode is TraceMode.DISK,
+    )
 
 
 def _streamed_steps(prepared: PreparedRun, chunk_size: int, thin: int) -> int:

@@ -9,7 +9,6 @@ that promise. It also saves the trace of the step that checks it: calling `run_c
 again costs no trace, as the compiled loop costs no compile.
 """
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,8 +16,9 @@ import jax
 from .._compile import partition
 from .._lowered import array_types
 from .._memo import BoundedCache
-from ._all_chains import AllChains
-from ._common import OneChain, structs
+from .._tree import structs
+from ._all_chains import RunStep
+from ._common import OneChain
 from ._placement import Placement
 from ._segment_plan import SegmentPlan
 from ._step import step_layout, StepLayout, trace_step, TracedStep
@@ -45,9 +45,9 @@ class PreparedRun:
                 length,
                 plan.draws,
                 plan.with_output,
-                plan.keep_trace,
+                plan.writes_trace,
                 plan.legacy,
-                plan.streams,
+                plan.returns_own_draws,
                 emit,
             ),
         )
@@ -74,7 +74,7 @@ _prepared: BoundedCache = BoundedCache(256)
 
 
 def prepared_run(
-    step: Callable,
+    step: RunStep,
     states: Any,
     keys: jax.Array,
     legacy: bool,
@@ -93,15 +93,13 @@ def prepared_run(
     """
     step_arrays, step_static = partition(step)
     state_arrays, state_static = partition(states)
+    # An all-chains step is traced on every chain: their number matters to it.
+    per_chain = 0 if step.sees_every_chain else 1
     signature = (
         step_static,
         array_types(step_arrays),
         state_static,
-        # An all-chains step is traced on every chain: their number matters to it.
-        tuple(
-            (x.shape if isinstance(step, AllChains) else x.shape[1:], x.dtype)
-            for x in state_arrays
-        ),
+        tuple((x.shape[per_chain:], x.dtype) for x in state_arrays),
         keys.dtype,
         legacy,
         with_output,

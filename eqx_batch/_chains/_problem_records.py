@@ -1,21 +1,25 @@
-"""Each problem stopping on its own: the records of `until`'s checks of a run of many
-problems (`data=` with `until=`), one `Record` per problem.
+"""The record of `until`'s checks of a run: one `Record` per problem, a run without
+`data=` being one problem.
 
 Every problem still running is at the same step: the problems start together and move
 together, and one that stops leaves the compiled batch (`_chunk.py` compacts it out).
 So a check is made at one step for every running problem, and each problem's record
 is the record its run alone would keep.
+
+A checkpoint keeps the record as JSON, in the form the run's files have always had:
+one problem's record as it is without `data`, a list of one per problem with `data`.
+The form is chosen only here, at the file boundary (`one_problem`).
 """
 
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._records import Record
+from ._records import Record, Stopped
 
 
 class ProblemRecords(NamedTuple):
-    """One `Record` per problem, as a checkpoint keeps them (JSON)."""
+    """One `Record` per problem, in the order of the problems."""
 
     records: tuple[Record, ...]
 
@@ -23,20 +27,34 @@ class ProblemRecords(NamedTuple):
     def empty(cls, num_problems: int) -> "ProblemRecords":
         return cls((Record(),) * num_problems)
 
-    def to_json(self) -> dict:
+    def to_json(self, *, one_problem: bool = False) -> dict:
+        """The records as a checkpoint keeps them: with `one_problem` (a run without
+        `data`), the one problem's record as it is."""
+        if one_problem:
+            (record,) = self.records
+            return record.to_json()
         return {"problems": [record.to_json() for record in self.records]}
 
     @classmethod
-    def from_json(cls, saved: Any, burn_in: int) -> "ProblemRecords":
-        """Raises `ValueError`, `TypeError` or `KeyError` if `saved` is malformed."""
+    def from_json(
+        cls, saved: Any, burn_in: int, *, one_problem: bool = False
+    ) -> "ProblemRecords":
+        """The records `to_json` wrote. Raises `ValueError`, `TypeError` or
+        `KeyError` if `saved` is malformed."""
+        if one_problem:
+            return cls((Record.from_json(saved, burn_in),))
         if not isinstance(saved, dict) or not isinstance(saved["problems"], list):
             raise ValueError("a list of one record per problem")
         return cls(tuple(Record.from_json(r, burn_in) for r in saved["problems"]))
 
-    def disagreement(self, steps_done: int) -> str | None:
+    def disagreement(self, steps_done: int, *, one_problem: bool = False) -> str | None:
         """What contradicts a progress of `steps_done` steps in any problem's record:
         checks out of order, a check or a stop after them, a stop before its last
-        check."""
+        check; with `one_problem` (a run without `data`), a stop elsewhere than at
+        `steps_done`."""
+        if one_problem:
+            (record,) = self.records
+            return record.disagreement(steps_done)
         for p, record in enumerate(self.records):
             problem = record.disagreement(steps_done, stops_last=False)
             if problem is not None:
@@ -83,3 +101,11 @@ class ProblemRecords(NamedTuple):
             [-1 if r.stopped is None else r.stopped.step for r in self.records],
             np.int64,
         )
+
+    def stops(self, num_steps: int) -> tuple[tuple[Stopped, ...] | None, np.ndarray]:
+        """Each problem's `Stopped` (None unless every problem stopped: the cap stops
+        those still running) and the steps it ran (`int64[problems]`), of a run with
+        the cap `num_steps` that ended with these records."""
+        steps = np.array([r.end(num_steps) for r in self.records], np.int64)
+        stopped = tuple(r.stopped for r in self.records if r.stopped is not None)
+        return (stopped if len(stopped) == len(self.records) else None), steps

@@ -18,16 +18,17 @@ CPU and slower on a TPU, with the data held once.
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import BatchError, call_mismatch, describe, leaf_name
-from .._tree import common_size, host_array, is_array
-from ._all_chains import AllChains
+from .._tree import common_size, host_array, is_array, structs
+from ._all_chains import RunStep
 
 
 # The most bytes of `data`'s rows that a segment copies per chain (see the module's
@@ -45,12 +46,33 @@ class ProblemStep(eqx.Module):
 
     step: Callable
     data: Any
+    sees_every_chain: ClassVar[bool] = False  # (`RunStep`)
+
+    @classmethod
+    def of(cls, step: Callable, data: Any) -> "ProblemStep":
+        """`step` given its chain's row of `data`, `data`'s NumPy leaves with the
+        dtypes JAX gives them, as `init`'s get.
+
+        **Raises:**
+
+        `BatchError` if `step` cannot be called as `step(state, key, data)`.
+        """
+        _check_signature(step)
+        data = jtu.tree_map(
+            lambda x: (
+                np.asarray(x, jax.dtypes.canonicalize_dtype(x.dtype))
+                if isinstance(x, np.ndarray)
+                else x
+            ),
+            data,
+        )
+        return cls(step, data)
 
     def __call__(self, state: Any, key: Any, problem: Any) -> Any:
         """One chain's step, given its problem's index."""
         return self.step(state, key, _rows(self.data, problem))
 
-    def for_chains(self, problem: jax.Array) -> tuple[Callable, Any]:
+    def for_chains(self, problem: jax.Array) -> tuple[Callable, tuple]:
         """One chain's step and what each chain gives it beside its state and key
         (stacked by chain), from each chain's `problem`: made once, before the loop.
 
@@ -63,13 +85,13 @@ class ProblemStep(eqx.Module):
             for x in jtu.tree_leaves(rows)
         )
         if copy_bytes > COPY_LIMIT:
-            return self, problem
+            return self, (problem,)
         step = self.step
 
         def on_row(state: Any, key: Any, row: Any) -> Any:
             return step(state, key, eqx.combine(row, static))
 
-        return on_row, _rows(rows, problem)
+        return on_row, (_rows(rows, problem),)
 
     def placed(self, sharding: jax.sharding.Sharding) -> "ProblemStep":
         """This step with `data` on the devices of `sharding` (replicated). In a job of
@@ -84,6 +106,24 @@ class ProblemStep(eqx.Module):
 
         return ProblemStep(self.step, jtu.tree_map(place, self.data))
 
+    def traced_call(
+        self, states: Any, keys: jax.Array, one_key: jax.ShapeDtypeStruct
+    ) -> tuple[Callable, tuple]:
+        """One chain's state and key, and its problem, whose row of the data the step
+        gets. The data is an argument, not a constant of the program: the run's
+        identity names it on its own (`RunIdentity.of`)."""
+        step = self.step
+        return (lambda s, k, p, d: ProblemStep(step, d)(s, k, p)), (
+            structs(states, drop=1),
+            one_key,
+            jax.ShapeDtypeStruct((), jnp.int32),
+            structs(self.data),
+        )
+
+    def with_data(self, data: Any) -> "ProblemStep":
+        """Its step given the rows of `data` instead (as `ProblemStep.of`)."""
+        return ProblemStep.of(self.step, data)
+
 
 def _rows(data: Any, problem: Any) -> Any:
     """The `problem` rows of `data`'s arrays; its other leaves as they are."""
@@ -91,8 +131,8 @@ def _rows(data: Any, problem: Any) -> Any:
 
 
 def problem_step(
-    step: Callable, data: Any, num_chains: int, superchains: int | None
-) -> tuple[ProblemStep, int]:
+    step: RunStep, data: Any, num_chains: int, superchains: int | None
+) -> tuple[RunStep, int]:
     """`step` given its chain's row of `data`, and the number of problems P.
 
     `data`'s NumPy leaves get the dtypes JAX gives them, as `init`'s do.
@@ -104,24 +144,8 @@ def problem_step(
     `step` is an `eb.all_chains` step, or if `step` cannot be called as
     `step(state, key, data)`.
     """
-    if isinstance(step, AllChains):
-        raise BatchError(
-            "`data` is given with an `eb.all_chains` step: the step sees every chain "
-            "at once, so there is no one problem to give it the row of. Pass the data "
-            "to the step yourself (`functools.partial(step, data=data)`) and index it "
-            "by each chain's problem inside, or use a per-chain "
-            "`step(state, key, data)`."
-        )
-    _check_signature(step)
-    data = jtu.tree_map(
-        lambda x: (
-            np.asarray(x, jax.dtypes.canonicalize_dtype(x.dtype))
-            if isinstance(x, np.ndarray)
-            else x
-        ),
-        data,
-    )
-    num_problems = _num_problems(data)
+    given = step.with_data(data)
+    num_problems = _num_problems(given.data)
     if superchains is not None and superchains % num_problems:
         raise BatchError(
             f"`data` holds {num_problems} problems, which do not divide "
@@ -136,7 +160,7 @@ def problem_step(
             f"`c` belonging to problem `c // (chains // problems)`. Pass "
             f"{num_problems} * M chains in `init` (or keys, with superchains)."
         )
-    return ProblemStep(step, data), int(num_problems)
+    return given, int(num_problems)
 
 
 _DATA_IS = (

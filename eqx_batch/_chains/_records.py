@@ -1,5 +1,6 @@
-"""The records of `until`'s checks: a check's outcome (`Check`), a run's checks so far
-(`Record`) and its report once it stops (`eb.Stopped`).
+"""The records of `until`'s checks: a check's outcome (`Check`), one problem's checks
+so far (`Record`; a run's are one per problem, `_problem_records.py`) and its report
+once it stops (`eb.Stopped`).
 
 Plain data, kept apart from the rule and the statistics that make them (`_stopping.py`,
 `_convergence.py`): the checkpoint files keep records as JSON, and read them back
@@ -64,8 +65,8 @@ class Stopped(eqx.Module):
 
 
 class Record(NamedTuple):
-    """The checks of a run so far, and its `Stopped` once it stops, as a checkpoint
-    keeps them (JSON)."""
+    """The checks of one problem so far, and its `Stopped` once it stops, as a
+    checkpoint keeps them (JSON)."""
 
     checks: tuple[int, ...] = ()
     worst: tuple[float, ...] = ()

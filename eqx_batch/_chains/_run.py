@@ -38,7 +38,7 @@ from ._checkpoint_files import (
 )
 from ._chunk import ChunkJob, RunContext
 from ._common import ChainState, ProblemLayout
-from ._convergence import diagnose_problems, Diagnostics
+from ._convergence import diagnose, Diagnostics
 from ._disk_trace import disk_trace
 from ._lock import check_folder, refuse_if_in_use, WriteAccess
 from ._loop import run_chunks
@@ -49,8 +49,9 @@ from ._placement import joined_chains, whole_here, without_copies
 from ._plan import plan_run, RunPlan
 from ._problem_records import ProblemRecords
 from ._problems import problem_step
-from ._records import Record, Stopped
+from ._records import Stopped
 from ._result import assembled, Chains
+from ._segment_plan import TraceMode
 from ._step import pytree_step
 from ._stopping import checked_until, StoppingRule
 from ._superchains import expand_superchains
@@ -301,7 +302,7 @@ def _jobs(
 def _result(
     plan: RunPlan,
     results: list[tuple[ChainState, Any]],
-    record: Record | ProblemRecords,
+    record: ProblemRecords,
     superchain_ids: np.ndarray | None,
     checkpoint: pathlib.Path | None,
 ) -> Chains:
@@ -376,10 +377,10 @@ def _recorded(
     buffer and writes no draw file: its trace is empty, `[chains, 0, ...]` per leaf,
     in memory or, with `trace="disk"`, as `DiskArray`s.
     """
-    if plan.trace_mode is False:
+    if plan.trace is TraceMode.NONE:
         return None
     like = plan.prepared.trace_like(plan.num_chains, plan.draws.before(last))
-    if plan.trace_mode == "disk":
+    if plan.trace is TraceMode.DISK:
         assert checkpoint is not None
         listing = [
             entry._replace(
@@ -402,17 +403,14 @@ def _recorded(
 
 
 def _stops(
-    plan: RunPlan, record: Record | ProblemRecords
+    plan: RunPlan, record: ProblemRecords
 ) -> tuple[tuple[Stopped, ...] | None, np.ndarray]:
     """Each problem's `Stopped` (one problem without `data`; None without `until`)
     and steps run (NumPy `int64`), of a run that ended with `record`."""
     if plan.until is None:
-        return None, np.full(plan.problems or 1, plan.num_steps, np.int64)
-    records = record.records if isinstance(record, ProblemRecords) else (record,)
-    steps = np.array([r.end(plan.num_steps) for r in records], np.int64)
+        return None, np.full(plan.layout.num_problems, plan.num_steps, np.int64)
     # The cap stops every problem still running: each has its `Stopped`.
-    stopped = tuple(r.stopped for r in records if r.stopped is not None)
-    return (stopped if len(stopped) == len(records) else None), steps
+    return record.stops(plan.num_steps)
 
 
 def _diagnostics(moments: Any, plan: RunPlan) -> Diagnostics | None:
@@ -421,9 +419,7 @@ def _diagnostics(moments: Any, plan: RunPlan) -> Diagnostics | None:
     if not plan.options.diagnostics:
         return None
     # Moments are per chain, not per draw: small enough to gather in a job.
-    diagnostics = diagnose_problems(
-        whole_here(moments), plan.superchains, plan.problems
-    )
+    diagnostics = diagnose(whole_here(moments), plan.superchains, plan.problems)
     if plan.until is not None:
         # Its halves are those of the planned draws, which an early stop never makes.
         diagnostics = dataclasses.replace(diagnostics, split_rhat=None)

@@ -26,18 +26,19 @@ import jax.tree_util as jtu
 
 from .._compile import AsyncJit
 from .._tree import is_array
-from ._all_chains import AllChains
+from ._all_chains import RunStep
 from ._common import ChainState
 from ._moments import add_draw
 from ._placement import made_zeros
-from ._problems import ProblemStep
 from ._segment_plan import SegmentPlan
 from ._step import numbers_as_arrays
 
 
 class SegmentResult(NamedTuple):
     chains: ChainState
-    trace: Any  # the trace buffer, every draw so far written in; None if it streams
+    # The trace buffer, every draw so far written in; None if the segment returns its
+    # own draws.
+    trace: Any
     new_draws: Any  # the draws around the segment's, if `plan.emit`; else None
 
 
@@ -66,7 +67,7 @@ def _with_first_bad(first_bad: jax.Array, raw_states: Any, step: Any) -> jax.Arr
 
 def _segment(
     plan: SegmentPlan,
-    step: Callable,
+    step: RunStep,
     shared: Any,
     chains: ChainState,
     start: jax.Array,
@@ -79,9 +80,10 @@ def _segment(
     A run of one segment passes it, and the NaN report, as the shape-dtype structs of
     the zeros they start as (`Placement.zeros_to_make`), made here: one program to
     dispatch rather than two, and no buffer handed between them. A segment that
-    `streams` gets a buffer of `emit` draws instead (donated: an earlier segment's,
-    written out already), records its own draws in it from slot 0 and returns it as
-    `new_draws` (its `trace` is then None): nothing of the run's size is kept.
+    `returns_own_draws` gets a buffer of `emit` draws instead (donated: an earlier
+    segment's, written out already), records its own draws in it from slot 0 and
+    returns it as `new_draws` (its `trace` is then None): nothing of the run's size is
+    kept.
     """
     trace = made_zeros(trace)
     chains = chains._replace(
@@ -90,8 +92,8 @@ def _segment(
     draws = plan.draws
     # The slot of the segment's first draw in `trace`: 0 when it holds only its own.
     first = draws.before(start)
-    offset = first if plan.streams else 0
-    records = plan.keep_trace or (plan.streams and plan.emit > 0)
+    offset = first if plan.returns_own_draws else 0
+    records = plan.writes_trace or (plan.returns_own_draws and plan.emit > 0)
 
     def next_key(key: jax.Array) -> tuple:
         # The chain's carried key and the key its step gets.
@@ -107,7 +109,9 @@ def _segment(
         output = eqx.filter(numbers_as_arrays(output), is_array)
         return eqx.filter(new, is_array), output
 
-    chain_step, given = _per_chain_step(step, chains.problem)
+    # With `data`, what each chain reads of it is made here, outside the loop, so
+    # that the loop body holds no gather of it (`ProblemStep.for_chains`).
+    chain_step, given = step.for_chains(chains.problem)
 
     def one_chain(state: Any, key: jax.Array, *row: Any) -> tuple:
         key, step_key = next_key(key)
@@ -123,8 +127,8 @@ def _segment(
         # 0 or below, which XLA clamps to 0, as it clamps any slot past the buffer's
         # end to the last: nothing is computed to bound it (else XLA repeats that
         # arithmetic in every leaf's write, for longer compiles).
-        # Before the segment's first draw, a streaming segment's slot is below 0,
-        # clamped to 0 like the slots before `burn_in`.
+        # Before the segment's first draw, the slot of a segment that returns its own
+        # draws is below 0, clamped to 0 like the slots before `burn_in`.
         slot = draws.slot(t) - offset
         is_draw = draws.is_draw(t) if draws.thin > 1 else None
         return jtu.tree_map(
@@ -139,7 +143,7 @@ def _segment(
         # no step has run, and 0 stays 0). They are read where they are held, so
         # XLA does not repeat the step's arithmetic to check them.
         first_bad = _with_first_bad(first_bad, states, t)
-        if isinstance(step, AllChains):
+        if step.sees_every_chain:
             keys, states, output = every_chain(states, keys, t)
         else:
             keys, states, output = jax.vmap(one_chain)(states, keys, *given)
@@ -158,7 +162,7 @@ def _segment(
         first_bad=_with_first_bad(chains.first_bad, chains.states, end)
     )
     new_draws = None
-    if plan.streams:
+    if plan.returns_own_draws:
         new_draws, trace = (trace if records else None), None
     elif plan.emit:
         # In the same program as the loop: no extra dispatch, and XLA can overlap it.
@@ -166,17 +170,6 @@ def _segment(
             lambda b: lax.dynamic_slice_in_dim(b, first, plan.emit, 1), trace
         )
     return SegmentResult(chains, trace, new_draws)
-
-
-def _per_chain_step(step: Callable, problem: Any) -> tuple[Callable, tuple]:
-    """One chain's step and what each chain gives it beside its state and key: with
-    `data` (each chain's `problem`), what it reads of the data, made here, outside the
-    loop (`ProblemStep.for_chains`), so that the loop body holds no gather of it."""
-    if problem is None:
-        return step, ()
-    assert isinstance(step, ProblemStep)
-    chain_step, rows = step.for_chains(problem)
-    return chain_step, (rows,)
 
 
 def _write_slot(

@@ -1,12 +1,23 @@
-"""`SegmentPlan`: what a compiled segment fixes when it is traced.
+"""`TraceMode`, where a run's draws go, and `SegmentPlan`: what a compiled segment
+fixes when it is traced.
 
 Below the segment, so that what makes plans (`_plan.py`, `_prepared.py`) does not
 import the compiled program to name them.
 """
 
 import dataclasses
+import enum
 
 from ._common import Draws
+
+
+class TraceMode(enum.Enum):
+    """Where a run's draws go, decided once from `trace=` (as Equinox's
+    `while_loop(kind=...)` decides its kind): each value is `trace` as given."""
+
+    MEMORY = True  # a trace buffer of the whole run, on the devices
+    DISK = "disk"  # the checkpoint's draw files, written segment by segment
+    NONE = False  # nowhere: the run records no draw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,11 +27,12 @@ class SegmentPlan:
     length: int
     draws: Draws
     with_output: bool
-    keep_trace: bool  # whether the run keeps a trace buffer
+    writes_trace: bool  # whether the segment writes the run's trace buffer
     legacy: bool  # `step` takes legacy `uint32` keys rather than typed ones
-    # `trace="disk"`: no trace buffer of the run; the segment records its own draws
-    # only, `emit` of them from its first, and returns them as `new_draws`.
-    streams: bool = False
+    # The segment records its own draws only, `emit` of them from its first, and
+    # returns them as `new_draws`: with the trace on disk (no trace buffer of the
+    # run), or for a batch of the running problems' chains (`_compaction.py`).
+    returns_own_draws: bool = False
     # How many draws from the segment's first one on to return a copy of, for the
     # checkpoint (the next segment takes over, donates, the trace buffer while they
     # are written). The most any segment of this length records, so that segments

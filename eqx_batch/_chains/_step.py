@@ -3,7 +3,7 @@ stack) and checked before anything runs."""
 
 import functools as ft
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -12,20 +12,74 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .._errors import BatchError, bullet_list, describe, leaf_name
-from ._all_chains import AllChains
-from ._common import is_struct, structs
+from .._tree import is_struct, structs
+from ._all_chains import AllChains, RunStep
 from ._problems import ProblemStep
 
 
-def pytree_step(step: Callable) -> Callable:
-    """`step` with a `functools.partial` (or the one an `eb.all_chains` step wraps)
-    made a `jax.tree_util.Partial`.
+@jtu.register_pytree_node_class
+class PerChain:
+    """A step of one chain, `step(state, key)`, as a run calls it (`RunStep`): mapped
+    over the chains, which may be padded.
 
-    As a pytree, a partial's arrays (the data) are arguments of the compiled loop rather
-    than constants baked into it, so a new partial does not recompile.
+    A pytree whose one child is the step. Not an `eqx.Module`: it is made on every
+    call of `run_chains`, and a Module costs tens of microseconds to make and to ask.
+    """
+
+    __slots__ = ("step",)
+    sees_every_chain: ClassVar[bool] = False
+
+    def __init__(self, step: Callable):
+        self.step = step
+
+    def tree_flatten(self) -> tuple[tuple[Callable], None]:
+        return (self.step,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux: None, children: tuple) -> "PerChain":
+        return cls(*children)
+
+    def __call__(self, state: Any, key: Any) -> Any:
+        return self.step(state, key)
+
+    @property
+    def data(self) -> None:
+        """None: it reads no `data`."""
+        return None
+
+    def placed(self, sharding: jax.sharding.Sharding) -> "PerChain":
+        """Itself: it holds no `data` to place."""
+        return self
+
+    def for_chains(self, problem: Any) -> tuple[Callable, tuple]:
+        """Its step, given nothing beside a chain's state and key."""
+        return self.step, ()
+
+    def traced_call(
+        self, states: Any, keys: jax.Array, one_key: jax.ShapeDtypeStruct
+    ) -> tuple[Callable, tuple]:
+        """One chain's state and key."""
+        return (lambda s, k: self.step(s, k)), (structs(states, drop=1), one_key)
+
+    def with_data(self, data: Any) -> ProblemStep:
+        """Its step given its chain's problem's row of `data` (`ProblemStep.of`)."""
+        return ProblemStep.of(self.step, data)
+
+
+def pytree_step(step: Callable) -> RunStep:
+    """`step` as a run calls it: an `eb.all_chains` step as marked, any other as a
+    per-chain step (`PerChain`), a `functools.partial` made a `jax.tree_util.Partial`.
+
+    The one place that asks which kind of step the user gave. As a pytree, a
+    partial's arrays (the data) are arguments of the compiled loop rather than
+    constants baked into it, so a new partial does not recompile.
     """
     if isinstance(step, AllChains):
-        return AllChains(pytree_step(step.step))
+        return AllChains(_as_pytree(step.step))
+    return PerChain(_as_pytree(step))
+
+
+def _as_pytree(step: Callable) -> Callable:
     if isinstance(step, ft.partial) and not isinstance(step, jtu.Partial):
         return jtu.Partial(step.func, *step.args, **step.keywords)
     return step
@@ -61,7 +115,7 @@ class TracedStep(NamedTuple):
 
 
 def trace_step(
-    step: Callable, states: Any, key: jax.Array, legacy: bool, with_output: bool
+    step: RunStep, states: Any, key: jax.Array, legacy: bool, with_output: bool
 ) -> TracedStep:
     """Traces `step` on one chain of `states` with one of `key`'s keys (and an `int32`
     problem, for a `ProblemStep`); an `eb.all_chains` step on all of them, with all the
@@ -74,7 +128,7 @@ def trace_step(
     `step` does not return a pair with `with_output`, or if an all-chains step's output
     has not one row per chain.
     """
-    whole = isinstance(step, AllChains)
+    whole = step.sees_every_chain
     like, program, result = _traced(step, states, key, legacy)
     new, output = _new_state_and_output(result, with_output)
     if whole and with_output:
@@ -84,36 +138,14 @@ def trace_step(
 
 
 def _traced(
-    step: Callable, states: Any, key: jax.Array, legacy: bool
+    step: RunStep, states: Any, key: jax.Array, legacy: bool
 ) -> tuple[Any, jax.extend.core.ClosedJaxpr, Any]:
     """What `step` was given (shape-dtype structs of one chain's state, or of every
     chain's for an all-chains step), its program, and what it returned."""
-    one_key = step_key_like(key, legacy)
     # Through a closure, so that the arrays of a partial are the program's constants.
-    if isinstance(step, AllChains):
-        like = structs(states)
-        program, dynamic, static = eqx.filter_make_jaxpr(
-            lambda s, k, count: step(s, k, count)
-        )(
-            like,
-            jax.ShapeDtypeStruct((*key.shape, *one_key.shape), one_key.dtype),
-            jax.ShapeDtypeStruct((), jnp.int32),
-        )
-    elif isinstance(step, ProblemStep):
-        like = structs(states, drop=1)
-        # With `data`, the chain's problem too, whose row of the data the step gets.
-        # The data is an argument, not a constant of the program: the run's identity
-        # names it on its own (`RunIdentity.of`).
-        inner = step.step
-        program, dynamic, static = eqx.filter_make_jaxpr(
-            lambda s, k, p, d: ProblemStep(inner, d)(s, k, p)
-        )(like, one_key, jax.ShapeDtypeStruct((), jnp.int32), structs(step.data))
-    else:
-        like = structs(states, drop=1)
-        program, dynamic, static = eqx.filter_make_jaxpr(lambda s, k: step(s, k))(
-            like, one_key
-        )
-    return like, program, eqx.combine(dynamic, static)
+    call, given = step.traced_call(states, key, step_key_like(key, legacy))
+    program, dynamic, static = eqx.filter_make_jaxpr(call)(*given)
+    return given[0], program, eqx.combine(dynamic, static)
 
 
 def _new_state_and_output(result: Any, with_output: bool) -> tuple[Any, Any]:

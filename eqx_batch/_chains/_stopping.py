@@ -266,15 +266,22 @@ class Criterion(NamedTuple):
     statistic: str  # "nested_rhat", "rhat" or "ess"
     threshold: float
 
-    def holds(self, value: float) -> bool:
-        # NaN (no element with varying draws) holds nothing.
+    def holds(self, value: Any) -> Any:
+        """Whether `value` (a float, or an array of them) meets the threshold: an ESS
+        at least it, an R-hat at most it. NaN (no element with varying draws) holds
+        nothing."""
         if self.statistic == "ess":
             return value >= self.threshold
         return value <= self.threshold
 
+    def sign(self, holds: bool) -> str:
+        """The comparison a value makes with the threshold, as a reason shows it."""
+        if self.statistic == "ess":
+            return ">=" if holds else "<"
+        return "<=" if holds else ">"
+
     def __str__(self) -> str:
-        sign = ">=" if self.statistic == "ess" else "<="
-        return f"{_NAMES[self.statistic]} {sign} {self.threshold:.6g}"
+        return f"{_NAMES[self.statistic]} {self.sign(True)} {self.threshold:.6g}"
 
 
 class Schedule(NamedTuple):
@@ -294,7 +301,8 @@ class Schedule(NamedTuple):
 
 
 def check(schedule: Schedule, diagnostics: Diagnostics, nonfinite: np.ndarray) -> Check:
-    """Whether `diagnostics` meet every criterion, and why (the failing one first).
+    """Whether one problem's `diagnostics` meet every criterion, and why (the failing
+    one first): as `passes` decides, with the reason.
 
     A check never passes while a chain in `nonfinite` (the indices of the chains whose
     state went NaN or infinite) is among those it covers: its statistics may skip
@@ -310,12 +318,9 @@ def check(schedule: Schedule, diagnostics: Diagnostics, nonfinite: np.ndarray) -
         passed &= holds
         if index == 0:
             first = value
-        if criterion.statistic == "ess":
-            sign = ">=" if holds else "<"
-        else:
-            sign = "<=" if holds else ">"
         text = (
-            f"{_NAMES[criterion.statistic]} {value:.6g} at {path} {sign} "
+            f"{_NAMES[criterion.statistic]} {value:.6g} at {path} "
+            f"{criterion.sign(holds)} "
             f"{criterion.threshold:.6g}"
         )
         lines.insert(len(lines) if holds else int(len(nonfinite) > 0), text)
@@ -333,13 +338,14 @@ def worst_of(diagnostics: Diagnostics, statistic: str) -> tuple[str, float]:
     return path + "".join(f"[{i}]" for i in element), value
 
 
-def passes_each(
+def passes(
     schedule: Schedule, diagnostics: Diagnostics, has_nonfinite: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """What `check` decides for every problem at once, from their stacked
-    diagnostics on the host (each statistic with a leading axis of problems):
-    whether each passes, and each one's worst value of the first criterion. The
-    reasons, which cost a `check` each, are left to the problems that need one.
+    """What `check` decides for every problem at once (a run without `data` is one),
+    from their stacked diagnostics on the host (each statistic with a leading axis
+    of problems): whether each passes, and each one's worst value of the first
+    criterion. The reasons, which cost a `check` each, are left to the problems that
+    need one.
 
     `has_nonfinite` says which problems have a chain gone NaN or infinite.
     """
@@ -347,10 +353,7 @@ def passes_each(
     for index, criterion in enumerate(schedule.criteria):
         # In float64, as `check` compares a Python float with the threshold.
         value = _worst_each(diagnostics, criterion.statistic).astype(np.float64)
-        if criterion.statistic == "ess":
-            passed = passed & (value >= criterion.threshold)
-        else:
-            passed = passed & (value <= criterion.threshold)
+        passed = passed & criterion.holds(value)
         if index == 0:
             first = value
     return passed, first
