@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
+import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -26,7 +27,7 @@ from .._errors import BatchError
 from .._memo import BoundedCache
 from .._select import take
 from .._shard import Device, member_mesh, named_mesh
-from .._tree import as_keys_like, host_array, is_array
+from .._tree import as_keys_like, host_array, is_array, is_key
 
 
 class Placement:
@@ -219,7 +220,17 @@ def joined(trees: list[Any]) -> Any:
     chains."""
     if len(trees) == 1:
         return trees[0]
-    return jtu.tree_map(lambda *xs: jnp.concatenate(xs), *trees)
+    return jtu.tree_map(_concatenated, *trees)
+
+
+def _concatenated(*xs: jax.Array) -> jax.Array:
+    if not is_key(xs[0]):
+        return jnp.concatenate(xs)
+    # Typed keys are joined as their raw data: JAX 0.8 gave the eager concatenation
+    # of chunks' keys, from the third chunked run of a process on, a sharding that
+    # splits each key's own axis, which `key_data` then refused.
+    raw = jnp.concatenate([jr.key_data(x) for x in xs])
+    return jr.wrap_key_data(raw, impl=jr.key_impl(xs[0]))
 
 
 def joined_chains(trees: list[Any]) -> Any:
