@@ -32,14 +32,11 @@ import pathlib
 from typing import Any
 
 from ._checkpoint_metadata import RunMetadata
-from ._checkpoint_reader import CheckpointReader, Restored
+from ._checkpoint_reader import CheckpointReader, Expected, Restored
 from ._checkpoint_writer import CheckpointWriter, Snapshot
-from ._common import ChainState, Draws
 from ._disk_trace import ListedFile
 from ._identity import RunIdentity
 from ._lock import WriteAccess
-from ._problem_records import ProblemRecords
-from ._records import Record
 
 
 class Checkpoint:
@@ -72,34 +69,24 @@ class Checkpoint:
         if self.writer is not None:
             self.writer.close(failed=kind is not None)
 
-    def restore(
-        self,
-        chains_like: ChainState,
-        trace_like: Any,
-        *,
-        num_steps: int,
-        draws: Draws,
-        record_kind: type[Record] | type[ProblemRecords] | None,
-    ) -> Restored | None:
-        """The run as last checkpointed; None if there is no checkpoint, or no step
-        whose state files cover every chain.
+    def restore(self, expected: Expected) -> Restored | None:
+        """The run as last checkpointed, checked against what the run `expected`;
+        None if there is no checkpoint, or no step whose state files cover every
+        chain.
 
-        `chains_like` and `trace_like` (the whole trace, or None) are shape-dtype
-        structs. Only the files' metadata are read here: the arrays are read when
-        placed (`RowReader`), each process reading the rows its devices hold. Nothing
-        is written. A run with `until` reads the record of its checks, a `record_kind`.
+        Only the files' metadata are read here: the arrays are read when placed
+        (`RowReader`), each process reading the rows its devices hold. Nothing is
+        written.
 
         Raises as `CheckpointReader.read` does.
         """
-        found = self.reader.read(
-            chains_like,
-            trace_like,
-            num_steps=num_steps,
-            draws=draws,
-            record_kind=record_kind,
-        )
+        found = self.reader.read(expected)
         self.writer = CheckpointWriter(
-            self.metadata, self.num_chains, self.access, found.on_disk, record_kind
+            self.metadata,
+            self.num_chains,
+            self.access,
+            found.on_disk,
+            one_problem=expected.one_problem,
         )
         return found.restored
 

@@ -25,7 +25,19 @@ from ._common import ChainState, Draws
 from ._disk_trace import ListedFile
 from ._job import every_process, raise_if_any_failed
 from ._problem_records import ProblemRecords
-from ._records import Record
+
+
+class Expected(NamedTuple):
+    """What a run expects its checkpoint to hold: the structs it restores, its steps
+    and draws, and how it keeps the record of `until`'s checks."""
+
+    chains_like: ChainState  # shape-dtype structs
+    trace_like: Any  # the whole trace's structs; None without a trace
+    num_steps: int
+    draws: Draws
+    checks: bool  # whether it keeps a record of `until`'s checks
+    # Whether that record is kept as one problem's (a run without `data`).
+    one_problem: bool
 
 
 class Restored(NamedTuple):
@@ -55,20 +67,9 @@ class CheckpointReader:
         self.num_chains = num_chains
         self.files = RunFiles(metadata.path, metadata.identity.run_id)
 
-    def read(
-        self,
-        chains_like: ChainState,
-        trace_like: Any,
-        *,
-        num_steps: int,
-        draws: Draws,
-        record_kind: type[Record] | type[ProblemRecords] | None,
-    ) -> Found:
-        """The run as last checkpointed, and what of it is on disk.
-
-        `chains_like` and `trace_like` (the whole trace, or None) are shape-dtype
-        structs. A run with `until` reads the record of its checks, kept in the form
-        `record_kind` names: one `Record` without `data`, `ProblemRecords` with it.
+    def read(self, expected: Expected) -> Found:
+        """The run as last checkpointed, and what of it is on disk, checked against
+        what the run `expected`.
 
         Raises if a file is not a checkpoint's, is corrupt, or belongs to another run;
         in a job, in every process if any process raises, or if the processes found
@@ -76,13 +77,7 @@ class CheckpointReader:
         """
         failure, found = None, Found(OnDisk(), None)
         try:
-            found = self._found(
-                chains_like,
-                trace_like,
-                num_steps=num_steps,
-                draws=draws,
-                record_kind=record_kind,
-            )
+            found = self._found(expected)
         except BatchError as e:
             failure = e
         raise_if_any_failed(
@@ -93,31 +88,24 @@ class CheckpointReader:
         _check_every_process_found(self.path, found.restored)
         return found
 
-    def _found(
-        self,
-        chains_like: ChainState,
-        trace_like: Any,
-        *,
-        num_steps: int,
-        draws: Draws,
-        record_kind: type[Record] | type[ProblemRecords] | None,
-    ) -> Found:
+    def _found(self, expected: Expected) -> Found:
         if not self.path.exists():
             return Found(OnDisk(), None)
         self._check_run_file()
         tiles = self.files.newest_complete(self.num_chains)
         if tiles is None:
             return Found(OnDisk(run_file=True), None)
-        progress = [self._progress(tile, num_steps) for tile in tiles]
+        progress = [self._progress(tile, expected.num_steps) for tile in tiles]
         steps_done = tiles[0].step
         record = None
-        if record_kind is not None:
-            record = self._record(progress[0], record_kind, draws.burn_in, steps_done)
-        num_draws = 0 if trace_like is None else draws.before(steps_done)
+        if expected.checks:
+            record = self._record(progress[0], expected, steps_done)
+        trace_like = expected.trace_like
+        num_draws = 0 if trace_like is None else expected.draws.before(steps_done)
         draw_files = self._draw_files(progress, tiles, num_draws, trace_like)
         rows = RowReader(
             self.metadata,
-            chains_like=as_key_data(chains_like._asdict()),
+            chains_like=as_key_data(expected.chains_like._asdict()),
             trace_like=None if trace_like is None else as_key_data(trace_like),
             states=tiles,
             draws=draw_files,
@@ -148,18 +136,14 @@ class CheckpointReader:
             )
 
     def _record(
-        self,
-        progress: dict,
-        record_kind: type[Record] | type[ProblemRecords],
-        burn_in: int,
-        steps_done: int,
+        self, progress: dict, expected: Expected, steps_done: int
     ) -> ProblemRecords:
         """The record of `until`'s checks in a state file's `progress`, checked
         against its steps: one problem's as it is kept without `data`."""
-        one_problem = record_kind is Record
+        one_problem = expected.one_problem
         try:
             record = ProblemRecords.from_json(
-                progress["stopping"], burn_in, one_problem=one_problem
+                progress["stopping"], expected.draws.burn_in, one_problem=one_problem
             )
         except (ValueError, TypeError, KeyError) as e:
             raise self.metadata.damaged(

@@ -26,7 +26,6 @@ from ._common import ChainState, Draws
 from ._job import raise_if_any_failed
 from ._lock import is_writer, WriteAccess
 from ._problem_records import ProblemRecords
-from ._records import Record
 
 
 class SegmentFiles(NamedTuple):
@@ -86,7 +85,8 @@ class CheckpointWriter:
         num_chains: int,
         access: WriteAccess,
         on_disk: OnDisk,
-        record_kind: type[Record] | type[ProblemRecords] | None = None,
+        *,
+        one_problem: bool,
     ):
         self.metadata = metadata
         self.path = metadata.path
@@ -102,7 +102,7 @@ class CheckpointWriter:
         self._pending: concurrent.futures.Future | None = None
         self._pending_step: int | None = None
         # The form the files keep the record in: one problem's, without `data`.
-        self._one_problem = record_kind is Record
+        self._one_problem = one_problem
 
     def start(self) -> None:
         """Takes the right to write (see `WriteAccess`), writes the run file (process

@@ -13,7 +13,7 @@ import numpy as np
 from .._progress import ProgressBar
 from .._tree import structs
 from ._checkpoint import Checkpoint
-from ._checkpoint_reader import Restored
+from ._checkpoint_reader import Expected, Restored
 from ._checkpoint_writer import segment_files, SegmentFiles, Snapshot
 from ._common import ChainState
 from ._compaction import (
@@ -112,10 +112,12 @@ class ChunkRun:
             # The checks of `until` as this chunk's checkpoint has them.
             self.record = None if restored is None else restored.record
             self.placement = plan.placement(num_chains)
-            # With `data`, each chain's problem (on the host), and one copy of the
-            # data on every device of the chunk's chains.
-            self.problem_of_row = None
-            if job.chains.problem is not None:
+            # Each chain's problem, on the host (a run without `data` is one
+            # problem); with `data`, one copy of it on every device of the chunk's
+            # chains.
+            if job.chains.problem is None:
+                self.problem_of_row = np.zeros(num_chains, np.intp)
+            else:
                 self.problem_of_row = np.asarray(job.chains.problem)
             self.step = plan.step
             if plan.data is not None:
@@ -149,11 +151,14 @@ class ChunkRun:
         assert self.store is not None
         plan = self.plan
         restored = self.store.restore(
-            chains_like,
-            trace_like,
-            num_steps=plan.num_steps,
-            draws=plan.draws,
-            record_kind=plan.record_kind,
+            Expected(
+                chains_like,
+                trace_like,
+                plan.num_steps,
+                plan.draws,
+                checks=plan.until is not None,
+                one_problem=plan.problems is None,
+            )
         )
         done = restored is not None and (
             restored.steps_done == plan.num_steps
@@ -170,7 +175,6 @@ class ChunkRun:
         """Runs the chains from `steps_done` to step `stop`, in one segment: of the
         problems still `running` (`bool[problems]`), if some have stopped."""
         if running is not None:
-            assert self.problem_of_row is not None
             rows = np.flatnonzero(running[self.problem_of_row])
             if len(rows) < len(self.problem_of_row):
                 return self._advance_running(stop, rows)
@@ -295,21 +299,19 @@ class ChunkRun:
         every process."""
         return np.asarray(self.placement.whole_real_chains(self.chains.first_bad))
 
-    def discard_moments(self, failed: np.ndarray | None = None) -> None:
-        """Starts the moments afresh: a failed check's window is discarded; with
-        `failed` (`bool[problems]`), those problems' only."""
-        if failed is None:
-            self.chains = self.chains._replace(
-                moments=self.placement.zeros(structs(self.chains.moments))
-            )
-            return
-        assert self.problem_of_row is not None
+    def discard_moments(self, failed: np.ndarray) -> None:
+        """Starts afresh the moments of the problems whose check `failed`
+        (`bool[problems]`): a failed check's window is discarded."""
         rows = failed[self.problem_of_row]
-        if rows.any():
+        if rows.all():
+            moments = self.placement.zeros(structs(self.chains.moments))
+        elif rows.any():
             moments = zeroed_rows(
                 self.chains.moments, self.placement.put(rows), self.placement.split
             )
-            self.chains = self.chains._replace(moments=moments)
+        else:
+            return
+        self.chains = self.chains._replace(moments=moments)
 
     def result(self) -> tuple[ChainState, Any]:
         """The chains and their trace: the trace buffer (in a job of several

@@ -54,9 +54,12 @@ class Draws(NamedTuple):
         return cls(burn_in, thin, cls(burn_in, thin, 0).before(num_steps))
 
     def before(self, step: Any) -> Any:
-        """How many draws the first `step` steps record (an int, or traced)."""
+        """How many draws the first `step` steps record: an int, a NumPy array of
+        them (one per problem), or traced."""
         made = -(-(step - self.burn_in) // self.thin)
-        return max(0, made) if isinstance(made, int) else jnp.maximum(0, made)
+        if isinstance(made, int):
+            return max(0, made)
+        return (np if isinstance(made, np.ndarray) else jnp).maximum(0, made)
 
     def is_draw(self, t: jax.Array) -> jax.Array:
         """Inside the loop: whether step `t` makes a draw."""

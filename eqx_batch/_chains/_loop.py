@@ -66,22 +66,14 @@ def _run_group(
     problem is checked on its own, and a segment runs only the chains of the problems
     still running."""
     plan = context.plan
-    # Resumed chunks may stand at different steps (a kill between two chunks'
-    # writes): the one furthest on holds the decisions of the others' next checks.
-    record = max(
-        (chunk.record or _no_checks(plan) for chunk in chunks),
-        key=lambda r: r.progress,
-    )
-    while (here := min(chunk.steps_done for chunk in chunks)) < record.end(
-        plan.num_steps
-    ):
+    record = _furthest(plan, chunks)
+    while (here := min(chunk.steps_done for chunk in chunks)) < _end(plan, record):
         stop = context.next_stop(here)
         moving = [chunk for chunk in chunks if chunk.steps_done == here]
         # Without `until` no problem stops: its record is not walked.
         running = None if plan.until is None else record.running(here)
         for chunk in moving:
-            # A chunk of a run without `data` has one problem, still running.
-            chunk.advance(stop, None if chunk.problem_of_row is None else running)
+            chunk.advance(stop, running)
             if len(chunks) > 1:
                 # As between groups: one chunk's working memory at a time.
                 jax.block_until_ready(chunk.chains)
@@ -97,18 +89,24 @@ def _run_group(
             record = _decide(context, record, stop, chunks)
         for chunk in moving:
             if plan.until is not None:
-                _discard_failed(chunk, record.failed(stop))
+                chunk.discard_moments(record.failed(stop))
             chunk.write(None if plan.until is None else record.as_of(stop))
     return record
 
 
-def _discard_failed(chunk: ChunkRun, failed: np.ndarray) -> None:
-    """Discards the moments of the problems whose check `failed` (`bool[problems]`):
-    a chunk of a run without `data`, one problem, has no problem per row."""
-    if chunk.problem_of_row is not None:
-        chunk.discard_moments(failed)
-    elif failed[0]:
-        chunk.discard_moments()
+def _furthest(plan: RunPlan, chunks: list[ChunkRun]) -> ProblemRecords:
+    """The record the chunks go on from. Resumed chunks may stand at different steps
+    (a kill between two chunks' writes): the one furthest on holds the decisions of
+    the others' next checks."""
+    if plan.until is None:
+        return _no_checks(plan)
+    records = [chunk.record or _no_checks(plan) for chunk in chunks]
+    return max(records, key=lambda r: r.progress)
+
+
+def _end(plan: RunPlan, record: ProblemRecords) -> int:
+    """The step the run ends at: the cap, or, with `until`, the last problem's stop."""
+    return plan.num_steps if plan.until is None else record.end(plan.num_steps)
 
 
 def _decide(

@@ -17,8 +17,6 @@ from ._identity import RunIdentity, RunOptions
 from ._moments import check_diagnostics
 from ._placement import chain_devices, Placement
 from ._prepared import prepared_run, PreparedRun
-from ._problem_records import ProblemRecords
-from ._records import Record
 from ._segment_plan import SegmentPlan, TraceMode
 from ._step import trace_step
 from ._stopping import Schedule, StoppingRule
@@ -107,22 +105,6 @@ class RunPlan:
         return dataclasses.replace(
             self.segment, writes_trace=False, returns_own_draws=True
         )
-
-    @property
-    def record_kind(self) -> type[Record] | type[ProblemRecords] | None:
-        """What keeps `until`'s checks: one `Record`, one per problem with `data`
-        (`ProblemRecords`), or nothing without `until`."""
-        if self.until is None:
-            return None
-        return Record if self.problems is None else ProblemRecords
-
-    def empty_record(self) -> Record | ProblemRecords:
-        """The record of `until`'s checks before any: without `until` (or `data`), one
-        empty `Record`, so that a run of many problems does not walk a record per
-        problem at every boundary for checks it never makes."""
-        if self.problems is None or self.until is None:
-            return Record()
-        return ProblemRecords.empty(self.problems)
 
     @property
     def records(self) -> bool:

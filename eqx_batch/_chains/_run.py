@@ -311,7 +311,7 @@ def _result(
     chains = joined_chains([chains for chains, _ in results])
     stopped, steps_done = _stops(plan, record)
     # The trace holds the draws made by the problem that ran longest.
-    last = int(np.max(steps_done))
+    last = plan.num_steps if plan.until is None else int(np.max(steps_done))
     recorded = _recorded(plan, results, last, chains, checkpoint)
     states = outputs = None
     if recorded is not None:
@@ -338,9 +338,7 @@ def _result(
             count=plan.problems,
             steps_done=steps_done,
             stopped=stopped,
-            draws_made=np.array(
-                [plan.draws.before(int(s)) for s in steps_done], np.int64
-            ),
+            draws_made=plan.draws.before(steps_done),
             diagnostics=diagnostics,
         )
         stopped, diagnostics = None, None
