@@ -26,6 +26,11 @@ def test_draws_agree_with_the_uninterrupted_trace(num_steps, burn_in, thin):
     assert list(slots[is_draw]) == list(range(len(kept)))
     # Inside the loop too: traced, `before` gives what it gives on the host.
     assert int(draws.before(jnp.int32(num_steps))) == draws.total
+    # And for every problem at once, on the host: a NumPy array of each one's steps.
+    steps = np.arange(num_steps + 1, dtype=np.int64)
+    each = draws.before(steps)
+    assert isinstance(each, np.ndarray) and each.dtype == np.int64
+    assert list(each) == [draws.before(int(s)) for s in steps]
     for length in range(1, num_steps + 1):
         most = max(
             draws.before(start + length) - draws.before(start)

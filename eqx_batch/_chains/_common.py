@@ -59,7 +59,8 @@ class Draws(NamedTuple):
         made = -(-(step - self.burn_in) // self.thin)
         if isinstance(made, int):
             return max(0, made)
-        return (np if isinstance(made, np.ndarray) else jnp).maximum(0, made)
+        on_host = isinstance(made, np.ndarray | np.generic)
+        return (np if on_host else jnp).maximum(0, made)
 
     def is_draw(self, t: jax.Array) -> jax.Array:
         """Inside the loop: whether step `t` makes a draw."""
