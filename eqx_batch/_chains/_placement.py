@@ -310,6 +310,11 @@ def whole_here(tree: Any) -> Any:
     if split:
         shardings = tuple(_replicated_like(leaves[i]) for i in split)
         everywhere = _replicate_each([leaves[i] for i in split], shardings)
+        # Finished before anything else is queued: with gloo (CPU), two programs of
+        # collectives in flight at once can pair one process's gather with another's
+        # next one, and the job aborts ("Received data size doesn't match"). Seen
+        # once `run_chains` returned without waiting for its own gather.
+        jax.block_until_ready(everywhere)
         for i, x in zip(split, everywhere, strict=True):
             leaves[i] = x
     # A replicated array is whole on each of this process's devices: one copy is kept.

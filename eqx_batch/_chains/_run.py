@@ -350,7 +350,8 @@ def _result(
         keys=keys,
         # Left on the devices: read when asked for, so that the call returns while
         # the loop runs (on a TPU, reading it back was a third of a short run's cost
-        # beyond the loop). In a job, gathered, as the moments are: one row per chain.
+        # beyond the loop). In a job, gathered, as the moments are: one row per chain
+        # (and waited for: see `whole_here`).
         nonfinite=assembled(NonFinite, first_step=whole_here(chains.first_bad)),
         superchain=superchain_ids,
         diagnostics=diagnostics,
