@@ -35,15 +35,29 @@ class Placement(NamedTuple):
     device: Any  # else uncommitted, on this device (None: the default device)
 
 
+def single_device_sharding(device: Any, memory_kind: str | None) -> jax.sharding.Sharding:
+    """The sharding that places a whole array, of any shape, on `device`."""
+    # JAX 0.12.1 deprecates the `SingleDeviceSharding` class for this constructor.
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    if make is None:
+        return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+    return make(device, memory_kind=memory_kind)
+
+
 def placement_of(x: jax.Array) -> Placement:
     """Where new arrays derived from the concrete array `x` go."""
     sharding = x.sharding
-    if x.committed and isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return Placement(sharding, None)
-    # Uncommitted arrays stay where they are; pieces of an array sharded over several
-    # devices go, uncommitted, to the default device like `jnp` results.
     devices = sharding.device_set
-    return Placement(None, next(iter(devices)) if len(devices) == 1 else None)
+    if len(devices) != 1:
+        # Pieces of an array sharded over several devices go, uncommitted, to the
+        # default device like `jnp` results.
+        return Placement(None, None)
+    (device,) = devices
+    if x.committed:
+        # Asked of the devices rather than of the sharding's class, which JAX is
+        # replacing: an array committed to one device commits its pieces there.
+        return Placement(single_device_sharding(device, sharding.memory_kind), None)
+    return Placement(None, device)
 
 
 def key_impl(x: Any) -> Any:

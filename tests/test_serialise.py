@@ -77,7 +77,7 @@ def test_many_weak_leaves_compile_per_shape_not_per_leaf(tmp_path, caplog):
     # 0-d weak leaves of JAX's default dtypes arrive weak from Python scalars; the
     # rest go through one identity program per shape, dtype and placement.
     nan = np.frombuffer(struct.pack("<I", 0x7FC0_1234), np.float32)[0]
-    second = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+    second = jax.devices()[1]  # device_put to a device commits the array there
     values = [
         jnp.asarray(-0.0),
         jnp.asarray(7),
@@ -99,7 +99,8 @@ def test_many_weak_leaves_compile_per_shape_not_per_leaf(tmp_path, caplog):
     with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
         loaded = eb.load(path, like=tree)
     assert_trees_identical(loaded, tree)
-    assert loaded[6].sharding == second and loaded[7].sharding == second
+    assert loaded[6].sharding == tree[6].sharding == tree[7].sharding == loaded[7].sharding
+    assert loaded[6].committed and loaded[7].committed and loaded[6].devices() == {second}
     # At most the NaN's, (3, 7) float32 on two placements and (11,) int32.
     assert len(_backend_compiles(caplog)) <= 4
     # Another tree of the same shapes compiles nothing.
