@@ -35,7 +35,9 @@ class Placement(NamedTuple):
     device: Any  # else uncommitted, on this device (None: the default device)
 
 
-def single_device_sharding(device: Any, memory_kind: str | None) -> jax.sharding.Sharding:
+def single_device_sharding(
+    device: Any, memory_kind: str | None
+) -> jax.sharding.Sharding:
     """The sharding that places a whole array, of any shape, on `device`."""
     # JAX 0.12.1 deprecates the `SingleDeviceSharding` class for this constructor.
     make = getattr(jax.sharding, "make_single_device_sharding", None)

@@ -90,18 +90,30 @@ def ar1_problem(state: jax.Array, key: jax.Array, data: dict) -> jax.Array:
     """An AR(1) chain whose correlation is its problem's: the problems mix at
     different speeds; stationary: N(0, 1)."""
     rho = data["rho"]
+    if "weights" in data:
+        # A row too large to copy per chain (`wide_rows`), whose mean is exactly 1.
+        rho = rho * jnp.mean(data["weights"])
     return rho * state + jnp.sqrt(1 - rho**2) * jr.normal(key, state.shape)
 
 
 RHOS = np.array([0.5, 0.99, 0.7, 0.9, 0.95, 0.8], np.float32)
 
 
+def wide_rows(data: dict) -> dict:
+    """`data` with a row of ones per problem, 12 KiB: more than a run copies per
+    chain on any platform, so that each problem's chains are given their row once
+    (in two levels of `vmap`), where the AR(1) rows alone are copied per chain."""
+    num_problems = len(data["rho"])
+    return data | {"weights": jnp.ones((num_problems, 3072), jnp.float32)}
+
+
 def stopping_problems_run(
-    checkpoint: str | None = None, num_steps: int = 3000, **options
+    checkpoint: str | None = None, num_steps: int = 3000, wide: bool = False, **options
 ) -> eb.Chains:
     """6 problems that mix at different speeds, each 4 superchains of 8 chains from
     starts far apart, each stopped when its own nested R-hat says it has mixed
-    (between 50 and a few hundred steps)."""
+    (between 50 and a few hundred steps); with `wide`, given `wide_rows` (the same
+    draws)."""
     starts = jnp.tile(jnp.linspace(-3.0, 3.0, 4)[:, None], (6, 2))
     return eb.run_chains(
         ar1_problem,
@@ -109,7 +121,7 @@ def stopping_problems_run(
         jr.split(jr.key(0), 6 * 4 * 8),
         num_steps,
         thin=2,
-        data={"rho": RHOS},
+        data=wide_rows({"rho": RHOS}) if wide else {"rho": RHOS},
         superchains=6 * 4,
         until=eb.converged(every=50),
         checkpoint=checkpoint,

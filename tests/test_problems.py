@@ -35,9 +35,11 @@ from problems_workloads import (
     schools_init,
     schools_step,
     stopping_problems_run,
+    wide_rows,
 )
 
 import eqx_batch as eb
+from eqx_batch._chains._problems import ProblemStep
 
 
 TESTS = pathlib.Path(__file__).parent
@@ -366,8 +368,10 @@ def alone_until() -> list[eb.Chains]:
         {"trace": "disk"},
         {"progress": True, "chunk_size": 80},
         {"trace": False},
+        {"wide": True},
+        {"wide": True, "chunk_size": 40},
     ],
-    ids=["whole", "chunks", "disk", "bar", "no trace"],
+    ids=["whole", "chunks", "disk", "bar", "no trace", "wide", "wide chunks"],
 )
 def test_each_problem_stops_where_it_would_alone(tmp_path, alone_until, options):
     # Each problem's check is made on its own chains, and a problem that stops
@@ -523,3 +527,44 @@ def test_data_that_is_not_rows_of_problems_is_refused_naming_data(data, expected
         "`data` must be a pytree of arrays with one row per problem along axis 0",
         fix,
     )
+
+
+def _float_shapes(jaxpr: Any) -> set[tuple[int, ...]]:
+    """The shapes of the floating-point arrays a jaxpr makes, its inner ones' too."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        shapes |= {
+            tuple(v.aval.shape)
+            for v in eqn.outvars
+            if jnp.issubdtype(v.aval.dtype, jnp.floating)
+        }
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                shapes |= _float_shapes(inner)
+    return shapes
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_a_wide_row_is_given_once_per_problem_not_copied_per_chain(wide):
+    # 6 problems of 32 chains: a row of one number is copied per chain before the
+    # loop; a row of 12 KiB is sliced once per problem and each problem's chains
+    # read it unbatched (no array of one row per chain is made).
+    data = wide_rows({"rho": jnp.asarray(RHOS)}) if wide else {"rho": jnp.asarray(RHOS)}
+    step = ProblemStep.of(ar1_problem, data)
+    problem = jnp.repeat(jnp.arange(6, dtype=jnp.int32), 32)
+
+    def segment_step(states: jax.Array, keys: jax.Array) -> Any:
+        one_chain, map_chains = step.for_chains(problem, 32)
+        return map_chains(one_chain, states, keys)
+
+    states, keys = jnp.zeros((192, 2)), jr.split(jr.key(0), 192)
+    shapes = _float_shapes(jax.make_jaxpr(segment_step)(states, keys).jaxpr)
+    if wide:
+        assert (6, 3072) in shapes and (192, 3072) not in shapes, shapes
+        assert (192,) not in shapes
+    else:
+        assert (192,) in shapes
+    rows = jax.tree.map(lambda x: x[problem], data)
+    direct = jax.vmap(ar1_problem)(states, keys, rows)
+    np.testing.assert_array_equal(segment_step(states, keys), direct)

@@ -99,8 +99,12 @@ def test_many_weak_leaves_compile_per_shape_not_per_leaf(tmp_path, caplog):
     with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
         loaded = eb.load(path, like=tree)
     assert_trees_identical(loaded, tree)
-    assert loaded[6].sharding == tree[6].sharding == tree[7].sharding == loaded[7].sharding
-    assert loaded[6].committed and loaded[7].committed and loaded[6].devices() == {second}
+    assert (
+        loaded[6].sharding == tree[6].sharding == tree[7].sharding == loaded[7].sharding
+    )
+    assert (
+        loaded[6].committed and loaded[7].committed and loaded[6].devices() == {second}
+    )
     # At most the NaN's, (3, 7) float32 on two placements and (11,) int32.
     assert len(_backend_compiles(caplog)) <= 4
     # Another tree of the same shapes compiles nothing.

@@ -21,6 +21,16 @@ from .._errors import BatchError, call_mismatch, describe
 from .._tree import structs
 
 
+# How a segment maps `one_chain(state, key, *given)` over `(states, keys)`, every
+# chain's, giving each what its step reads beside its state and key.
+MapChains = Callable[[Callable, Any, Any], Any]
+
+
+def each_chain(one_chain: Callable, states: Any, keys: Any) -> Any:
+    """`one_chain` mapped over every chain, given nothing beside its state and key."""
+    return jax.vmap(one_chain)(states, keys)
+
+
 class RunStep(Protocol):
     """A step as a run calls it: `PerChain`, `AllChains` or `ProblemStep`, each
     answering the driver's questions for itself."""
@@ -41,10 +51,11 @@ class RunStep(Protocol):
         """This step with what it holds of `data` on the devices of `sharding`."""
         ...
 
-    def for_chains(self, problem: Any) -> tuple[Callable, tuple]:
-        """One chain's step and what each chain gives it beside its state and key
-        (stacked by chain), from each chain's `problem` (None without `data`): made
-        once per segment, before its loop."""
+    def for_chains(self, problem: Any, block: int) -> tuple[Callable, MapChains]:
+        """One chain's step, and how a segment maps a function of one chain over
+        every chain: made once per segment, before its loop, from each chain's
+        `problem` (None without `data`), the chains of a problem in blocks of
+        `block` rows."""
         ...
 
     def traced_call(
@@ -99,9 +110,9 @@ class AllChains(eqx.Module):
         """Itself: it holds no `data` to place."""
         return self
 
-    def for_chains(self, problem: Any) -> tuple[Callable, tuple]:
+    def for_chains(self, problem: Any, block: int) -> tuple[Callable, MapChains]:
         """Itself, given nothing more: each segment calls it on the whole stack."""
-        return self, ()
+        return self, each_chain
 
     def traced_call(
         self, states: Any, keys: jax.Array, one_key: jax.ShapeDtypeStruct

@@ -119,6 +119,8 @@ class ChunkRun:
                 self.problem_of_row = np.zeros(num_chains, np.intp)
             else:
                 self.problem_of_row = np.asarray(job.chains.problem)
+            # The chains that share a problem, in blocks of this many on a device.
+            self.block = self.placement.block_size(self.problem_of_row)
             self.step = plan.step
             if plan.data is not None:
                 # Asked only of a step with `data`: asking an `eqx.Module` costs a
@@ -198,7 +200,9 @@ class ChunkRun:
         # made the TPU's loop 7% faster with a trace and no `data`, and 12% slower
         # with `data` (issue 34). One program serves every segment of a length.
         result = run_segment(
-            plan.prepared.segment(plan.segment, stop - self.steps_done, emit),
+            plan.prepared.segment(
+                plan.segment, stop - self.steps_done, emit, self.block
+            ),
             self.step,
             plan.shared,
             self.chains,
@@ -218,11 +222,16 @@ class ChunkRun:
         first, end = plan.draws.before(start), plan.draws.before(stop)
         made = None  # the segment's own draws, from its first, in the batch's rows
         if len(rows):
-            size = batch_size(len(rows), self.placement.num_chains)
-            batch = plan.prepared.placement(size, 0, pad=True)
-            index = jax.device_put(
-                padded_rows(rows, batch.num_rows), self.placement.everywhere
+            # Counted in blocks of a problem's chains (`block_size`), so that the
+            # batch's chains of a problem stay in blocks as large as the chunk's.
+            unit = self.block
+            size = unit * batch_size(
+                -(-len(rows) // unit), -(-self.placement.num_chains // unit)
             )
+            batch = plan.prepared.placement(size, 0, pad=True)
+            batch_rows = padded_rows(rows, batch.num_rows)
+            index = jax.device_put(batch_rows, self.placement.everywhere)
+            block = batch.block_size(self.problem_of_row[batch_rows])
             emit = (
                 plan.draws.most_in(stop - start) if plan.records and end > first else 0
             )
@@ -230,7 +239,9 @@ class ChunkRun:
             if emit:
                 own = batch.zeros(plan.draws_like(batch.num_chains, emit))
             result = run_segment(
-                plan.prepared.segment(plan.own_draws_segment, stop - start, emit),
+                plan.prepared.segment(
+                    plan.own_draws_segment, stop - start, emit, block
+                ),
                 self.step,
                 plan.shared,
                 gathered(self.chains, index, batch.split),

@@ -4,7 +4,8 @@ than the slowest problem.
 
 Before a segment, the running chains are gathered into a smaller batch; after it, their
 states (and draws) are written back over their rows, and the stopped chains' rows stay
-as they stopped. The batch is padded to a power of two or 1.5 times one
+as they stopped. The batch moves whole blocks of a problem's chains (the chunk's
+`block_size`), and its count of blocks is padded to a power of two or 1.5 times one
 (`batch_size`), each size a compiled program of its own, shared by every call of
 the same shapes: two sizes an octave, so a batch is on average about a fifth larger
 than the chains it runs (a third at most), for twice the compiles of powers of two

@@ -88,6 +88,23 @@ class Placement:
             self._one_device or x.sharding.is_equivalent_to(self.split, x.ndim)
         )
 
+    def block_size(self, problem_of_row: np.ndarray) -> int:
+        """The most consecutive rows that share a problem, in blocks that divide each
+        device's rows, for chains of the problems `problem_of_row` (one per chain,
+        padded here as `put` pads them: the padding repeats chain 0's problem).
+
+        A block starts at a multiple of its size, so it holds one problem exactly when
+        every row where the problem changes is such a multiple: the size is the
+        greatest common divisor of those rows and of each device's row count.
+        """
+        problems = np.asarray(problem_of_row)
+        if len(problems) < self.num_rows:
+            padding = np.full(self.num_rows - len(problems), problems[0])
+            problems = np.concatenate([problems, padding])
+        changes = np.flatnonzero(problems[1:] != problems[:-1]) + 1
+        per_device = self.num_rows // self.mesh.size
+        return int(np.gcd.reduce(changes, initial=per_device))
+
     def real_chains(self, tree: Any) -> Any:
         """The rows of the real chains (padding dropped).
 

@@ -37,10 +37,13 @@ class PreparedRun:
         # Bounded: a long-lived process may ask for ever new lengths or chain counts.
         self._made = BoundedCache(256)
 
-    def segment(self, plan: SegmentPlan, length: int, emit: int) -> SegmentPlan:
-        """`plan` for a segment of `length` steps that emits `emit` draws."""
+    def segment(
+        self, plan: SegmentPlan, length: int, emit: int, block: int
+    ) -> SegmentPlan:
+        """`plan` for a segment of `length` steps that emits `emit` draws, its chains
+        in blocks of `block` that share a problem."""
         return self._made.get_or_make(
-            ("segment", plan, length, emit),
+            ("segment", plan, length, emit, block),
             lambda: SegmentPlan(
                 length,
                 plan.draws,
@@ -49,6 +52,7 @@ class PreparedRun:
                 plan.legacy,
                 plan.returns_own_draws,
                 emit,
+                block,
             ),
         )
 

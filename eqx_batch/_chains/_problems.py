@@ -6,14 +6,25 @@ carries its problem's index (`ChainState.problem`), so chunks, devices, padding 
 checkpoints move it with the chain. `data` is held once (one row per problem, on
 every device of the run).
 
-Each segment reads the rows its chains need once, before its loop, and the loop reads
-them as loop invariants, as a loop written by hand over `vmap(step)` does. A row read by
+The loop's layout is `[problems, chains of a problem]`, and a segment maps a step over
+it in one of two ways, by the size of a problem's row (`ROW_COPIED`, measured):
+
+- a small row is copied once per chain before the loop, and each chain reads its own
+    copy: an elementwise model on a row of tens of numbers runs as one flat `vmap`;
+- a larger row is given once per problem, as a loop written by hand as a nested
+    `vmap` gives it: the outer map over problems gives each its row, the inner over a
+    problem's chains gives them the row unbatched, so that a problem's `X @ w` is one
+    matrix product over its chains and each step reads a problem's data once, not
+    once per chain. The chains are viewed as blocks of consecutive chains of one
+    problem, never across a device (`Placement.block_size`): a chunk or a batch of
+    running problems that splits a problem has smaller blocks.
+
+Either copy is made once, before the loop, and read as a loop invariant. A row read by
 index in every step is a gather per step, which XLA hoists out of the loop on a CPU but
-not on a TPU: there it cost 3 to 10 times the copied rows at every row size measured
-(8 to 16,384 floats, docs/benchmarks.md). The line is memory, not speed: the copy holds
-`chains / problems` copies of the data, so it is made only while it takes at most
-`COPY_LIMIT` bytes; past it, each step reads its row by index, as fast as the copy on a
-CPU and slower on a TPU, with the data held once.
+not on a TPU, where it cost 3 to 10 times the copied rows (docs/benchmarks.md). Past
+`COPY_LIMIT` bytes of copies, each step reads its row by index, with the data held
+once. The choice depends on a problem's row alone, not on how many problems share the
+run, so that a problem runs the same program in a batch of one.
 """
 
 import math
@@ -28,13 +39,18 @@ import numpy as np
 
 from .._errors import BatchError, call_mismatch, describe, leaf_name
 from .._tree import common_size, host_array, is_array, structs
-from ._all_chains import RunStep
+from ._all_chains import MapChains, RunStep
 
 
-# The most bytes of `data`'s rows that a segment copies per chain (see the module's
-# docstring): 1.6% of a 16 GiB accelerator's memory, the size of the largest copy
-# measured.
+# The most bytes of `data`'s rows that a segment copies (see the module's docstring):
+# 1.6% of a 16 GiB accelerator's memory, the size of the largest copy measured.
 COPY_LIMIT = 256 * 2**20
+# The largest row (bytes of one problem's `data`) copied once per chain rather than
+# mapped in two levels, by platform ("" for any other), where the two cross over in
+# `benchmarks/bench_logistic.py` (docs/benchmarks.md): on a TPU v5e, rows of 512
+# bytes ran 2 to 5 times faster copied, rows of 2 KiB 1.5 times faster in two levels
+# (its matrix unit pays for small products); on a CPU, copies won up to 8 KiB rows.
+ROW_COPIED = {"": 1024, "cpu": 8 * 2**10}
 
 
 class ProblemStep(eqx.Module):
@@ -72,26 +88,38 @@ class ProblemStep(eqx.Module):
         """One chain's step, given its problem's index."""
         return self.step(state, key, _rows(self.data, problem))
 
-    def for_chains(self, problem: jax.Array) -> tuple[Callable, tuple]:
-        """One chain's step and what each chain gives it beside its state and key
-        (stacked by chain), from each chain's `problem`: made once, before the loop.
+    def for_chains(self, problem: jax.Array, block: int) -> tuple[Callable, MapChains]:
+        """One chain's step given its row, and how the segment maps it: rows up to
+        `ROW_COPIED` bytes copied once per chain, larger rows in two levels, over
+        blocks of `block` chains of one problem, each block given its problem's row,
+        then over a block's chains, each given the row unbatched (as a run of one
+        problem given its row through `functools.partial`). Either copy is made once,
+        before the loop.
 
-        The chains' rows of `data` while their copy is at most `COPY_LIMIT` bytes,
-        else the problems themselves (each step then reads its row by index).
+        While the copy takes at most `COPY_LIMIT` bytes; past it, each chain's step
+        reads its row by index, with the data held once.
         """
         rows, static = eqx.partition(self.data, is_array)
-        copy_bytes = sum(
-            math.prod(x.shape[1:]) * x.dtype.itemsize * problem.shape[0]
-            for x in jtu.tree_leaves(rows)
+        row_bytes = sum(
+            math.prod(x.shape[1:]) * x.dtype.itemsize for x in jtu.tree_leaves(rows)
         )
-        if copy_bytes > COPY_LIMIT:
-            return self, (problem,)
+        per_chain = row_bytes <= ROW_COPIED.get(jax.default_backend(), ROW_COPIED[""])
+        copies = problem.shape[0] if per_chain else problem.shape[0] // block
+        if copies * row_bytes > COPY_LIMIT:
+            return self, lambda one_chain, states, keys: jax.vmap(one_chain)(
+                states, keys, problem
+            )
         step = self.step
 
         def on_row(state: Any, key: Any, row: Any) -> Any:
             return step(state, key, eqx.combine(row, static))
 
-        return on_row, (_rows(rows, problem),)
+        if per_chain:
+            chain_rows = _rows(rows, problem)
+            return on_row, lambda one_chain, states, keys: jax.vmap(one_chain)(
+                states, keys, chain_rows
+            )
+        return on_row, _in_blocks(_rows(rows, problem[::block]), block)
 
     def placed(self, sharding: jax.sharding.Sharding) -> "ProblemStep":
         """This step with `data` on the devices of `sharding` (replicated). In a job of
@@ -123,6 +151,24 @@ class ProblemStep(eqx.Module):
     def with_data(self, data: Any) -> "ProblemStep":
         """Its step given the rows of `data` instead (as `ProblemStep.of`)."""
         return ProblemStep.of(self.step, data)
+
+
+def _in_blocks(block_rows: Any, block: int) -> MapChains:
+    """The chains mapped in two levels, over blocks of `block` consecutive chains,
+    each given its row of `block_rows`, then over a block's chains."""
+
+    def map_chains(one_chain: Callable, states: Any, keys: Any) -> Any:
+        num_blocks = keys.shape[0] // block
+        in_blocks = jtu.tree_map(
+            lambda x: x.reshape(num_blocks, block, *x.shape[1:]), (states, keys)
+        )
+        of_block = jax.vmap(one_chain, in_axes=(0, 0, None))
+        mapped = jax.vmap(of_block)(*in_blocks, block_rows)
+        return jtu.tree_map(
+            lambda x: x.reshape(num_blocks * block, *x.shape[2:]), mapped
+        )
+
+    return map_chains
 
 
 def _rows(data: Any, problem: Any) -> Any:

@@ -109,9 +109,10 @@ def _segment(
         output = eqx.filter(numbers_as_arrays(output), is_array)
         return eqx.filter(new, is_array), output
 
-    # With `data`, what each chain reads of it is made here, outside the loop, so
-    # that the loop body holds no gather of it (`ProblemStep.for_chains`).
-    chain_step, given = step.for_chains(chains.problem)
+    # With `data`, what each block of a problem's chains reads of it is made here,
+    # outside the loop, so that the loop body holds no gather of it and reads each
+    # problem's row once per step (`ProblemStep.for_chains`).
+    chain_step, map_chains = step.for_chains(chains.problem, plan.block)
 
     def one_chain(state: Any, key: jax.Array, *row: Any) -> tuple:
         key, step_key = next_key(key)
@@ -146,7 +147,7 @@ def _segment(
         if step.sees_every_chain:
             keys, states, output = every_chain(states, keys, t)
         else:
-            keys, states, output = jax.vmap(one_chain)(states, keys, *given)
+            keys, states, output = map_chains(one_chain, states, keys)
         moments = add_draw(moments, states, t, draws)
         if records:
             recorded = (states, output) if plan.with_output else states

@@ -39,3 +39,7 @@ class SegmentPlan:
     # that record fewer share the compiled loop; the slice then ends at the buffer's
     # end and starts before the segment's first draw.
     emit: int = 0
+    # Consecutive chains that share a problem, in blocks that never cross a device:
+    # the segment maps a problem's chains within a block over one row of `data`
+    # (`ProblemStep.for_chains`). Found from the chains' problems (`block_size`).
+    block: int = 1

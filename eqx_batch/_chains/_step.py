@@ -13,7 +13,7 @@ import jax.tree_util as jtu
 
 from .._errors import BatchError, bullet_list, describe, leaf_name
 from .._tree import is_struct, structs
-from ._all_chains import AllChains, RunStep
+from ._all_chains import AllChains, each_chain, MapChains, RunStep
 from ._problems import ProblemStep
 
 
@@ -51,9 +51,9 @@ class PerChain:
         """Itself: it holds no `data` to place."""
         return self
 
-    def for_chains(self, problem: Any) -> tuple[Callable, tuple]:
-        """Its step, given nothing beside a chain's state and key."""
-        return self.step, ()
+    def for_chains(self, problem: Any, block: int) -> tuple[Callable, MapChains]:
+        """Its step, mapped over the chains given nothing beside state and key."""
+        return self.step, each_chain
 
     def traced_call(
         self, states: Any, keys: jax.Array, one_key: jax.ShapeDtypeStruct
