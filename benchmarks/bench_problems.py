@@ -60,6 +60,11 @@ each problem's draws are checked equal to the first of its chains' in that run. 
 the chain-steps the compacted run executed, padding included
 (`executed_chain_steps`), against the chain-steps its problems needed.
 
+Stopping against the cap (section `stopping`, issue 42): the one call with
+`until=eb.converged(every=200)` and a cap of 4000 against the same call run to the cap,
+the trace on, warm and on a first call, and the programs the first `until=` call
+compiles (`stopping_rows` states the targets).
+
 Against the loop by hand alone (section `hand`), at 256 and at 4096 problems (the
 loops of calls would take minutes at 4096): the one call at most 1.05 of it on a CPU
 and 1.1 on an accelerator (issue 34), checked bit for bit. The `fixed` section's row
@@ -68,8 +73,8 @@ against the loop by hand has the same target.
 Times are medians of repeats in which the sides alternate, so that the load of a
 shared machine falls on all of them. The per-problem starts, keys and data rows of the
 loops are sliced before timing (a loop pays only for its calls). Usage:
-`python benchmarks/bench_problems.py [fixed] [hand] [until] [compaction]`, every
-section when none is named (or through `benchmarks/run.py problems`).
+`python benchmarks/bench_problems.py [fixed] [hand] [until] [compaction] [stopping]`,
+every section when none is named (or through `benchmarks/run.py problems`).
 """
 
 import functools as ft
@@ -790,11 +795,100 @@ def compaction_rows() -> None:
     )
 
 
+# -- Stopping against running to the cap (issue 42) --------------------------------
+
+STOP_EVERY, STOP_CAP = 200, 4000
+STOP_REPEAT = 3
+
+
+def stopping_rows() -> None:
+    """The one call with `until=eb.converged(every=200)` against the same call run to
+    its cap of 4000 steps with no `until`, the trace on: warm, on a first call (each
+    the first of its kind in the process, compile included), and the programs the
+    first call with `until` compiles. 256 problems on an accelerator, 16 on a CPU
+    (its trace at 256 would take 650 MB). Each problem's draws are checked equal, bit
+    for bit, to the first of its rows in the run to the cap. Targets (issue 42): warm,
+    at most 1.2 times the mean share of the cap that the problems run, and never more
+    than the run to the cap (on a CPU, at most 0.8 of it); a first call at most 3
+    times the first call without `until`; at most 10 programs compiled."""
+    on_cpu = jax.default_backend() == "cpu"
+    w = workload(16 if on_cpu else PROBLEMS)
+    until = eb.converged(every=STOP_EVERY)
+
+    def run(**options: Any) -> eb.Chains:
+        return jax.block_until_ready(
+            eb.run_chains(
+                step,
+                w.starts,
+                w.keys,
+                STOP_CAP,
+                superchains=w.problems * SUPERCHAINS,
+                data=w.data,
+                **options,
+            )
+        )
+
+    first: dict[str, float] = {}
+    counted: dict[str, list[Compiles]] = {}
+    for name, options in (("until", {"until": until}), ("cap", {})):
+        with compiles() as counted[name]:
+            start = time.perf_counter()
+            result = run(**options)
+            first[name] = time.perf_counter() - start
+        if name == "until":
+            stopped = result
+    to_cap = result
+    assert stopped.problems is not None
+    made = stopped.problems.draws_made
+    for p in range(w.problems):
+        rows = (slice(p * CHAINS, (p + 1) * CHAINS), slice(0, made[p]))
+        assert_same(
+            f"problem {p}'s draws",
+            jax.tree.map(lambda x, rows=rows: x[rows], stopped.trace),
+            jax.tree.map(lambda x, rows=rows: x[rows], to_cap.trace),
+        )
+    share = float(np.mean(stopped.problems.steps_done)) / STOP_CAP
+    t = interleaved_medians(
+        {"until": lambda: run(until=until), "cap": run}, STOP_REPEAT
+    )
+    ratio = t["until"].seconds / t["cap"].seconds
+    limit = 0.8 if on_cpu else min(1.2 * share, 1.0)
+    what = (
+        f"eight schools RWM, {w.problems} problems x {CHAINS} chains, until every "
+        f"{STOP_EVERY} (cap {STOP_CAP}; problems run {share:.0%} of it on average)"
+    )
+    report(
+        f"{what}: warm until= / warm run to the cap",
+        ratio,
+        f"<= {limit:.2f}",
+        ratio <= limit,
+        f"{t['until'].seconds * 1e3:.1f} ms vs {t['cap'].seconds * 1e3:.1f} ms on "
+        f"{jax.default_backend()}; stops at steps "
+        f"{sorted(set(stopped.problems.steps_done.tolist()))}",
+    )
+    report(
+        f"{what}: first until= call / first call to the cap",
+        first["until"] / first["cap"],
+        "<= 3",
+        first["until"] / first["cap"] <= 3,
+        f"{first['until']:.1f} s vs {first['cap']:.1f} s",
+    )
+    programs = counted["until"][0].number
+    report(
+        f"{what}: programs compiled by the first until= call (count)",
+        programs,
+        "<= 10",
+        programs <= 10,
+        f"the first call to the cap compiled {counted['cap'][0].number}",
+    )
+
+
 SECTIONS = {
     "fixed": fixed_budget_rows,
     "hand": hand_rows,
     "until": until_rows,
     "compaction": compaction_rows,
+    "stopping": stopping_rows,
 }
 
 

@@ -18,6 +18,7 @@ from ._checkpoint_writer import segment_files, SegmentFiles, Snapshot
 from ._common import ChainState
 from ._compaction import (
     batch_size,
+    batch_slots,
     draws_written_back,
     gathered,
     padded_rows,
@@ -231,6 +232,10 @@ class ChunkRun:
             batch = plan.prepared.placement(size, 0, pad=True)
             batch_rows = padded_rows(rows, batch.num_rows)
             index = jax.device_put(batch_rows, self.placement.everywhere)
+            # Where each of the chunk's rows is in the batch, for the write-backs.
+            slots = jax.device_put(
+                batch_slots(rows, self.placement.num_rows), self.placement.everywhere
+            )
             block = batch.block_size(self.problem_of_row[batch_rows])
             emit = (
                 plan.draws.most_in(stop - start) if plan.records and end > first else 0
@@ -248,9 +253,9 @@ class ChunkRun:
                 np.int32(start),
                 own,
             )
-            self.chains = written_back(self.chains, result.chains, index, split)
+            self.chains = written_back(self.chains, result.chains, slots, split)
             if result.new_draws is not None:
-                made = (result.new_draws, index, np.int32(end - first))
+                made = (result.new_draws, slots, np.int32(end - first))
         new_draws = None
         if self.trace is not None:
             if made is not None:

@@ -47,14 +47,37 @@ def gathered(tree: Any, rows: jax.Array, sharding: NamedSharding) -> Any:
     return jtu.tree_map(lambda x: lax.with_sharding_constraint(x[rows], sharding), tree)
 
 
+def batch_slots(rows: np.ndarray, num_rows: int) -> np.ndarray:
+    """Where each of `num_rows` rows is in a batch of `rows` (its first place there),
+    or -1 for a row the batch leaves out: the write-backs read the batch by it."""
+    slots = np.full(num_rows, -1, np.int32)
+    # Reversed, so that a row repeated as padding keeps its first place.
+    slots[rows[::-1]] = np.arange(len(rows), dtype=np.int32)[::-1]
+    return slots
+
+
+def _from_batch(batch: jax.Array, slots: jax.Array) -> jax.Array:
+    """Each row's row of `batch` (row 0's for a row it leaves out): a gather, where a
+    scatter of the batch's rows would be serialized row by row on a TPU."""
+    return batch[jnp.maximum(slots, 0)]
+
+
+def _rows_mask(slots: jax.Array, ndim: int) -> jax.Array:
+    """Whether each row is in the batch, shaped to broadcast over a leaf of `ndim`."""
+    return (slots >= 0).reshape(slots.shape + (1,) * (ndim - 1))
+
+
 # Not donated: the checkpoint may still be writing the chains of the last segment.
 @ft.partial(jax.jit, static_argnums=3)
 def written_back(
-    full: Any, batch: Any, rows: jax.Array, sharding: NamedSharding
+    full: Any, batch: Any, slots: jax.Array, sharding: NamedSharding
 ) -> Any:
-    """`full` with row `rows[i]` of each leaf replaced by row `i` of `batch`'s."""
+    """`full` with each row that the batch holds (`slots`, `batch_slots`) replaced by
+    its row of `batch`."""
     return jtu.tree_map(
-        lambda x, y: lax.with_sharding_constraint(x.at[rows].set(y), sharding),
+        lambda x, y: lax.with_sharding_constraint(
+            jnp.where(_rows_mask(slots, x.ndim), _from_batch(y, slots), x), sharding
+        ),
         full,
         batch,
     )
@@ -64,24 +87,36 @@ def written_back(
 def draws_written_back(
     trace: Any,
     draws: Any,
-    rows: jax.Array,
+    slots: jax.Array,
     first: jax.Array,
     count: jax.Array,
     sharding: NamedSharding,
 ) -> Any:
     """`trace` (`[chains, slots, ...]` per leaf) with the first `count` draws of each
     row of `draws` (`[batch, emit, ...]`) written at slots `first`, `first + 1`, ...
-    of its row `rows[i]`; slots past `count` are left alone.
+    of the rows that the batch holds (`slots`, `batch_slots`); other slots and rows
+    are left alone.
 
-    `trace` is donated and updated in place, as a segment updates it: the
+    Only the window of `emit` slots from `first` is read and written (moved back to
+    end at the buffer's end, where the new draws then sit later in it), not the whole
+    buffer. `trace` is donated and updated in place, as a segment updates it: the
     checkpoint writes a copy of the new draws (`sliced_draws`), not the buffer."""
 
     def leaf(x: jax.Array, y: jax.Array) -> jax.Array:
+        total = x.shape[1]
+        y = y[:, :total]
         emit = y.shape[1]
-        offsets = jnp.arange(emit, dtype=jnp.int32)
-        # Past `count` (the draws the segment made), out of bounds: dropped.
-        slots = jnp.where(offsets < count, first + offsets, x.shape[1])
-        updated = x.at[rows[:, None], slots[None, :]].set(y, mode="drop")
+        start = jnp.clip(first, 0, total - emit)
+        shift = first - start
+        # Window slot i holds the batch's draw i - shift, if it is one of `count`.
+        draw = jnp.arange(emit, dtype=jnp.int32) - shift
+        fresh = (draw >= 0) & (draw < count)
+        ahead = jnp.concatenate([jnp.zeros_like(y), y], axis=1)
+        new = _from_batch(lax.dynamic_slice_in_dim(ahead, emit - shift, emit, 1), slots)
+        old = lax.dynamic_slice_in_dim(x, start, emit, 1)
+        mask = _rows_mask(slots, 2) & fresh[None, :]
+        window = jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 2)), new, old)
+        updated = lax.dynamic_update_slice_in_dim(x, window, start, 1)
         return lax.with_sharding_constraint(updated, sharding)
 
     return jtu.tree_map(leaf, trace, draws)
