@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import jax
 import jax.tree_util as jtu
 
-from ._errors import BatchError, bullet_list
+from ._errors import BatchError, bullet_list, leaf_name
 from ._file_format import CheckedFile, open_checked
 from ._file_layout import check_caller_metadata, write_file
 from ._leaf_records import (
@@ -95,13 +95,15 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     **Raises:**
 
     `BatchError`, before anything is written, if `path` is a folder or its folder
-    does not exist; if a leaf is a tracer (call `save` outside `jax.jit`) or an array
-    of a non-numeric dtype (strings, objects); or if two array leaves have the same
-    path, or one has the path `__metadata__` (which safetensors reserves; a custom
-    pytree key can print so). `OSError` if the file cannot be written otherwise (no
-    permission, disk full); `path` is then left as it was. A `BatchError` naming the
-    draw file, if an `eb.DiskArray`'s file cannot be read (missing, damaged); `path`
-    is then left as it was.
+    does not exist; if an `eb.DiskArray` leaf reads from `path` (one of its draw
+    files, or a file of its run's checkpoint, which the save would destroy); if a
+    leaf is a tracer (call `save` outside `jax.jit`) or an array of a non-numeric
+    dtype (strings, objects); or if two array leaves have the same path, or one has
+    the path `__metadata__` (which safetensors reserves; a custom pytree key can
+    print so). `OSError` if the file cannot be written otherwise (no permission,
+    disk full); `path` is then left as it was. A `BatchError` naming the draw file,
+    if an `eb.DiskArray`'s file cannot be read (missing, damaged); `path` is then
+    left as it was.
 
     !!! Example
 
@@ -123,7 +125,22 @@ def save(path: str | os.PathLike, tree: Any) -> None:
             f"`path` ({path}) is in the folder {target.parent}, which {problem}. "
             "Create the folder first (`os.makedirs`), or pass another path."
         )
+    _check_not_read_from(path, tree)
     write_tree(path, tree)
+
+
+def _check_not_read_from(path: str | os.PathLike, tree: Any) -> None:
+    """Refuses `path` if a lazy leaf of `tree` reads from it: the save would read the
+    file, then replace it, and the run whose file it is would be lost."""
+    for key_path, leaf in jtu.tree_flatten_with_path(tree)[0]:
+        found = leaf.replaced_by(path) if is_lazy_array(leaf) else None
+        if found is not None:
+            file, lost = found
+            named = "" if os.fspath(path) == str(file) else f" (`path` {path})"
+            raise BatchError(
+                f"`{leaf_name('tree', key_path)}` reads from {file}{named}: saving "
+                f"over it loses {lost}. Save to another path."
+            )
 
 
 # ------------------------------------------------------------------------------------

@@ -27,13 +27,14 @@ def static_key(value: Any) -> Any:
     """A static value as the identity of a compiled program sees it: its type and
     value, a float's (or complex's, or NumPy scalar's) value by its bits, and a
     container's (a tuple, a Module, any pytree) by its structure and the key of each
-    value inside it.
+    value inside it, a dataclass's by the keys of its compared fields.
 
     `1 == 1.0 == True` and `0.0 == -0.0`, but they are traced to programs with other
     dtypes or other constants: `jax.jit` with any of them as a static argument compiles
-    its own program. So do `(1,)` and `(1.0,)`, or two Modules whose static fields hold
-    them, though `==` finds those equal too. And `nan != nan`, which would compile anew
-    on every call, where two NaNs of the same bits are one program.
+    its own program. So do `(1,)` and `(1.0,)`, or two Modules or dataclasses whose
+    (static) fields hold them, though `==` finds those equal too. And `nan != nan`,
+    which would compile anew on every call, where two NaNs of the same bits are one
+    program.
     """
     kind = type(value)
     if kind in _BY_VALUE or kind.__eq__ is object.__eq__:
@@ -52,11 +53,16 @@ def static_key(value: Any) -> Any:
     leaves, treedef = jtu.tree_flatten(value)
     if treedef.num_nodes > 1 or treedef.num_leaves != 1:  # a container
         return tree_key(treedef, leaves, value)
-    if kind.__hash__ is None and dataclasses.is_dataclass(value):
-        # Node data that is a plain dataclass, as an older Equinox keeps a Module's
-        # static fields: keyed by its fields' values.
-        fields = dataclasses.fields(value)
-        return kind, static_key(tuple(getattr(value, f.name) for f in fields))
+    if dataclasses.is_dataclass(value):
+        # Keyed by the fields that its `==` compares, each by its own key: frozen or
+        # not, `==` finds `Frozen(0.0)` equal to `Frozen(-0.0)` as it finds `0.0`
+        # equal to `-0.0`. (Node data that is a plain dataclass is how an older
+        # Equinox keeps a Module's static fields.)
+        return kind, *(
+            static_key(getattr(value, field.name))
+            for field in dataclasses.fields(value)
+            if field.compare
+        )
     return kind, value
 
 

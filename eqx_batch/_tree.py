@@ -13,7 +13,7 @@ called on each leaf and returns one of those.
 import functools as ft
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, TypeVar
 
 import equinox as eqx
 import jax
@@ -57,6 +57,11 @@ class LazyArray:
     def __getitem__(self, key: Any) -> np.ndarray:
         raise NotImplementedError
 
+    def replaced_by(self, path: Any) -> tuple[Any, str] | None:
+        """The file it reads that writing `path` would replace, and what that file
+        holds; None if none (`eb.save` refuses such a `path`)."""
+        return None
+
 
 def is_lazy_array(x: Any) -> bool:
     """Whether `x` is a `LazyArray`: an array on the host read when indexed."""
@@ -71,6 +76,23 @@ def is_tracer(x: Any) -> bool:
 def is_numpy(x: Any) -> bool:
     """Whether `x` is a NumPy array or scalar."""
     return isinstance(x, (np.ndarray, np.generic))
+
+
+_Tree = TypeVar("_Tree")
+
+
+def owned(tree: _Tree) -> _Tree:
+    """`tree` with each NumPy array leaf copied, for a computation that may outlive
+    the call: on the CPU, JAX may alias a NumPy argument's memory rather than copy
+    it, so a caller's write into the array after the call returns would reach a
+    computation still in flight. The tree itself is returned if it holds none."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    if not any(isinstance(x, np.ndarray) for x in leaves):
+        return tree
+    copies = [
+        np.array(x, copy=True) if isinstance(x, np.ndarray) else x for x in leaves
+    ]
+    return jtu.tree_unflatten(treedef, copies)
 
 
 def is_weak(x: Any) -> bool:

@@ -526,6 +526,62 @@ def test_coords_label_arviz_s_own_dimensions_and_the_draws(getkey):
     )
 
 
+def test_labels_keep_the_types_they_were_given(getkey):
+    # Issue 43 (AZ07): NumPy would make every label of a mixed list a string, so that
+    # `.sel(school=1)` found nothing.
+    result = eb.run_chains(noisy, schools_state(2), getkey(), 4)
+    mixed = [1, 2, "3", 4, 5.5, 6]
+    data = result.to_arviz(dims={"theta": ["school"]}, coords={"school": mixed})
+    posterior = data["posterior"]
+    assert posterior.school.dtype == object
+    assert list(posterior.school.values) == mixed
+    assert [type(label) for label in posterior.school.values] == [
+        int,
+        int,
+        str,
+        int,
+        float,
+        int,
+    ]
+    theta = result.trace["theta"]
+    np.testing.assert_array_equal(posterior["theta"].sel(school=1), theta[..., 0])
+    np.testing.assert_array_equal(posterior["theta"].sel(school="3"), theta[..., 2])
+    # Labels of one kind are the array NumPy makes of them: ints stay ints.
+    data = result.to_arviz(
+        dims={"theta": ["school"]}, coords={"school": [10, 11, 12, 13, 14, 15]}
+    )
+    school = data["posterior"].school
+    assert np.issubdtype(school.dtype, np.integer)
+    np.testing.assert_array_equal(
+        data["posterior"]["theta"].sel(school=12), theta[..., 2]
+    )
+
+
+def test_tuple_labels_label_one_entry_each(getkey):
+    # Issue 43 (AZ24): `np.asarray` makes 4 pairs a [4, 2] array, which was refused.
+    result = eb.run_chains(noisy, {"m": jnp.zeros((3, 4))}, getkey(), 5)
+    pairs = [(0, 1), (0, 2), (1, 2), (2, 3)]
+    data = result.to_arviz(dims={"m": ["pair"]}, coords={"pair": pairs})
+    m = data["posterior"]["m"]
+    assert m.dims == ("chain", "draw", "pair")
+    assert list(m.pair.values) == pairs
+    np.testing.assert_array_equal(m.sel(pair=(1, 2)), result.trace["m"][..., 2])
+    summary = arviz_stats.summary(data, var_names=["m"])
+    assert list(summary.index) == [f"m[{pair}]" for pair in pairs]
+
+
+@pytest.mark.parametrize(
+    "axes, shape", [(["a", "a"], (3, 3)), (["a", "b", "a"], (2, 3, 4))]
+)
+def test_a_name_given_to_two_axes_of_a_variable_is_refused(getkey, axes, shape):
+    # Issue 43 (AZ17): xarray only warns, and a reduction over `a` then fails.
+    result = eb.run_chains(noisy, {"m": jnp.zeros((2, *shape))}, getkey(), 3)
+    expected = "`dims['m']` names two axes `a`: give each axis of `m` its own name."
+    with pytest.raises(eb.BatchError, match=re.escape(expected)) as error:
+        result.to_arviz(dims={"m": axes})
+    assert len(str(error.value)) <= 90
+
+
 def test_dims_of_a_lazy_disk_trace_and_of_one_problem(getkey, tmp_path):
     # A `trace="disk"` trace stays lazy, labelled; one problem's chains alike.
     labels = {"dims": {"theta": ["school"]}, "coords": {"school": SCHOOLS}}

@@ -269,14 +269,37 @@ def test_data_passed_with_partial():
     assert not jnp.array_equal(with_partial.final, init)
 
 
-@pytest.mark.parametrize("with_output", [False, True])
-def test_no_trace(with_output):
-    step = _state_and_output if with_output else metropolis
-    result = eb.run_chains(
-        step, make_init(2), jr.key(0), 5, trace=False, with_output=with_output
-    )
+def test_no_trace():
+    result = eb.run_chains(metropolis, make_init(2), jr.key(0), 5, trace=False)
     assert result.trace is None and result.outputs is None
     assert result.final["layer1"]["weights"].shape == (2, 3, 3)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"thin": 2, "burn_in": 3}, {"chunk_size": 3}, {"checkpoint_every": True}],
+    ids=["plain", "thinned", "chunked", "checkpointed"],
+)
+def test_outputs_without_a_trace_are_recorded_alone(tmp_path, options):
+    options = dict(options)
+    # tfp#799: a step's outputs, without its states: `trace=False` with
+    # `with_output=True` records the outputs, the same as with the trace, and no state.
+    checkpoints = {}
+    if options.pop("checkpoint_every", None):
+        checkpoints = {"checkpoint": str(tmp_path / "alone"), "checkpoint_every": 2}
+    run = ft.partial(
+        eb.run_chains, _state_and_output, make_init(5), jr.key(0), 9, with_output=True
+    )
+    alone = run(trace=False, **options, **checkpoints)
+    with_trace = run(**options)
+    assert alone.trace is None and alone.outputs is not None
+    assert_trees_identical(alone.outputs, with_trace.outputs)
+    assert_trees_identical(alone.final, with_trace.final)
+    if checkpoints:
+        # Read back from its checkpoint: the outputs are its draws.
+        again = run(trace=False, **options, **checkpoints)
+        assert again.trace is None
+        assert_trees_identical(again.outputs, with_trace.outputs)
 
 
 @pytest.mark.parametrize("trace", [True, "disk"])

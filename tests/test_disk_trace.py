@@ -518,3 +518,111 @@ def test_a_disk_trace_on_a_relative_path_reads_from_another_directory(
     assert_trees_identical(_read(result.trace), _in_memory(memory.trace))
     eb.save("kept", result.trace)
     assert_trees_identical(eb.load("kept", like=result.trace), _read(result.trace))
+
+
+# ------------------------------------------------------------------------------------
+# `eb.save` over the files the trace reads (issue 43, SV06/SV07).
+
+
+def _run_into(folder: pathlib.Path, chunk_size: int | None = None):
+    return eb.run_chains(
+        metropolis,
+        make_init(4),
+        jr.key(0),
+        40,
+        trace="disk",
+        checkpoint=folder / "r",
+        checkpoint_every=20,
+        chunk_size=chunk_size,
+    )
+
+
+def _contents(folder: pathlib.Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+_OWN_FILES = {
+    # The checkpoint's own path (SV06), a draw file (SV07), the other files of the
+    # checkpoint: a state file, a chunk's checkpoint and one of its draw files.
+    "checkpoint": (None, lambda runs: runs / "r", "the run's checkpoint"),
+    "draw file": (
+        None,
+        lambda runs: sorted(runs.glob("r.*.draws-20-40"))[0],
+        "draws 20-40 of chains 0-4",
+    ),
+    "state file": (None, lambda runs: next(runs.glob("r.*.state-*")), "checkpoint"),
+    "chunk checkpoint": (2, lambda runs: runs / "r.chains-2-4", "checkpoint"),
+    "chunk draw file": (
+        2,
+        lambda runs: sorted(runs.glob("r.chains-2-4.*.draws-0-20"))[0],
+        "draws 0-20 of chains 2-4",
+    ),
+}
+
+
+@pytest.mark.parametrize("which", list(_OWN_FILES))
+def test_saving_a_disk_trace_over_its_own_files_is_refused_and_changes_nothing(
+    tmp_path, which
+):
+    chunk_size, pick, lost = _OWN_FILES[which]
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    result = _run_into(runs, chunk_size)
+    numbers = _read(result.trace)
+    target = pick(runs)
+    before = _contents(runs)
+    raises(
+        "Save to another path",
+        lambda: eb.save(target, result.trace),
+        "`tree['layer1']['weights']` reads from",
+        str(target),
+        lost,
+    )
+    assert _contents(runs) == before  # not a byte, nor a temporary file
+    assert_trees_identical(_read(result.trace), numbers)
+    again = _run_into(runs, chunk_size)  # the run reads back from its checkpoint
+    assert again.steps_done == 40
+    assert_trees_identical(_read(again.trace), numbers)
+    # The same name in another folder is another file.
+    (tmp_path / "kept").mkdir()
+    eb.save(tmp_path / "kept" / target.name, result.trace)
+    back = eb.load(tmp_path / "kept" / target.name, like=result.trace)
+    assert_trees_identical(back, numbers)
+
+
+@pytest.mark.parametrize("naming", ["relative", "dotted", "linked folder", "link"])
+@pytest.mark.parametrize("which", ["checkpoint", "draw file"])
+def test_a_path_naming_its_own_file_another_way_is_refused(
+    tmp_path, monkeypatch, which, naming
+):
+    _, pick, lost = _OWN_FILES[which]
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    result = _run_into(runs)
+    target = pick(runs)
+    monkeypatch.chdir(tmp_path)
+    if naming == "relative":
+        path = os.path.join("runs", target.name)
+    elif naming == "dotted":
+        path = str(tmp_path / "runs" / ".." / "runs" / target.name)
+    elif naming == "linked folder":
+        (tmp_path / "alias").symlink_to(runs, target_is_directory=True)
+        path = os.path.join("alias", target.name)
+    else:
+        (tmp_path / "link").symlink_to(target)
+        path = "link"
+    before = _contents(runs)
+    raises(
+        "Save to another path",
+        lambda: eb.save(path, result.trace),
+        "`tree['layer1']['weights']`",
+        str(target),
+        f"(`path` {path})",
+        lost,
+    )
+    assert _contents(runs) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["runs", *{"linked folder": ["alias"], "link": ["link"]}.get(naming, [])]
+    )
+    eb.save("kept", result.trace)
+    assert_trees_identical(eb.load("kept", like=result.trace), _read(result.trace))

@@ -1,6 +1,7 @@
 """`eb.filter_jit`: `eqx.filter_jit`'s results, donation, methods, ahead-of-time
 compilation, runtime checks, and errors that name the argument."""
 
+import dataclasses
 import logging
 import math
 import subprocess
@@ -142,6 +143,70 @@ def test_an_equal_static_nested_in_modules_tuples_and_dicts_compiles_anew(
 
     assert_trees_identical(as_array(wrap(first)), _as_array_by_jax_jit(first))
     assert_trees_identical(as_array(wrap(second)), _as_array_by_jax_jit(second))
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    value: Any
+
+
+@dataclasses.dataclass
+class Plain:
+    value: Any
+
+
+# A dataclass is equal to another of equal fields, frozen (and hashable) or not, as a
+# Module is: keyed by its fields, it compiles its own program for `Frozen(-0.0)`.
+@pytest.mark.parametrize(
+    "wrap, unwrap",
+    [
+        (lambda v: Frozen(v), lambda t: t.value),
+        (lambda v: StaticConfig(Frozen(v)), lambda t: t.value.value),
+        (lambda v: Frozen(Frozen((v, "label"))), lambda t: t.value.value[0]),
+        (lambda v: StaticConfig(Frozen(Frozen(v))), lambda t: t.value.value.value),
+        (lambda v: StaticConfig(Plain(Frozen(v))), lambda t: t.value.value.value),
+    ],
+    ids=[
+        "frozen",
+        "frozen-in-a-static-field",
+        "nested-frozen",
+        "nested-frozen-in-a-static-field",
+        "frozen-in-a-plain-one",
+    ],
+)
+@pytest.mark.parametrize("first, second", [(1, 1.0), (1, True), (0.0, -0.0)])
+def test_an_equal_dataclass_of_another_type_or_sign_compiles_anew(
+    wrap, unwrap, first, second
+):
+    as_array = eb.filter_jit(lambda tree: jnp.asarray(unwrap(tree)))
+
+    assert wrap(first) == wrap(second)
+    assert_trees_identical(as_array(wrap(first)), _as_array_by_jax_jit(first))
+    assert_trees_identical(as_array(wrap(second)), _as_array_by_jax_jit(second))
+
+
+def test_a_frozen_dataclass_is_keyed_on_its_fields_not_its_object():
+    traces = []
+
+    @eb.filter_jit
+    def sign(x, config):
+        traces.append(config)
+        return jnp.copysign(x, config.value.value.value)
+
+    def config(value):
+        return StaticConfig(Frozen(Frozen(value)))
+
+    for _ in range(3):
+        assert sign(jnp.ones(()), config(float("2.5"))) == 1.0  # new objects each time
+    assert len(traces) == 1
+    assert sign(jnp.ones(()), config(-0.0)) == -1.0
+    assert sign(jnp.ones(()), config(0.0)) == 1.0
+    assert len(traces) == 3
+    sign(jnp.ones(()), config(float("nan")))
+    sign(jnp.ones(()), config(float("nan")))  # another NaN of the same bits
+    assert len(traces) == 4
+    sign(jnp.ones(()), config(math.copysign(math.nan, -1.0)))  # a sign bit apart
+    assert len(traces) == 5
 
 
 def test_a_static_field_is_keyed_on_its_value_not_its_object():

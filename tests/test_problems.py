@@ -3,6 +3,7 @@ those of running it alone, bit for bit, however the run is chunked, placed, spli
 processes, checkpointed or killed; and bad input is refused naming the fix."""
 
 import functools as ft
+import os
 import pathlib
 import re
 import signal
@@ -568,3 +569,50 @@ def test_a_wide_row_is_given_once_per_problem_not_copied_per_chain(wide):
     rows = jax.tree.map(lambda x: x[problem], data)
     direct = jax.vmap(ar1_problem)(states, keys, rows)
     np.testing.assert_array_equal(segment_step(states, keys), direct)
+
+
+_WRITTEN_AFTER_THE_CALL = """
+import numpy as np, jax, jax.numpy as jnp, jax.random as jr
+import eqx_batch as eb
+
+def step(x, key, data):
+    return x * data["c"] + 0.1 * jr.normal(key, x.shape)
+
+def aligned(shape, value):
+    # JAX's CPU client aliases a NumPy array whose memory is 64-byte aligned.
+    size = int(np.prod(shape))
+    memory = np.full(size + 16, value, np.float32)
+    start = (-memory.ctypes.data % 64) // 4
+    return memory[start : start + size].reshape(shape)
+
+def arguments():
+    return aligned((64, 16), 0.0), {"c": aligned((4,), 0.5)}
+
+# Whether JAX aliases an argument, and whether the write lands while the loop still
+# reads it, vary from call to call: each case is tried several times.
+for num_steps in (0, 3, 200) * 4:
+    init, data = arguments()
+    result = eb.run_chains(step, init, jr.key(0), num_steps, data=data)
+    init[:], data["c"][:] = 7.0, 2.0
+    expected = eb.run_chains(step, arguments()[0], jr.key(0), num_steps,
+                             data=arguments()[1])
+    for got, want in ((result.final, expected.final), (result.trace, expected.trace)):
+        assert np.array_equal(np.asarray(got), np.asarray(want)), num_steps
+print("same")
+"""
+
+
+def test_numpy_arguments_written_after_the_call_do_not_reach_the_run():
+    # The loop runs on after `run_chains` returns, and on one CPU device JAX may
+    # alias a NumPy argument's memory: the run reads copies, so a caller's write
+    # into `init` or `data` right after the call changes nothing of it. In a process
+    # of its own, on one device (the suite's four split the arguments, which copies).
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _WRITTEN_AFTER_THE_CALL],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "same", proc.stderr[-2000:]

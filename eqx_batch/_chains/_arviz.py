@@ -4,7 +4,8 @@ ArviZ is optional (`pip install eqx_batch[arviz]`) and imported only when a conv
 is asked for, so importing eqx_batch never pays for xarray and pandas.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from numbers import Number
 from typing import Any, NamedTuple, TYPE_CHECKING
 
 import jax.numpy as jnp
@@ -78,7 +79,8 @@ def trace_to_arviz(
         data.posterior.superchain.values` and
         `arviz_stats.rhat_nested(data, superchain_ids=ids)`.
     - `coords`: the labels of a dimension's entries, by its name, as ArviZ's
-        `from_dict` takes them.
+        `from_dict` takes them. Each label keeps its type: `[1, "2"]` is an int and
+        a string (an array of objects), and tuples label one entry each.
     - `dims`: the names of a variable's axes after `chain` and `draw`, by the
         variable's name, as ArviZ's `from_dict` takes them; a variable it does not
         name keeps ArviZ's names, `<name>_dim_0`, ....
@@ -95,8 +97,8 @@ def trace_to_arviz(
         group would get the same name (or one a name ArviZ gives itself, `chain`,
         `draw` or `superchain`), naming both paths, or a name with `/`, which
         ArviZ's data cannot hold; or if `dims` names no variable, or not one name
-        per axis, or gives one dimension two sizes, or `coords` labels no dimension,
-        or not one label per entry.
+        per axis, or one name for two axes of a variable, or gives one dimension
+        two sizes, or `coords` labels no dimension, or not one label per entry.
 
     !!! Example
 
@@ -314,6 +316,13 @@ def _checked_dims(dims: Any) -> dict[str, list[str]]:
                 "a list of names, one for each axis of the variable after `chain` "
                 f"and `draw`, as {_DIMS_FORM}."
             )
+        repeated = next((a for i, a in enumerate(axes) if a in axes[:i]), None)
+        if repeated is not None:
+            # xarray only warns of it, and then fails to reduce over that name.
+            raise BatchError(
+                f"`dims{jtu.keystr((jtu.DictKey(name),))}` names two axes "
+                f"`{repeated}`: give each axis of `{name}` its own name."
+            )
         checked[name] = list(axes)
     return checked
 
@@ -387,12 +396,12 @@ def _checked_coords(
                 f"chains has. Their dimensions are {names}: name an axis with `dims` "
                 "first, as `dims={'theta': ['school']}, coords={'school': [...]}`."
             )
-        array = np.asarray(labels)
+        array = _label_array(labels)
         for size in sizes[dim]:
-            if array.ndim != 1 or len(array) != size.size:
+            if array is None or len(array) != size.size:
                 held = (
                     f"holds {len(array)} labels"
-                    if array.ndim == 1
+                    if array is not None
                     else f"is {describe(labels)}, not a sequence of labels"
                 )
                 raise BatchError(
@@ -402,6 +411,53 @@ def _checked_coords(
                 )
         checked[dim] = array
     return checked
+
+
+def _label_array(labels: Any) -> np.ndarray | None:
+    """`labels` as a 1-D array that holds each label as it was given, or None if they
+    are no sequence of labels (a label is hashable: a string, a number, a tuple).
+
+    NumPy makes a list of labels of one kind (strings, numbers) an array of that
+    kind, as xarray does. Labels of several kinds stay themselves in an array of
+    objects, where NumPy would make `[1, "2"]` two strings (and `.sel(x=1)` find
+    nothing), and tuples stay tuples, where it would make `[(0, 1), (1, 2)]` one
+    [2, 2] array.
+    """
+    if hasattr(labels, "__array__"):
+        # An array, an index of pandas: its dtype is already chosen.
+        array = np.asarray(labels)
+        return array if array.ndim == 1 else None
+    if isinstance(labels, (str, bytes)) or not isinstance(labels, Sequence):
+        return None
+    entries = list(labels)
+    kinds = {_label_kind(entry) for entry in entries}
+    if len(kinds) == 1 and None not in kinds:
+        return np.asarray(entries)
+    if not all(_hashable(entry) for entry in entries):
+        return None
+    # Entry by entry: NumPy would read equal tuples as rows of a 2-D array.
+    array = np.empty(len(entries), dtype=object)
+    for index, entry in enumerate(entries):
+        array[index] = entry
+    return array
+
+
+def _hashable(label: Any) -> bool:
+    try:
+        hash(label)
+    except TypeError:
+        return False
+    return True
+
+
+def _label_kind(label: Any) -> type | None:
+    """The kind of array NumPy makes of labels like `label` without changing them,
+    or None for a label that NumPy would change (a tuple) or keep as an object."""
+    for kind in (bool, np.bool_, str, bytes, np.datetime64, np.timedelta64):
+        if isinstance(label, kind):
+            return bool if kind is np.bool_ else kind
+    # Ints and floats together are floats, as pandas makes them, and label alike.
+    return Number if isinstance(label, Number) else None
 
 
 def _dimensions(groups: dict[str, dict[str, _Variable]]) -> dict[str, list[_Dimension]]:

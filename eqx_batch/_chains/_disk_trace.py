@@ -23,6 +23,7 @@ A `DiskArray` is a `LazyArray`: `eb.save` writes its numbers, a block at a time.
 import json
 import os
 import pathlib
+import re
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -35,6 +36,7 @@ from .._errors import BatchError
 from .._file_format import BadFileError, open_checked
 from .._file_layout import LENGTH, NAMESPACE
 from .._tree import as_key_data, is_key, LazyArray
+from ._checkpoint_files import checkpoint_name_pattern, run_file_pattern
 
 
 # Bytes read at once when a file's checksum is computed: its memory is this, whatever
@@ -111,6 +113,31 @@ class DrawFiles:
                     (slice(None), slice(None), *within)
                 ]
         return out
+
+    def replaced_by(self, path: str | os.PathLike) -> tuple[pathlib.Path, str] | None:
+        """The file of this trace that writing `path` would replace, and what it
+        holds; None if none.
+
+        Its draw files, and every file of the checkpoint they belong to (the run's,
+        its chunks' and their states, which resume it), compared with symlinks and
+        relative parts resolved.
+        """
+        for entry in self.listing:
+            if _same_file(path, entry.path):
+                return entry.path, "draws {}-{} of chains {}-{}".format(
+                    *entry.draws, *entry.rows
+                )
+        if _same_file(path, self.checkpoint):
+            return self.checkpoint, "the run's checkpoint"
+        target = pathlib.Path(os.path.realpath(path))
+        own_names = checkpoint_name_pattern(self.checkpoint) + (
+            f"(?:{run_file_pattern()})?"
+        )
+        if target.parent == pathlib.Path(
+            os.path.realpath(self.checkpoint.parent)
+        ) and re.fullmatch(own_names, target.name):
+            return target, "the run's checkpoint"
+        return None
 
     def _read_block(
         self,
@@ -274,8 +301,8 @@ class DiskArray(LazyArray):
 
     The leaf reads the checkpoint's files, so it lasts as long as they do: to keep
     the numbers apart from the checkpoint, `eb.save(path, result.trace)` writes them
-    (16 MiB at a time), and `eb.load(path, like=result.trace)` reads them back as
-    NumPy arrays.
+    (16 MiB at a time; `path` may not be one of the checkpoint's files), and
+    `eb.load(path, like=result.trace)` reads them back as NumPy arrays.
 
     `eb.run_chains(..., trace="disk")` makes them; they are not built by hand. See
     [Traces larger than memory](../chains.md#traces-larger-than-memory).
@@ -368,6 +395,12 @@ class DiskArray(LazyArray):
             self._draws[start:stop],
         )
 
+    def replaced_by(self, path: str | os.PathLike) -> tuple[pathlib.Path, str] | None:
+        """The file this leaf reads, or of the checkpoint it belongs to, that writing
+        `path` would replace, and what it holds (`"draws 0-20 of chains 0-4"`, `"the
+        run's checkpoint"`); None if none. `eb.save` refuses such a `path`."""
+        return self._files.replaced_by(path)
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         values = self[...]
         return values if dtype is None else values.astype(dtype, copy=False)
@@ -399,6 +432,15 @@ class DiskArray(LazyArray):
         slots = (draw + bounds[1][0], draw + bounds[1][1])
         values = self._files.read(self._path, rows, slots, basic[2:])
         return values[tuple(picks)].astype(self.dtype, copy=False)
+
+
+def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether `a` and `b` name one file: the same file if both exist, else the same
+    path once symlinks are resolved."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _basic_key(key: Any, ndim: int) -> tuple | None:

@@ -115,7 +115,9 @@ class RunPlan:
         """The trace buffer's shape-dtype structs; None without a trace buffer."""
         if not self.segment.writes_trace:
             return None
-        return self.prepared.trace_like(num_chains, self.draws.total)
+        return self.prepared.trace_like(
+            num_chains, self.draws.total, self.segment.records_states
+        )
 
     def draws_like(self, num_chains: int, num_draws: int | None = None) -> Any:
         """The shape-dtype structs of `num_draws` draws (all of the run's by
@@ -123,7 +125,7 @@ class RunPlan:
         if not self.records:
             return None
         total = self.draws.total if num_draws is None else num_draws
-        return self.prepared.trace_like(num_chains, total)
+        return self.prepared.trace_like(num_chains, total, self.segment.records_states)
 
     @property
     def data(self) -> Any:
@@ -262,22 +264,24 @@ def _segment_plan(
     """The run's segments (their `length` set per segment) for the trace `mode`: a
     run that records draws writes them into its trace buffer, or with the trace on
     disk each segment returns its own draws, for the files; neither records any if
-    the run makes no draw."""
-    records = mode is not TraceMode.NONE and draws.total > 0
+    the run makes no draw. Without a trace, a run `with_output` records its step's
+    outputs alone, in a buffer of them."""
+    records = (mode is not TraceMode.NONE or with_output) and draws.total > 0
     return SegmentPlan(
         0,
         draws,
         with_output,
-        writes_trace=records and mode is TraceMode.MEMORY,
+        writes_trace=records and mode is not TraceMode.DISK,
         legacy=legacy,
         returns_own_draws=records and mode is TraceMode.DISK,
+        records_states=mode is not TraceMode.NONE,
     )
 
 
 def _streamed_steps(prepared: PreparedRun, chunk_size: int, thin: int) -> int:
     """The most steps of a segment whose draws of a chunk of chains fit in
     `STREAMED_BYTES`: as many draws as fit (at least one), `thin` steps each."""
-    one_draw = prepared.trace_like(max(chunk_size, 1), 1)
+    one_draw = prepared.trace_like(max(chunk_size, 1), 1, states=True)
     draw_bytes = sum(
         math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(one_draw)
     )

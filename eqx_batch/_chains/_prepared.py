@@ -9,6 +9,7 @@ that promise. It also saves the trace of the step that checks it: calling `run_c
 again costs no trace, as the compiled loop costs no compile.
 """
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -44,16 +45,7 @@ class PreparedRun:
         in blocks of `block` that share a problem."""
         return self._made.get_or_make(
             ("segment", plan, length, emit, block),
-            lambda: SegmentPlan(
-                length,
-                plan.draws,
-                plan.with_output,
-                plan.writes_trace,
-                plan.legacy,
-                plan.returns_own_draws,
-                emit,
-                block,
-            ),
+            lambda: dataclasses.replace(plan, length=length, emit=emit, block=block),
         )
 
     def placement(self, num_chains: int, pad_to: int, *, pad: bool) -> Placement:
@@ -63,11 +55,15 @@ class PreparedRun:
             lambda: Placement(num_chains, pad_to, pad=pad),
         )
 
-    def trace_like(self, num_chains: int, num_draws: int) -> Any:
-        """The trace buffer's shape-dtype structs: `[chains, draws, ...]` per leaf."""
+    def trace_like(self, num_chains: int, num_draws: int, states: bool) -> Any:
+        """The trace buffer's shape-dtype structs: `[chains, draws, ...]` per leaf;
+        without the `states` (None in their place), the step's outputs alone."""
+        recorded = self.layout.recorded
+        if not states:
+            recorded = (None, recorded[1])
         return self._made.get_or_make(
-            ("trace", num_chains, num_draws),
-            lambda: structs(self.layout.recorded, add=(num_chains, num_draws)),
+            ("trace", num_chains, num_draws, states),
+            lambda: structs(recorded, add=(num_chains, num_draws)),
         )
 
 

@@ -43,8 +43,8 @@ class Chains(eqx.Module):
     - `outputs`: with `with_output=True`, the step's recorded outputs (its
         acceptance, divergence, energy...), each array leaf shaped as `trace`'s
         (`[chains, draws, ...]`, the same draws); non-array leaves of the output are
-        kept as the step returned them. `None` without `with_output` or with
-        `trace=False`.
+        kept as the step returned them. `None` without `with_output`; with
+        `trace=False`, the outputs alone are recorded (`trace` is then `None`).
     - `keys`: each chain's PRNG key after the run, in the form it was given (typed or
         legacy). Passing `final` and `keys` to `run_chains` continues the chains
         exactly where they stopped.
@@ -285,8 +285,9 @@ class Chains(eqx.Module):
         - `ImportError` if ArviZ is not installed, naming the extra to install.
         - `eb.BatchError` for the chains of many problems (`data=`): convert each
             with `result.problem(p).to_arviz()`.
-        - `eb.BatchError` if there is no trace (the chains ran with `trace=False`) or it
-            holds no array.
+        - `eb.BatchError` if nothing was recorded (`trace=False` without
+            `with_output`; with it, the outputs alone are `sample_stats`) or it holds
+            no array.
         - `eb.BatchError` in a job of several processes, for an array this process
             holds only part of (each process holds only its own chains' rows): it
             never gathers them silently, and the message says which process holds

@@ -22,6 +22,7 @@ import numpy as np
 
 from .._progress import ProgressBar
 from .._select import take
+from .._tree import owned
 from ._agreement import CallAgreement
 from ._arguments import (
     chain_keys,
@@ -103,8 +104,9 @@ def run_chains(
     - `num_steps`: how many steps each chain takes; with `until`, the most.
     - `thin`, `burn_in`: the trace keeps the states after steps `burn_in + 1`,
         `burn_in + 1 + thin`, ...: the uninterrupted trace `[:, burn_in::thin]`.
-    - `with_output`: record `step`'s second output in `Chains.outputs`.
-    - `trace`: whether to record a trace at all; `"disk"` streams it to the
+    - `with_output`: record `step`'s second output in `Chains.outputs` (with
+        `trace=False`, the outputs alone: no state is recorded).
+    - `trace`: whether to record the states at all; `"disk"` streams them to the
         checkpoint's files and returns it read lazily from them ([Traces larger
         than memory](../chains.md#traces-larger-than-memory)).
     - `progress`: show one tqdm bar for all chains, moved from the host as the
@@ -206,12 +208,15 @@ def run_chains(
         )
         trace = checked_trace(trace, checkpointed=checkpoint is not None)
         diagnostics = diagnostics or until is not None  # the rule reads them
+        # The loop runs on after the call returns (`Chains` waits on its fields),
+        # so it reads copies of the caller's NumPy arrays, never the arrays.
+        init, key, data = owned(init), owned(key), owned(data)
         whole, superchain_ids = split_init(init), None
         if superchains is not None:
             whole, superchain_ids = expand_superchains(whole, key, superchains)
             superchains = int(superchains)
         keys, legacy = chain_keys(key, whole.num_chains)
-        step, num_problems, problems = pytree_step(step), None, None
+        step, num_problems, problems = owned(pytree_step(step)), None, None
         if data is not None:
             step, num_problems = problem_step(step, data, whole.num_chains, superchains)
             problems = ProblemLayout(whole.num_chains, num_problems).ids()
@@ -323,7 +328,8 @@ def _result(
             outputs = eqx.combine(outputs, layout.output_static)
         else:
             states = recorded
-        states = eqx.combine(states, plan.shared)
+        if states is not None:  # None: `trace=False`, the outputs recorded alone
+            states = eqx.combine(states, plan.shared)
     # Legacy keys are returned as they were given: raw data.
     keys = jr.key_data(chains.keys) if plan.segment.legacy else chains.keys
     final, states, outputs, keys = without_copies(
@@ -370,15 +376,18 @@ def _recorded(
 ) -> Any:
     """The draws of the first `last` steps, `[chains, draws, ...]` per leaf (with
     `with_output`, states and outputs): the chunks' traces joined, or with
-    `trace="disk"` read lazily from their files; None with `trace=False`.
+    `trace="disk"` read lazily from their files; None with `trace=False`, or with it
+    and `with_output`, the outputs alone beside None for the states.
 
     A run that makes no draw (`num_steps=0`, or `burn_in=num_steps`) has no trace
     buffer and writes no draw file: its trace is empty, `[chains, 0, ...]` per leaf,
     in memory or, with `trace="disk"`, as `DiskArray`s.
     """
-    if plan.trace is TraceMode.NONE:
+    if plan.trace is TraceMode.NONE and not plan.segment.with_output:
         return None
-    like = plan.prepared.trace_like(plan.num_chains, plan.draws.before(last))
+    like = plan.prepared.trace_like(
+        plan.num_chains, plan.draws.before(last), plan.segment.records_states
+    )
     if plan.trace is TraceMode.DISK:
         assert checkpoint is not None
         listing = [

@@ -150,7 +150,9 @@ def _segment(
             keys, states, output = map_chains(one_chain, states, keys)
         moments = add_draw(moments, states, t, draws)
         if records:
-            recorded = (states, output) if plan.with_output else states
+            recorded = states
+            if plan.with_output:
+                recorded = (states if plan.records_states else None, output)
             buffer = write(t, recorded, buffer)
         chains = ChainState(states, keys, first_bad, moments, problem)
         return (chains, buffer, t + 1), None

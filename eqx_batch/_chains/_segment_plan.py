@@ -43,3 +43,6 @@ class SegmentPlan:
     # the segment maps a problem's chains within a block over one row of `data`
     # (`ProblemStep.for_chains`). Found from the chains' problems (`block_size`).
     block: int = 1
+    # Whether the draws hold the states: with `trace=False` and `with_output`, a run
+    # records its step's outputs alone.
+    records_states: bool = True
