@@ -150,10 +150,7 @@ def _segment(
             keys, states, output = map_chains(one_chain, states, keys)
         moments = add_draw(moments, states, t, draws)
         if records:
-            recorded = states
-            if plan.with_output:
-                recorded = (states if plan.records_states else None, output)
-            buffer = write(t, recorded, buffer)
+            buffer = write(t, plan.recorded(states, output), buffer)
         chains = ChainState(states, keys, first_bad, moments, problem)
         return (chains, buffer, t + 1), None
 

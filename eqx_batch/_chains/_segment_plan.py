@@ -7,6 +7,7 @@ import the compiled program to name them.
 
 import dataclasses
 import enum
+from typing import Any
 
 from ._common import Draws
 
@@ -46,3 +47,10 @@ class SegmentPlan:
     # Whether the draws hold the states: with `trace=False` and `with_output`, a run
     # records its step's outputs alone.
     records_states: bool = True
+
+    def recorded(self, states: Any, output: Any) -> Any:
+        """What a step's draw records: the chains' states, or with `with_output` the
+        states (None if not `records_states`) and the step's output."""
+        if not self.with_output:
+            return states
+        return (states if self.records_states else None, output)
