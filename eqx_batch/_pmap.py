@@ -73,7 +73,7 @@ class _MeshMapping:
 
 
 def _one_per_device(
-    fun: Callable[..., Any], call: MappedCall, out_axes: Any, mesh: Mesh
+    fun: Callable[..., Any], call: MappedCall, mapping: _MeshMapping, mesh: Mesh
 ) -> Any:
     """`fun` per member with `jax.shard_map`, for exactly one member per device.
 
@@ -81,7 +81,17 @@ def _one_per_device(
     local member would leave a size-1 batch axis that makes XLA's CPU kernels markedly
     slower. The mesh axis carries the user's `axis_name`, so collectives are the
     mesh's own, over exactly the members.
+
+    `check_vma=False`, as `jax.pmap` runs `shard_map`: with the check, an unmapped
+    input is typed invariant over the mesh axis and a member's values varying, so a
+    `lax.scan` (or `while_loop`) whose carry starts from an unmapped input and takes
+    in a member's values fails its carry type check, and a gradient through a
+    collective differs from `filter_vmap`'s (`grad` of `psum` transposes to a
+    `pvary`, where `vmap` and `pmap` transpose it to a `psum`). Without it,
+    `shard_map` no longer refuses an unmapped output that varies over the members,
+    so those are checked by tracing `filter_vmap`.
     """
+    out_axes = combine((), mapping.out_axes)
     arrays = [i for i, leaf in enumerate(call.leaves) if is_array(leaf)]
     specs = tuple(member_spec(mesh, call.axes[i]) for i in arrays)
     skeletons: list[OutputSkeleton] = []
@@ -100,7 +110,13 @@ def _one_per_device(
         mesh=mesh,
         in_specs=specs,
         out_specs=(member_spec(mesh, 0), PartitionSpec()),
+        check_vma=False,
     )(*[call.leaves[i] for i in arrays])
+    if skeletons[0].unmapped_paths:
+        # Each device computes an unmapped output and one device's is taken unchecked:
+        # tracing `filter_vmap` (never run) raises its error for one that depends on a
+        # member, as more members than devices do.
+        jax.eval_shape(lambda: _vmapped(fun, call, mapping, uneven=False))
     check_output_static(
         skeletons[0].static,
         "filter_pmap",
@@ -157,7 +173,7 @@ def _over_mesh(
         mesh = named_mesh(
             tuple(mesh.devices.flat), mapping.axis_name or MEMBER_AXIS_NAME
         )
-        out = _one_per_device(fun, call, out_axes, mesh)
+        out = _one_per_device(fun, call, mapping, mesh)
     else:
         out = _vmapped(fun, call, mapping, uneven)
     # A jax.Array cannot be split unevenly, and every process must receive every

@@ -197,6 +197,51 @@ def test_unmapped_output(members):
     assert float(total) == sum(range(members))
 
 
+def _scan_from_unmapped(x, init):
+    def body(carry, xi):
+        carry = carry + xi
+        return carry, carry
+
+    return jax.lax.scan(body, init, x)
+
+
+@pytest.mark.parametrize("members", [jax.device_count(), 2 * jax.device_count()])
+def test_scan_carry_from_unmapped_input(members):
+    # Issue 43 (weathernext#108): with one member per device, `shard_map`'s vma check
+    # typed the unmapped `init` invariant and the carry after a step varying, and
+    # `lax.scan` refused the carry.
+    x = jnp.arange(members * 5 * 3, dtype=jnp.float32).reshape(members, 5, 3)
+    init = jnp.full(3, 0.5, jnp.float32)
+    ours = eb.filter_pmap(_scan_from_unmapped, in_axes=(0, None))(x, init)
+    assert_trees_identical(
+        ours, jax.vmap(_scan_from_unmapped, in_axes=(0, None))(x, init)
+    )
+
+
+@pytest.mark.parametrize("members", [jax.device_count(), 2 * jax.device_count()])
+def test_gradient_through_collective_equals_filter_vmap(members):
+    def fun(x):
+        return jax.grad(lambda v: jax.lax.psum(v, "i"))(x)
+
+    x = jnp.arange(float(members))
+    ours = eb.filter_pmap(fun, axis_name="i")(x)
+    assert_trees_identical(ours, eb.filter_vmap(fun, axis_name="i")(x))
+
+
+@pytest.mark.parametrize("members", [jax.device_count(), jax.device_count() + 1])
+def test_unmapped_output_that_varies_is_refused(members):
+    f = eb.filter_pmap(lambda x, y: (x, x * y), in_axes=(0, None), out_axes=(0, None))
+    with pytest.raises(
+        eb.BatchError, match=r"`out\[1\]` has out_axes None but differs"
+    ):
+        f(jnp.arange(float(members)), jnp.float32(2.0))
+    # One computed from unmapped inputs alone is not refused.
+    g = eb.filter_pmap(lambda x, y: (x, y * y), in_axes=(0, None), out_axes=(0, None))
+    assert_trees_identical(
+        g(jnp.arange(float(members)), jnp.float32(2.0))[1], jnp.float32(4.0)
+    )
+
+
 class AxisName(enum.Enum):
     MEMBERS = enum.auto()
 
