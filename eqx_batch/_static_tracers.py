@@ -127,7 +127,9 @@ def _static_tracers(
     children, treedef = jtu.tree_flatten_with_path(
         node, is_leaf=lambda x: x is not node
     )
-    if jtu.treedef_is_leaf(treedef):
+    # A leaf has no node data; a node without children (a Module whose fields are all
+    # static) has, and `treedef_is_leaf` would count it a leaf and skip its fields.
+    if treedef.node_data() is None:
         if in_static:
             yield from ((path, tracer) for tracer in _tracers_in(node))
         return

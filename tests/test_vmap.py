@@ -637,6 +637,52 @@ def test_error_chunked_static_field_holds_unmapped_argument():
         chunked(weights, scale)
 
 
+class _AllStatic(eqx.Module):
+    # No array field: the Module flattens to a node without children.
+    value: Any = eqx.field(static=True)
+
+
+class _HoldsAllStatic(eqx.Module):
+    inner: _AllStatic
+    weight: jax.Array
+
+
+@pytest.mark.filterwarnings(_STATIC_ARRAY_WARNING)
+@pytest.mark.parametrize(
+    ("build", "path"),
+    [
+        (_AllStatic, "out.value"),
+        (lambda w: (w, _AllStatic(w)), "out[1].value"),
+        (lambda w: _HoldsAllStatic(_AllStatic(w), w), "out.inner.value"),
+    ],
+    ids=["alone", "in_tuple", "nested"],
+)
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_error_static_field_of_a_module_without_array_fields(build, path, chunk_size):
+    # A Module whose fields are all static has no children, and was taken for a leaf.
+    vmapped = eb.filter_vmap(build, chunk_size=chunk_size)
+    with pytest.raises(eb.BatchError, match=rf"(?s)`{re.escape(path)}`.*static=True"):
+        vmapped(_arange(3, 2))
+
+
+@pytest.mark.filterwarnings(_STATIC_ARRAY_WARNING)
+def test_error_chunked_module_without_array_fields_holds_unmapped_argument():
+    def scaled(weight, scale):
+        return _HoldsAllStatic(_AllStatic(scale), weight * scale)
+
+    weights, scale = _arange(5, 2), jnp.array(2.0)
+    unchunked = eb.filter_vmap(scaled, in_axes=(0, None))(weights, scale)
+    assert unchunked.inner.value is scale
+    chunked = eb.filter_vmap(scaled, in_axes=(0, None), chunk_size=2)
+    with pytest.raises(eb.BatchError, match=r"(?s)`out\.inner\.value`.*compiled loop"):
+        chunked(weights, scale)
+    # Static data that is not traced is the output's structure, as ever.
+    out = eb.filter_vmap(lambda w: _HoldsAllStatic(_AllStatic(1), w), chunk_size=2)(
+        weights
+    )
+    assert out.inner == _AllStatic(1)
+
+
 @pytest.mark.filterwarnings(_STATIC_ARRAY_WARNING)
 def test_static_field_holding_a_value_of_an_enclosing_trace_as_equinox_does():
     # A traced value of the enclosing jit, not of the members, is valid where the
