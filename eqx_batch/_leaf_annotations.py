@@ -1,5 +1,10 @@
 """What a tree structure says about its leaves: their paths, and the jaxtyping array
-annotations of the fields that hold them (for `Stacked`'s check)."""
+annotations of the fields that hold them (for `Stacked`'s check).
+
+Fields are read from the classes that declare them: `eqx.Module`s, other dataclasses
+(such as those registered with `jax.tree_util.register_dataclass`) and NamedTuples. A
+field's annotation applies to a leaf that the class's flattening keys by the field's
+name; the leaves of other pytrees have no annotations here."""
 
 import dataclasses
 import functools as ft
@@ -8,7 +13,6 @@ import types
 import typing
 from typing import Any, NamedTuple
 
-import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import AbstractArray
 
@@ -21,7 +25,7 @@ Field = tuple[int, tuple[type[AbstractArray], ...]]
 
 
 class Instance(NamedTuple):
-    """A module (or NamedTuple) in the tree that has fields with array annotations."""
+    """A module, dataclass or NamedTuple in the tree with array-annotated fields."""
 
     path: KeyPath
     cls: type
@@ -91,7 +95,9 @@ def _annotate(obj: Any) -> LeafAnnotations:
 
 @ft.cache
 def _has_fields(cls: type) -> bool:
-    return issubclass(cls, eqx.Module) or (
+    # Every `eqx.Module` is a dataclass. A dataclass that is not a pytree is a leaf,
+    # with no fields below it to annotate.
+    return dataclasses.is_dataclass(cls) or (
         issubclass(cls, tuple) and hasattr(cls, "_fields")
     )
 

@@ -305,12 +305,14 @@ class _Stacked:
     jaxtyping array type (`weight: Float[Array, "out in"]`). Leading dim names bind
     with the rest of the call, like the names in `Float[Array, "n b 4"]`.
 
-    Each module instance (each `eqx.Module` or NamedTuple in the tree) is checked in a
-    scope of its own, which starts from the leading dims: a field dim named like a
-    leading dim must agree with it. The names an instance binds itself are forgotten
-    when it is done: two layers of one class each bind their own `out` and `in`, and
-    field dims neither bind nor see the call's other dims (`in` of a field is not
-    compared with `in` of another argument).
+    Fields are read from `eqx.Module`s, other dataclasses (such as those registered
+    with `jax.tree_util.register_dataclass`) and NamedTuples; the leaves of other
+    pytrees have their leading dims checked only. Each such instance in the tree is
+    checked in a scope of its own, which starts from the leading dims: a field dim
+    named like a leading dim must agree with it. The names an instance binds itself
+    are forgotten when it is done: two layers of one class each bind their own `out`
+    and `in`, and field dims neither bind nor see the call's other dims (`in` of a
+    field is not compared with `in` of another argument).
 
     A stack of stacks, `Stacked[Stacked[Model, "n"], "m"]`, is the same annotation as
     `Stacked[Model, "m n"]`: a `Model` whose array leaves lead with `(m, n)`.

@@ -1,6 +1,8 @@
 # Ruff reads jaxtyping dims strings as forward references; see typing_static.py.
 # ruff: noqa: F722
 
+import dataclasses
+import functools as ft
 import importlib
 import importlib.metadata
 import sys
@@ -223,6 +225,49 @@ def test_field_dtype_and_array_type_are_checked():
     numpy_weight = Linear(np.ones((3, 2, 4), np.float32), jnp.ones((3, 2)))  # pyright: ignore
     message = Stacked[Linear, " n"].__instancecheck_str__(numpy_weight)
     assert "`Linear.weight`" in message and "it has type ndarray, not " in message
+
+
+@ft.partial(jax.tree_util.register_dataclass, data_fields=["w", "b"], meta_fields=[])
+@dataclasses.dataclass
+class DataclassLinear:
+    w: Float[Array, "o i"]
+    b: Float[Array, " o"]
+
+
+class ModuleLinear(eqx.Module):
+    w: Float[Array, "o i"]
+    b: Float[Array, " o"]
+
+
+@pytest.mark.parametrize("cls", [DataclassLinear, ModuleLinear])
+def test_dataclass_fields_are_checked_as_a_modules(cls):
+    # jaxtyping#242: a pytree dataclass's fields were not checked, only the leading
+    # dims of its leaves.
+    @eb.typecheck
+    def apply(models: eb.Stacked[cls, " n"]) -> None:
+        pass
+
+    apply(cls(jnp.ones((5, 3, 2)), jnp.ones((5, 3))))
+    with pytest.raises(TypeCheckError) as info:
+        apply(cls(jnp.ones((5, 3, 2)), jnp.ones((5, 4))))
+    message = str(info.value)
+    assert "`models.b` has shape (5, 4)" in message
+    assert f"does not match {cls.__qualname__}.b: Float[Array, 'o']" in message
+    assert "dimension o is 4 which does not equal the existing value of 3" in message
+
+
+def test_dataclass_inside_a_module_is_checked():
+    class Holder(eqx.Module):
+        inner: DataclassLinear
+        extra: dict
+
+    ok = Holder(DataclassLinear(jnp.ones((2, 3, 4)), jnp.ones((2, 3))), {})
+    assert isinstance(ok, Stacked[Holder, " n"])
+    bad = Holder(DataclassLinear(jnp.ones((2, 3, 4)), jnp.ones((2, 5))), {})
+    message = Stacked[Holder, " n"].__instancecheck_str__(bad)
+    assert "Holder.inner.b` has shape (2, 5)" in message
+    assert "DataclassLinear.b" in message
+    assert "Holder.inner`) is checked in a scope of its own" in message
 
 
 class MaybeBias(eqx.Module):
