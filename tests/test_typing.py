@@ -244,7 +244,7 @@ def test_dataclass_fields_are_checked_as_a_modules(cls):
     # jaxtyping#242: a pytree dataclass's fields were not checked, only the leading
     # dims of its leaves.
     @eb.typecheck
-    def apply(models: eb.Stacked[cls, " n"]) -> None:
+    def apply(models: eb.Stacked[cls, " n"]) -> None:  # pyright: ignore
         pass
 
     apply(cls(jnp.ones((5, 3, 2)), jnp.ones((5, 3))))
