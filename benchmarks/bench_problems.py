@@ -229,16 +229,19 @@ def assert_same(name: str, got: Any, expected: Any) -> None:
 # -- The sides -------------------------------------------------------------------
 
 
-def one_call(w: Workload) -> Callable[[], eb.Chains]:
-    def run() -> eb.Chains:
+def one_call(w: Workload, steps: int = STEPS) -> Callable[..., eb.Chains]:
+    """The one call of every problem, `steps` steps, with `run_chains`' `options`."""
+
+    def run(**options: Any) -> eb.Chains:
         return jax.block_until_ready(
             eb.run_chains(
                 step,
                 w.starts,
                 w.keys,
-                STEPS,
+                steps,
                 superchains=w.problems * SUPERCHAINS,
                 data=w.data,
+                **options,
             )
         )
 
@@ -814,19 +817,7 @@ def stopping_rows() -> None:
     on_cpu = jax.default_backend() == "cpu"
     w = workload(16 if on_cpu else PROBLEMS)
     until = eb.converged(every=STOP_EVERY)
-
-    def run(**options: Any) -> eb.Chains:
-        return jax.block_until_ready(
-            eb.run_chains(
-                step,
-                w.starts,
-                w.keys,
-                STOP_CAP,
-                superchains=w.problems * SUPERCHAINS,
-                data=w.data,
-                **options,
-            )
-        )
+    run = one_call(w, STOP_CAP)
 
     first: dict[str, float] = {}
     counted: dict[str, list[Compiles]] = {}
