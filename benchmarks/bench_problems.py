@@ -94,7 +94,7 @@ import numpy as np
 from _report import report
 
 import eqx_batch as eb
-from eqx_batch._chains._compaction import batch_size
+from eqx_batch._chains._compaction import piece_rows
 
 
 PROBLEMS = 256
@@ -699,9 +699,9 @@ def executed_chain_steps(steps_done: np.ndarray, every: int, cap: int) -> tuple:
 
     A segment runs from one check to the next (multiples of `every`, and the cap);
     before it, the problems still running are those whose `steps_done` is past its
-    start. While every problem runs, the batch is all the chains; once some have
-    stopped, it is `_compaction.batch_size` of the running chains (a power of two or
-    1.5 times one, at most all of them: one device here)."""
+    start. While every problem runs, the segment runs all the chains; once some have
+    stopped, the running chains in pieces of `_compaction.piece_rows` rows (or all
+    the chains, where pieces would not run fewer: one device here)."""
     everyone = len(steps_done) * CHAINS
     padded = unpadded = 0
     boundaries = [*range(0, cap, every), cap]
@@ -709,7 +709,9 @@ def executed_chain_steps(steps_done: np.ndarray, every: int, cap: int) -> tuple:
         running = int((steps_done > start).sum()) * CHAINS
         if running == 0:
             break
-        size = everyone if running == everyone else batch_size(running, everyone)
+        per_chain = jax.default_backend() == "cpu"
+        piece = piece_rows(running, everyone, CHAINS, per_chain)
+        size = everyone if piece is None else -(-running // piece) * piece
         padded += (end - start) * size
         unpadded += (end - start) * running
     return padded, unpadded
@@ -839,8 +841,14 @@ def stopping_rows() -> None:
             jax.tree.map(lambda x, rows=rows: x[rows], to_cap.trace),
         )
     share = float(np.mean(stopped.problems.steps_done)) / STOP_CAP
+    # How the step's time grows with the chains here: the run to the cap of a
+    # quarter of the problems. Where it costs about what all of them cost, stopping
+    # can shorten a run only to the last problem's stop, however few run.
+    quarter = one_call(workload(w.problems // 4), STOP_CAP)
+    quarter()
     t = interleaved_medians(
-        {"until": lambda: run(until=until), "cap": run}, STOP_REPEAT
+        {"until": lambda: run(until=until), "cap": run, "quarter": quarter},
+        STOP_REPEAT,
     )
     ratio = t["until"].seconds / t["cap"].seconds
     limit = 0.8 if on_cpu else min(1.2 * share, 1.0)
@@ -863,6 +871,14 @@ def stopping_rows() -> None:
         "<= 3",
         first["until"] / first["cap"] <= 3,
         f"{first['until']:.1f} s vs {first['cap']:.1f} s",
+    )
+    report(
+        f"{what}: warm run to the cap of {w.problems // 4} problems / of all",
+        t["quarter"].seconds / t["cap"].seconds,
+        "report",
+        True,
+        f"{t['quarter'].seconds * 1e3:.1f} ms vs {t['cap'].seconds * 1e3:.1f} ms: "
+        "how the step's time follows the chains on this device",
     )
     programs = counted["until"][0].number
     report(

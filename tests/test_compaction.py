@@ -1,91 +1,88 @@
-"""Compaction's batch sizes: as problems stop, the running chains are run in a batch of
-the smallest of 1, 2, 3, 4, 6, 8, 12, ... (powers of two and 1.5 times them) that holds
-them, never more than every chain; and its write-backs, which put each row of the batch
-back over its row, as a scatter would (`_chains/_compaction.py`)."""
+"""Compaction's pieces: as problems stop, the running chains run in pieces of a
+fixed share of the chunk, one compiled program for any count of them; and the
+write-backs, which put each row of a piece back over its row, as a scatter would
+(`_chains/_compaction.py`)."""
+
+import functools as ft
+from collections.abc import Callable
+from typing import Any
 
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
+import eqx_batch as eb
 from eqx_batch._chains._compaction import (
-    batch_size,
     batch_slots,
     draws_written_back,
-    padded_rows,
+    piece_rows,
+    pieces,
     written_back,
 )
 
 
 @pytest.mark.parametrize(
-    "running, total, size",
+    "running, num_rows, unit, per_chain, size",
     [
-        # Every size of the sequence, where it holds its chains exactly.
-        (1, 4096, 1),
-        (2, 4096, 2),
-        (3, 4096, 3),
-        (4, 4096, 4),
-        (6, 4096, 6),
-        (8, 4096, 8),
-        (12, 4096, 12),
-        (16, 4096, 16),
-        (24, 4096, 24),
-        (32, 4096, 32),
-        (48, 4096, 48),
-        # One chain past a size: the next size.
-        (5, 4096, 6),
-        (7, 4096, 8),
-        (9, 4096, 12),
-        (13, 4096, 16),
-        (17, 4096, 24),
-        (25, 4096, 32),
-        (33, 4096, 48),
-        (49, 4096, 64),
-        (1025, 4096, 1536),
-        (1537, 4096, 2048),
-        # Never more than every chain: a size past them is cut to them.
-        (40, 40, 40),
-        (33, 40, 40),
-        (50, 60, 60),
-        (5, 5, 5),
-        (1, 1, 1),
-        # Every chain running, a size of the sequence or not.
-        (48, 48, 48),
-        (36, 36, 36),
+        # A quarter of 64 rows in units of 4: 16 rows a piece, as many as needed,
+        # every row running too (one program for every segment).
+        (64, 64, 4, True, 16),
+        (49, 64, 4, True, 16),
+        (48, 64, 4, True, 16),
+        (17, 64, 4, True, 16),
+        (16, 64, 4, True, 16),
+        (4, 64, 4, True, 16),
+        # Rounded up to whole units.
+        (8, 60, 8, True, 16),
+        # Where a step's time does not grow with its chains: one piece or none.
+        (64, 64, 4, False, None),
+        (17, 64, 4, False, None),
+        (16, 64, 4, False, 16),
+        # A chunk of one unit never has pieces.
+        (4, 4, 4, True, None),
     ],
 )
-def test_batch_size_is_the_smallest_size_that_holds_the_running_chains(
-    running, total, size
-):
-    assert batch_size(running, total) == size
+def test_piece_rows(running, num_rows, unit, per_chain, size):
+    assert piece_rows(running, num_rows, unit, per_chain) == size
 
 
-def test_batch_sizes_as_the_problems_of_a_run_stop_one_by_one():
-    # 6 problems of 8 chains: 48 chains, then 40, 32, ... as each problem stops.
-    sizes = [batch_size(8 * problems, 48) for problems in (6, 5, 4, 3, 2, 1)]
-    assert sizes == [48, 48, 32, 24, 16, 8]
-
-
-@pytest.mark.parametrize("total", [1, 5, 36, 48, 100, 4096])
-def test_batch_sizes_hold_their_chains_with_little_padding(total):
-    for running in range(1, total + 1):
-        size = batch_size(running, total)
-        assert running <= size <= total, (running, total)
-        # Padding is less than a third of the batch: at least 2 of 3 rows run.
-        assert 3 * (size - running) < size, (running, size)
-
-
-@pytest.mark.parametrize("total", [1, 5, 36, 48, 100, 4096])
-def test_batch_sizes_are_few_and_never_shrink_as_chains_are_added(total):
-    # Each size is a compiled program: two sizes an octave, and `total` itself.
-    sizes = [batch_size(running, total) for running in range(1, total + 1)]
-    assert sizes == sorted(sizes)
-    octaves = total.bit_length()
-    assert len(set(sizes)) <= 2 * octaves
-    sequence = {1 << k for k in range(octaves + 1)} | {3 << k for k in range(octaves)}
-    assert set(sizes) - sequence <= {total}
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 8).flatmap(
+        lambda block: st.tuples(
+            st.just(block),
+            st.lists(st.booleans(), min_size=1, max_size=24),
+            st.integers(1, 4),
+        )
+    )
+)
+def test_pieces_hold_every_running_block_whole(case):
+    block, running_blocks, units = case
+    num_rows = block * len(running_blocks)
+    rows = np.concatenate(
+        [
+            np.arange(b * block, (b + 1) * block)
+            for b, r in enumerate(running_blocks)
+            if r
+        ]
+        or [np.arange(0, block)]
+    )
+    size = block * units
+    cut = pieces(rows, size, block)
+    assert all(len(piece) == size for piece in cut)
+    assert len(cut) == -(-len(rows) // size)
+    # Every running row in a piece, in order, and nothing else but padding.
+    np.testing.assert_array_equal(np.concatenate(cut)[: len(rows)], rows)
+    for piece in cut:
+        # Each block of a piece is one block of the chunk: a problem's chains whole.
+        for start in range(0, size, block):
+            held = piece[start : start + block]
+            assert held[0] % block == 0 and np.all(np.diff(held) == 1), piece
+        assert set(piece) <= set(rows) and piece.max() < num_rows
 
 
 @st.composite
@@ -103,7 +100,8 @@ def _write_backs(draw: st.DrawFn) -> tuple:
     emit = draw(st.integers(1, total + 2))
     first = draw(st.integers(0, total))
     count = draw(st.integers(0, min(emit, total - first)))
-    return num_rows, padded_rows(rows, size), total, emit, first, count
+    padded = np.concatenate([rows, np.full(size - len(rows), rows[0])])
+    return num_rows, padded, total, emit, first, count
 
 
 @settings(max_examples=60, deadline=None)
@@ -119,7 +117,9 @@ def test_write_backs_put_each_batch_row_over_its_row(case):
     batch = -np.arange(len(batch_rows) * 3, dtype=np.float32).reshape(-1, 3) - 1
     expected = full.copy()
     expected[batch_rows[::-1]] = batch[::-1]  # each row's first place in the batch
-    got = written_back(jnp.asarray(full), jnp.asarray(batch), slots, sharding)
+    got = jax.jit(written_back, static_argnums=3)(
+        jnp.asarray(full), jnp.asarray(batch), slots, sharding
+    )
     np.testing.assert_array_equal(got, expected)
 
     trace = np.arange(num_rows * total * 2, dtype=np.float32).reshape(
@@ -130,7 +130,53 @@ def test_write_backs_put_each_batch_row_over_its_row(case):
     expected = trace.copy()
     for place, row in reversed(list(enumerate(batch_rows))):
         expected[row, first : first + count] = draws[place, :count]
-    got = draws_written_back(
+    got = jax.jit(draws_written_back, static_argnums=5)(
         jnp.asarray(trace), jnp.asarray(draws), slots, first, count, sharding
     )
     np.testing.assert_array_equal(got, expected)
+
+
+def _compiles(run: Callable[[], Any]) -> tuple[int, Any]:
+    """How many programs `run` compiles, and what it returns."""
+    count = [0]
+
+    def listen(event: str, duration_secs: float, **kwargs: object) -> None:
+        count[0] += event == "/jax/core/compile/backend_compile_duration"
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        result = jax.block_until_ready(run())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return count[0], result
+
+
+def test_a_run_with_until_compiles_as_many_programs_at_any_count_of_problems():
+    # Issue 42: one program per batch size made the count grow with the problems and
+    # with where they stop (28 programs at 8 problems, 45 at 32).
+    def step(state, key, data):  # new here: nothing of it is compiled before
+        rho = data["rho"]
+        return rho * state + jnp.sqrt(1 - rho**2) * jr.normal(key, state.shape)
+
+    counts, stops = [], []
+    for rhos in ([0.5, 0.95, 0.7, 0.9], [0.6, 0.8, 0.95, 0.3, 0.97, 0.9, 0.85, 0.5]):
+        problems = len(rhos)
+        starts = jnp.tile(jnp.linspace(-3.0, 3.0, 4)[:, None], (problems, 2))
+        keys = jr.split(jr.key(1), problems * 4 * 8)
+        data = {"rho": jnp.asarray(rhos, jnp.float32)}
+        run = ft.partial(
+            eb.run_chains,
+            step,
+            starts,
+            keys,
+            3000,
+            data=data,
+            superchains=problems * 4,
+            until=eb.converged(every=50),
+        )
+        jax.clear_caches()  # what other tests compiled is not counted out
+        count, result = _compiles(run)
+        counts.append(count)
+        stops.append(sorted(set(result.problems.steps_done.tolist())))
+    assert stops[0] != stops[1] and len(stops[1]) > 2, stops
+    assert counts[0] == counts[1] <= 10, counts

@@ -22,16 +22,19 @@ from eqx_batch._chains import _chunk, _problems
 
 @pytest.fixture
 def loop_programs(monkeypatch):
-    """The HLO text of every segment that `run_chains` runs in the test, as lowered
-    for its arguments before it runs."""
+    """The HLO text of every segment that `run_chains` runs in the test (the pieces
+    of the running chains' too), as lowered for its arguments before it runs."""
     programs: list[str] = []
-    run_segment = _chunk.run_segment
 
-    def recorded(*args):
-        programs.append(run_segment.lower(*args).as_text(dialect="hlo"))
-        return run_segment(*args)
+    def recording(program):
+        def recorded(*args):
+            programs.append(program.lower(*args).as_text(dialect="hlo"))
+            return program(*args)
 
-    monkeypatch.setattr(_chunk, "run_segment", recorded)
+        return recorded
+
+    for name in ("run_segment", "run_piece"):
+        monkeypatch.setattr(_chunk, name, recording(getattr(_chunk, name)))
     return programs
 
 

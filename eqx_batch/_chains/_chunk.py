@@ -17,14 +17,12 @@ from ._checkpoint_reader import Expected, Restored
 from ._checkpoint_writer import segment_files, SegmentFiles, Snapshot
 from ._common import ChainState
 from ._compaction import (
-    batch_size,
     batch_slots,
-    draws_written_back,
-    gathered,
-    padded_rows,
+    piece_rows,
+    pieces,
+    run_piece,
     sliced_draws,
-    written_back,
-    zeroed_rows,
+    zeroed_problems,
 )
 from ._lock import WriteAccess
 from ._placement import Placement
@@ -68,6 +66,15 @@ def bar_spacing(num_steps: int) -> int:
     if not spacings:
         return max(1, -(-num_steps // BAR_UPDATES))
     return min(spacings, key=lambda s: abs(num_steps / s - BAR_UPDATES))
+
+
+class Advanced(NamedTuple):
+    """A chunk after a segment, until its checkpoint is written."""
+
+    steps_done: int
+    chains: ChainState
+    new_draws: Any  # the segment's draws for the files, or None
+    files: SegmentFiles | None  # where they go
 
 
 class ChunkJob(NamedTuple):
@@ -122,6 +129,12 @@ class ChunkRun:
                 self.problem_of_row = np.asarray(job.chains.problem)
             # The chains that share a problem, in blocks of this many on a device.
             self.block = self.placement.block_size(self.problem_of_row)
+            # A piece of the running chains holds whole blocks on every device.
+            self._unit = self.block * self.placement.mesh.size
+            # Whether a step's time grows with the chains it runs (`piece_rows`).
+            self._per_chain = all(
+                d.platform == "cpu" for d in self.placement.mesh.devices.flat
+            )
             self.step = plan.step
             if plan.data is not None:
                 # Asked only of a step with `data`: asking an `eqx.Module` costs a
@@ -136,8 +149,9 @@ class ChunkRun:
             )
             # The steps of the chunks run before it, for the progress bar.
             self.steps_before = job.steps_before
-            # The last segment's new draws and where they go, until written.
-            self._unwritten: tuple[Any, SegmentFiles | None] | None = None
+            # The segments run and not yet checkpointed (the loop writes one while
+            # the next runs), oldest first.
+            self._unwritten: list[Advanced] = []
             # With `trace="disk"`: the draws being written, and those written.
             self._writing: Any = None
             self._spare: Any = None
@@ -174,13 +188,22 @@ class ChunkRun:
             self.store.start_writing()
         return restored
 
-    def advance(self, stop: int, running: np.ndarray | None = None) -> None:
-        """Runs the chains from `steps_done` to step `stop`, in one segment: of the
-        problems still `running` (`bool[problems]`), if some have stopped."""
+    def advance(
+        self, stop: int, running: np.ndarray | None = None, live: Any = None
+    ) -> None:
+        """Runs the chains from `steps_done` to step `stop`, in one segment.
+
+        With `until`, `live` says on the devices whether each problem still runs
+        (the segment freezes the chains of the others), and `running`
+        (`bool[problems]`, on the host) which problems may: if their chains are few,
+        they run in pieces (`_compaction.py`)."""
         if running is not None:
             rows = np.flatnonzero(running[self.problem_of_row])
-            if len(rows) < len(self.problem_of_row):
-                return self._advance_running(stop, rows)
+            size = piece_rows(
+                len(rows), self.placement.num_rows, self._unit, self._per_chain
+            )
+            if size is not None:
+                return self._advance_in_pieces(stop, rows, size, live)
         plan = self.plan
         files = self._files(self.steps_done, stop)
         emit = 0 if files is None else files.emit
@@ -209,71 +232,102 @@ class ChunkRun:
             self.chains,
             np.int32(self.steps_done),
             trace,
+            live,
         )
         self.chains, self.trace = result.chains, result.trace
-        self.steps_done = stop
-        self._unwritten = (result.new_draws, files)
+        self._advanced(stop, result.new_draws, files)
 
-    def _advance_running(self, stop: int, rows: np.ndarray) -> None:
-        """`advance` for the chains of `rows` only (`_compaction.py`): the others'
-        problems have stopped, and their rows stay as they are."""
+    def _advance_in_pieces(
+        self, stop: int, rows: np.ndarray, size: int, live: Any
+    ) -> None:
+        """`advance` for the chains of `rows` only, in pieces of `size` rows: the
+        others' problems have stopped, and their rows stay as they are."""
         plan, start = self.plan, self.steps_done
         split = self.placement.split
         files = self._files(start, stop)
         first, end = plan.draws.before(start), plan.draws.before(stop)
-        made = None  # the segment's own draws, from its first, in the batch's rows
-        if len(rows):
-            # Counted in blocks of a problem's chains (`block_size`), so that the
-            # batch's chains of a problem stay in blocks as large as the chunk's.
-            unit = self.block
-            size = unit * batch_size(
-                -(-len(rows) // unit), -(-self.placement.num_chains // unit)
+        # Where the pieces' draws go: the trace buffer, or the segment's own draws
+        # of every chain, for the files (a stopped chain's are zeros, as in a trace
+        # buffer); None if the segment records none.
+        target = self.trace
+        offset = first
+        if target is None and plan.trace is TraceMode.DISK and files is not None:
+            target = self.placement.zeros(
+                plan.draws_like(self.placement.num_chains, files.emit)
             )
-            batch = plan.prepared.placement(size, 0, pad=True)
-            batch_rows = padded_rows(rows, batch.num_rows)
-            index = jax.device_put(batch_rows, self.placement.everywhere)
-            # Where each of the chunk's rows is in the batch, for the write-backs.
-            slots = jax.device_put(
-                batch_slots(rows, self.placement.num_rows), self.placement.everywhere
-            )
-            block = batch.block_size(self.problem_of_row[batch_rows])
-            emit = (
-                plan.draws.most_in(stop - start) if plan.records and end > first else 0
-            )
-            own = None
-            if emit:
-                own = batch.zeros(plan.draws_like(batch.num_chains, emit))
-            result = run_segment(
-                plan.prepared.segment(
-                    plan.own_draws_segment, stop - start, emit, block
-                ),
+            offset = 0
+        batch = plan.prepared.placement(size, 0, pad=True)
+        emit = plan.draws.most_in(stop - start) if plan.records and end > first else 0
+        own = None
+        if emit:
+            own = batch.zeros_to_make(plan.draws_like(batch.num_chains, emit))
+        segment = plan.prepared.segment(
+            plan.own_draws_segment, stop - start, emit, self.block
+        )
+        everywhere = self.placement.everywhere
+        for piece in pieces(rows, size, self.block) if len(rows) else []:
+            # Where each of the chunk's rows is in the piece, for the write-backs.
+            slots = batch_slots(piece, self.placement.num_rows)
+            piece_rows_here, slots_here = jax.device_put((piece, slots), everywhere)
+            self.chains, written = run_piece(
+                segment,
                 self.step,
                 plan.shared,
-                gathered(self.chains, index, batch.split),
+                self.chains,
+                target if emit else None,
+                piece_rows_here,
+                slots_here,
                 np.int32(start),
+                live,
+                np.int32(offset),
+                np.int32(end - first),
                 own,
+                (batch.split, split),
             )
-            self.chains = written_back(self.chains, result.chains, slots, split)
-            if result.new_draws is not None:
-                made = (result.new_draws, slots, np.int32(end - first))
+            if emit:
+                target = written
         new_draws = None
         if self.trace is not None:
-            if made is not None:
-                self.trace = draws_written_back(
-                    self.trace, made[0], made[1], np.int32(first), made[2], split
-                )
+            self.trace = target
             if files is not None:
                 new_draws = sliced_draws(self.trace, np.int32(first), files.emit)
-        elif plan.trace is TraceMode.DISK and files is not None:
-            # The stopped chains' draws are zeros, as in a trace buffer.
-            like = plan.draws_like(self.placement.num_chains, files.emit)
-            new_draws = self.placement.zeros(like)
-            if made is not None:
-                new_draws = draws_written_back(
-                    new_draws, made[0], made[1], np.int32(0), made[2], split
-                )
+        elif files is not None:
+            new_draws = target
+        self._advanced(stop, new_draws, files)
+
+    def _advanced(self, stop: int, new_draws: Any, files: SegmentFiles | None) -> None:
         self.steps_done = stop
-        self._unwritten = (new_draws, files)
+        self._unwritten.append(Advanced(stop, self.chains, new_draws, files))
+
+    @property
+    def oldest(self) -> "Advanced":
+        """The oldest segment not yet checkpointed."""
+        return self._unwritten[0]
+
+    def forget_last(self, steps_done: int) -> None:
+        """Forgets the last segment, run in vain: every problem had stopped, at
+        `steps_done` at the latest, so that it froze every chain, and its draws
+        are zeros where the trace holds zeros."""
+        self._unwritten.pop()
+        self.steps_done = steps_done
+
+    def everywhere(self, x: Any) -> Any:
+        """`x` (on the host, or on one device of this process) whole on each device
+        of the chunk: a copy between devices in one process; in a job, through the
+        host (the same value in every process)."""
+        if jax.process_count() > 1:
+            x = np.asarray(x)
+        return jax.device_put(x, self.placement.everywhere)
+
+    def discard(self, problems: Any) -> None:
+        """Starts afresh the moments of the chains of `problems` (`bool[problems]`,
+        placed by `everywhere`), in the chains and in the last segment's snapshot:
+        their check failed, and a failed check's window is discarded."""
+        moments = zeroed_problems(
+            self.chains.moments, problems, self.chains.problem, self.placement.split
+        )
+        self.chains = self.chains._replace(moments=moments)
+        self._unwritten[-1] = self._unwritten[-1]._replace(chains=self.chains)
 
     def _files(self, start: int, stop: int) -> SegmentFiles | None:
         """Where the draws of the segment from step `start` to `stop` go: None if the
@@ -289,45 +343,29 @@ class ChunkRun:
         return files
 
     def write(self, record: ProblemRecords | None = None) -> None:
-        """Checkpoints the chains after the last segment (in the background), with
-        `until`'s `record`."""
-        assert self._unwritten is not None
-        new_draws, files = self._unwritten
-        self._unwritten = None
+        """Checkpoints the chains after the oldest segment not yet written (in the
+        background), with `until`'s `record`."""
+        done = self._unwritten.pop(0)
         if self.store is None:
             return
         # Every process writes the rows its own devices hold: nothing is gathered.
         self.store.write(
-            Snapshot(self.steps_done, self.chains, new_draws, files, record)
+            Snapshot(done.steps_done, done.chains, done.new_draws, done.files, record)
         )
-        if self.plan.trace is TraceMode.DISK and new_draws is not None:
+        if self.plan.trace is TraceMode.DISK and done.new_draws is not None:
             # `Checkpoint.write` waited for the write before this one: the draws it
-            # wrote are free for the next segment to write over.
-            self._spare, self._writing = self._writing, new_draws
+            # wrote are free for a later segment to write over.
+            self._spare, self._writing = self._writing, done.new_draws
 
-    def moments(self) -> Any:
-        """The running moments of the real chains, whole on every process (small:
-        per chain, not per draw)."""
-        return self.placement.whole_real_chains(self.chains.moments)
+    def moments(self, chains: ChainState | None = None) -> Any:
+        """The running moments of the real chains (of `chains`, by default the
+        last), whole on every process (small: per chain, not per draw)."""
+        return self.placement.whole_real_chains((chains or self.chains).moments)
 
-    def first_bad(self) -> np.ndarray:
-        """The NaN report of the real chains (`ChainState.first_bad`), on the host of
-        every process."""
-        return np.asarray(self.placement.whole_real_chains(self.chains.first_bad))
-
-    def discard_moments(self, failed: np.ndarray) -> None:
-        """Starts afresh the moments of the problems whose check `failed`
-        (`bool[problems]`): a failed check's window is discarded."""
-        rows = failed[self.problem_of_row]
-        if rows.all():
-            moments = self.placement.zeros(structs(self.chains.moments))
-        elif rows.any():
-            moments = zeroed_rows(
-                self.chains.moments, self.placement.put(rows), self.placement.split
-            )
-        else:
-            return
-        self.chains = self.chains._replace(moments=moments)
+    def first_bad(self, chains: ChainState | None = None) -> Any:
+        """The NaN report of the real chains (`ChainState.first_bad`) of `chains` (by
+        default the last), whole on every process."""
+        return self.placement.whole_real_chains((chains or self.chains).first_bad)
 
     def result(self) -> tuple[ChainState, Any]:
         """The chains and their trace: the trace buffer (in a job of several

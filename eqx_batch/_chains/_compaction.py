@@ -2,16 +2,24 @@
 only the chains of the problems still running, so that the compute follows them rather
 than the slowest problem.
 
-Before a segment, the running chains are gathered into a smaller batch; after it, their
-states (and draws) are written back over their rows, and the stopped chains' rows stay
-as they stopped. The batch moves whole blocks of a problem's chains (the chunk's
-`block_size`), and its count of blocks is padded to a power of two or 1.5 times one
-(`batch_size`), each size a compiled program of its own, shared by every call of
-the same shapes: two sizes an octave, so a batch is on average about a fifth larger
-than the chains it runs (a third at most), for twice the compiles of powers of two
-alone, which pad by 44% on average (measured: `benchmarks/bench_problems.py`). The
-padding rows repeat a running chain, whose results they equal: written back over
-its row, they change no bit.
+Every segment of a run with `until` freezes the chains of the problems that have
+stopped (`SegmentPlan.freezes`): the whole chunk may run, its stopped chains kept as
+they are, and so may a batch that still holds a problem which stopped since the host
+last looked (it reads each check a segment late, `_loop.py`). The running chains go
+to a smaller batch in *pieces*: calls of one program on a fixed share of the chunk
+(`PIECES`, in whole blocks of a problem's chains), each gathering its rows, running
+the segment and writing them back, in one program. However many problems run, and
+wherever they stop, a run compiles one program for its pieces (issue 42 counted 23,
+one per batch size, before).
+
+Whether pieces pay depends on the device. A CPU's step takes time in proportion to
+the chains it runs: there every segment runs in pieces, the first ones too, so that a
+run compiles one segment program in all (its first call costs about what a run
+without `until` costs). An accelerator's step at these sizes is bound by latency, not
+by the chains (measured on a TPU v5e: `benchmarks/bench_problems.py`): there the
+whole chunk runs until one piece holds every running chain. Padding rows repeat a
+block of running chains, whose results they equal: written back over their rows,
+they change no bit.
 """
 
 import functools as ft
@@ -24,27 +32,40 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding
 
-
-def batch_size(running: int, most: int) -> int:
-    """The size of the batch that runs `running` chains: the smallest of 1, 2, 3, 4,
-    6, 8, 12, 16, 24, ... (powers of two and 1.5 times them) at least `running`;
-    never more than `most`."""
-    size = 1
-    while size < running:
-        power = 1 << (size.bit_length() - 1)
-        size = power * 3 // 2 if size == power and power >= 2 else 2 * power
-    return min(size, most)
+from .._compile import AsyncJit
+from ._all_chains import RunStep
+from ._common import ChainState
+from ._placement import made_zeros
+from ._segment import segment
+from ._segment_plan import SegmentPlan
 
 
-def padded_rows(rows: np.ndarray, size: int) -> np.ndarray:
-    """`rows` (the running chains, at least one) padded to `size` with its first."""
-    return np.concatenate([rows, np.full(size - len(rows), rows[0], rows.dtype)])
+# The share of a chunk that one piece holds: a quarter, so that pieces of the running
+# chains pad them by an eighth of the chunk on average.
+PIECES = 4
 
 
-@ft.partial(jax.jit, static_argnums=2)
-def gathered(tree: Any, rows: jax.Array, sharding: NamedSharding) -> Any:
-    """The `rows` of every leaf of `tree` (one row per chain), split as `sharding`."""
-    return jtu.tree_map(lambda x: lax.with_sharding_constraint(x[rows], sharding), tree)
+def piece_rows(running: int, num_rows: int, unit: int, per_chain: bool) -> int | None:
+    """The rows of a piece that runs `running` rows of a chunk of `num_rows`, or None
+    to run the whole chunk: a `PIECES`-th of it, in a whole number of `unit`s (a
+    problem's block on each device), if that is less than the chunk; on a device
+    whose step time does not grow with the chains (`per_chain` False), only if one
+    piece holds every running row."""
+    size = -(-num_rows // (PIECES * unit)) * unit
+    calls = -(-running // size)
+    if size >= num_rows or (calls > 1 and not per_chain):
+        return None
+    return size
+
+
+def pieces(rows: np.ndarray, size: int, block: int) -> list[np.ndarray]:
+    """`rows` (the running chains, in whole blocks of `block` rows of one problem) cut
+    into pieces of `size` rows, the last padded with copies of its first block."""
+    cut = [rows[i : i + size] for i in range(0, len(rows), size)]
+    last = cut[-1]
+    copies = -(-(size - len(last)) // block)
+    cut[-1] = np.concatenate([last, *[last[:block]] * copies])[:size]
+    return cut
 
 
 def batch_slots(rows: np.ndarray, num_rows: int) -> np.ndarray:
@@ -67,8 +88,6 @@ def _rows_mask(slots: jax.Array, ndim: int) -> jax.Array:
     return (slots >= 0).reshape(slots.shape + (1,) * (ndim - 1))
 
 
-# Not donated: the checkpoint may still be writing the chains of the last segment.
-@ft.partial(jax.jit, static_argnums=3)
 def written_back(
     full: Any, batch: Any, slots: jax.Array, sharding: NamedSharding
 ) -> Any:
@@ -83,7 +102,6 @@ def written_back(
     )
 
 
-@ft.partial(jax.jit, static_argnums=5, donate_argnums=0)
 def draws_written_back(
     trace: Any,
     draws: Any,
@@ -99,8 +117,7 @@ def draws_written_back(
 
     Only the window of `emit` slots from `first` is read and written (moved back to
     end at the buffer's end, where the new draws then sit later in it), not the whole
-    buffer. `trace` is donated and updated in place, as a segment updates it: the
-    checkpoint writes a copy of the new draws (`sliced_draws`), not the buffer."""
+    buffer."""
 
     def leaf(x: jax.Array, y: jax.Array) -> jax.Array:
         total = x.shape[1]
@@ -122,12 +139,60 @@ def draws_written_back(
     return jtu.tree_map(leaf, trace, draws)
 
 
-@ft.partial(jax.jit, static_argnums=2)
-def zeroed_rows(tree: Any, mask: jax.Array, sharding: NamedSharding) -> Any:
-    """`tree` with the rows where `mask` holds set to zeros."""
+def _piece(
+    plan: SegmentPlan,
+    step: RunStep,
+    shared: Any,
+    chains: ChainState,
+    trace: Any,
+    rows: jax.Array,
+    slots: jax.Array,
+    start: jax.Array,
+    running: jax.Array,
+    first: jax.Array,
+    count: jax.Array,
+    own: Any,
+    splits: tuple[NamedSharding, NamedSharding],
+) -> tuple[ChainState, Any]:
+    """One piece of a segment: the chunk's `rows` gathered into a batch (split as
+    `splits[0]`), run by the segment of `plan` (which returns its own draws, in a
+    buffer made as `own`), and written back over the chunk's `chains` (split as
+    `splits[1]`) and, from slot `first`, its first `count` draws over `trace` (the
+    run's trace buffer, or the segment's own draws of every chain; None if nothing is
+    recorded). In one program: no batch is handed between programs."""
+    batch_split, split = splits
+    # A run of one segment passes what starts as zeros as the structs to make.
+    trace = made_zeros(trace)
+    chains = chains._replace(
+        first_bad=made_zeros(chains.first_bad), moments=made_zeros(chains.moments)
+    )
+    batch = jtu.tree_map(
+        lambda x: lax.with_sharding_constraint(x[rows], batch_split), chains
+    )
+    result = segment(plan, step, shared, batch, start, own, running)
+    chains = written_back(chains, result.chains, slots, split)
+    if trace is not None and result.new_draws is not None:
+        trace = draws_written_back(trace, result.new_draws, slots, first, count, split)
+    return chains, trace
+
+
+# The trace buffer is donated and updated in place, as a segment updates it: the
+# checkpoint writes a copy of the new draws (`sliced_draws`), not the buffer. The
+# chains are not: the checkpoint may still be writing those of the last segment.
+run_piece = AsyncJit(_piece, donate=("trace",))
+
+
+@ft.partial(jax.jit, static_argnums=3)
+def zeroed_problems(
+    tree: Any, problems: jax.Array, problem: Any, sharding: NamedSharding
+) -> Any:
+    """`tree` (one row per chain) with the rows of the chains of `problems`
+    (`bool[problems]`) set to zeros, `problem` being each row's (None: every row is
+    problem 0's)."""
+    mask = problems[0] if problem is None else problems[problem]
 
     def leaf(x: jax.Array) -> jax.Array:
-        shaped = mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+        shaped = mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
         return lax.with_sharding_constraint(
             jnp.where(shaped, jnp.zeros_like(x), x), sharding
         )

@@ -165,23 +165,40 @@ def diagnose(
     devices sums in another order, so the statistics (and a stopping rule's decision)
     would change in their last bits with the chunking or the device count.
     """
-    moments = jtu.tree_map(_on_one_device, moments)
+    moments = jtu.tree_map(on_one_device, moments)
     if num_problems is None:
         return _diagnose(moments, num_superchains)
     layout = ProblemLayout(moments.count.shape[0], num_problems)
-    blocks = jtu.tree_map(layout.blocks, moments)
-    return _diagnose_each(blocks, layout.superchains_each(num_superchains))
+    return _diagnose_each(moments, layout, layout.superchains_each(num_superchains))
 
 
 # `jax.jit` rather than `eqx.filter_jit`: its arguments are arrays and an int, and
-# Equinox's wrapper costs half a millisecond a call on a TPU's host (issue 34).
-@ft.partial(jax.jit, static_argnums=1)
-def _diagnose_each(blocks: Moments, num_superchains: int | None) -> Diagnostics:
+# Equinox's wrapper costs half a millisecond a call on a TPU's host (issue 34). The
+# blocks are cut in the same program: eager reshapes compile one program each.
+@ft.partial(jax.jit, static_argnums=(1, 2))
+def _diagnose_each(
+    moments: Moments, layout: ProblemLayout, num_superchains: int | None
+) -> Diagnostics:
+    return diagnose_traced(moments, layout, num_superchains)
+
+
+def diagnose_traced(
+    moments: Moments, layout: ProblemLayout | None, num_superchains: int | None
+) -> Diagnostics:
+    """`diagnose`'s statistics inside the program that calls it: of each problem of
+    `layout` (`num_superchains` each), or of the chains as one problem (None), then
+    with a leading axis of one."""
+    if layout is None:
+        one = _diagnose(moments, num_superchains)
+        return jtu.tree_map(lambda x: x[None], one)
+    blocks = jtu.tree_map(layout.blocks, moments)
     return jax.vmap(lambda m: _diagnose(m, num_superchains))(blocks)
 
 
-def _on_one_device(x: Any) -> Any:
-    if not isinstance(x, jax.Array):
+def on_one_device(x: Any) -> Any:
+    if not isinstance(x, jax.Array) or jax.device_count() == 1:
+        # With one device in all, every array is on it (`device_put` would cost a
+        # tenth of a millisecond a leaf, at every check).
         return x
     if not x.is_fully_addressable:
         # Replicated over the processes of a job: this process's whole copy.

@@ -7,6 +7,7 @@ same step: a chunked run stops where the unchunked one does.
 """
 
 import contextlib
+import functools as ft
 from typing import Any, NamedTuple
 
 import jax
@@ -16,11 +17,12 @@ import numpy as np
 from ._chunk import ChunkJob, ChunkRun, RunContext
 from ._common import ChainState
 from ._convergence import diagnose
+from ._decision import decide, Decision
 from ._placement import joined, whole_here
 from ._plan import RunPlan
 from ._problem_records import ProblemRecords
 from ._records import Check, Record
-from ._stopping import check, passes, postfix
+from ._stopping import check, postfix, worst_each
 
 
 def run_chunks(
@@ -58,39 +60,119 @@ def _no_checks(plan: RunPlan) -> ProblemRecords:
     return ProblemRecords.empty(1 if plan.until is None else plan.layout.num_problems)
 
 
+class _Boundary(NamedTuple):
+    """A segment's end, queued: finished (its check read, its chunks checkpointed)
+    once the next segment is queued behind it."""
+
+    stop: int
+    moving: list[ChunkRun]
+    decision: Decision | None  # the check of `until` made there, on the devices
+
+
 def _run_group(
     context: RunContext, chunks: list[ChunkRun], separate: bool
 ) -> ProblemRecords:
     """Moves `chunks` to the run's end, boundary by boundary, checkpointing each after
     every segment; with `until`, checks the rule where due (every chunk there). Each
     problem is checked on its own, and a segment runs only the chains of the problems
-    still running."""
+    still running.
+
+    The checks are decided on the devices (`_decision.py`), and the host reads each
+    one while the next segment runs: the device never waits for the host. The host's
+    record is then a check behind the devices' `live` mask: the problems it thinks
+    running may have stopped (their chains frozen, `_compaction.py`). A segment
+    queued after every problem stopped runs in vain, changes nothing, and is
+    forgotten."""
     plan = context.plan
     record = _furthest(plan, chunks)
+    live = None  # with `until`, whether each problem still runs, on the devices
+    pending: _Boundary | None = None
     while (here := min(chunk.steps_done for chunk in chunks)) < _end(plan, record):
         stop = context.next_stop(here)
         moving = [chunk for chunk in chunks if chunk.steps_done == here]
         # Without `until` no problem stops: its record is not walked.
         running = None if plan.until is None else record.running(here)
+        if running is not None and live is None:
+            live = chunks[0].everywhere(running)
         for chunk in moving:
-            chunk.advance(stop, running)
+            chunk.advance(stop, running, live)
             if len(chunks) > 1:
                 # As between groups: one chunk's working memory at a time.
                 jax.block_until_ready(chunk.chains)
-        if context.bar is not None:
-            # Counted over the run: the steps of chunks run before included.
-            done = chunks[0].steps_before + stop
-            context.bar.follow(done, [chunk.chains.first_bad for chunk in moving])
-        if plan.until is None:
-            if _shows_moments(context) and not separate:
-                moments = [chunk.moments() for chunk in chunks]
-                _show(context, stop, moments, _nonfinite(_first_bad(chunks)))
-        elif plan.until.is_check(stop, plan.num_steps) and not record.decided(stop):
-            record = _decide(context, record, stop, chunks)
-        for chunk in moving:
-            if plan.until is not None:
-                chunk.discard_moments(record.failed(stop))
-            chunk.write(None if plan.until is None else record.as_of(stop))
+        decision = None
+        if plan.until is not None and plan.until.is_check(stop, plan.num_steps):
+            if record.decided(stop):
+                # Decided by a chunk further on, as its checkpoint says.
+                _discard(moving, record.failed(stop))
+                live = None
+            else:
+                decision = _decision(plan, chunks, live, stop)
+                live = chunks[0].everywhere(decision.running)
+                for chunk in moving:
+                    chunk.discard(live)
+        if pending is not None:
+            record = _finish(context, pending, record, separate)
+        pending = _Boundary(stop, moving, decision)
+        if _end(plan, record) < stop:
+            for chunk in moving:
+                chunk.forget_last(_end(plan, record))
+            pending = None
+    if pending is not None:
+        record = _finish(context, pending, record, separate)
+    return record
+
+
+def _decision(plan: RunPlan, chunks: list[ChunkRun], live: Any, stop: int) -> Decision:
+    """The check at step `stop` (every chunk there) of the problems `live` says
+    still run, queued on a device."""
+    assert plan.until is not None
+    return decide(
+        plan.until,
+        joined([chunk.moments() for chunk in chunks]),
+        joined([chunk.first_bad() for chunk in chunks]),
+        live,
+        None if plan.problems is None else plan.layout,
+        plan.superchains,
+        at_cap=stop == plan.num_steps,
+    )
+
+
+def _discard(chunks: list[ChunkRun], failed: np.ndarray) -> None:
+    """Discards the moments of the problems whose check `failed` (on the host)."""
+    if failed.any():
+        on_devices = chunks[0].everywhere(failed)
+        for chunk in chunks:
+            chunk.discard(on_devices)
+
+
+def _finish(
+    context: RunContext, boundary: _Boundary, record: ProblemRecords, separate: bool
+) -> ProblemRecords:
+    """The record after `boundary`, its check read; its chunks' checkpoints written
+    and the bar moved."""
+    plan, stop, moving = context.plan, boundary.stop, boundary.moving
+    chains = [chunk.oldest.chains for chunk in moving]
+    if context.bar is not None:
+        # Counted over the run: the steps of chunks run before included.
+        done = moving[0].steps_before + stop
+        context.bar.follow(done, [c.first_bad for c in chains])
+    if plan.until is None:
+        if _shows_moments(context) and not separate:
+            moments = [
+                chunk.moments(c) for chunk, c in zip(moving, chains, strict=True)
+            ]
+            first_bad = [
+                np.asarray(chunk.first_bad(c))
+                for chunk, c in zip(moving, chains, strict=True)
+            ]
+            _show(context, stop, moments, _nonfinite(first_bad))
+    elif boundary.decision is not None:
+        checks = _ProblemChecks(plan, boundary.decision)
+        record = _decide(context, record, stop, checks)
+    # Only a checkpoint keeps the record: it is not copied for nothing.
+    kept = plan.until is not None and any(c.store is not None for c in moving)
+    for chunk in moving:
+        chunk.write(record.as_of(stop) if kept else None)
     return record
 
 
@@ -110,40 +192,43 @@ def _end(plan: RunPlan, record: ProblemRecords) -> int:
 
 
 def _decide(
-    context: RunContext, records: ProblemRecords, stop: int, chunks: list[ChunkRun]
+    context: RunContext, records: ProblemRecords, stop: int, checks: "_ProblemChecks"
 ) -> ProblemRecords:
-    """The records with the checks at step `stop` (every chunk is there) of every
-    problem still running, each made on its own chains."""
+    """The records with the checks at step `stop` of every problem still running,
+    each made on its own chains (`checks`, as the devices decided them). A reason
+    is written only where a problem stops (it passed, or the run is at its cap)."""
     plan = context.plan
-    # Diagnosed once a problem has draws to check: not before `burn_in`.
-    checks: _ProblemChecks | None = None
-    decided, checked = [], []
-    for p, record in enumerate(records.records):
-        if record.stopped is None:
-            undrawn = _without_draws(plan, record, stop)
-            if undrawn is not None:
-                record = undrawn
-            else:
-                if checks is None:
-                    checks = _ProblemChecks.of(plan, chunks)
-                checked.append(p)
-                record = _with_check(plan, record, stop, checks.result(p, stop))
-        decided.append(record)
+    at_cap = stop == plan.num_steps
+    made = plan.draws.before(stop)
+    # Not checked before `burn_in`: no draw to check (nor any moment, so the
+    # devices' check failed too).
+    checked = [
+        p
+        for p, r in enumerate(records.records)
+        if r.stopped is None and plan.draws.before(r.window_start(stop)) != made
+    ]
+    reasons = checks.reasons([p for p in checked if at_cap or checks.passed[p]])
+    decided, drawn = list(records.records), set(checked)
+    for p, record in enumerate(decided):
+        if record.stopped is not None:
+            continue
+        if p in reasons:
+            decided[p] = _with_check(plan, record, stop, reasons[p])
+        elif p in drawn:
+            result = Check(False, float(checks.worst[p]), "")
+            decided[p] = record.with_check(stop, result, False, plan.draws.burn_in)
+        elif at_cap:
+            decided[p] = _stopped_undrawn(plan, record, stop)
     records = ProblemRecords(tuple(decided))
     if context.bar is not None:
         _show_checks(context, records, stop, checks, checked)
     return records
 
 
-def _without_draws(plan: RunPlan, record: Record, stop: int) -> Record | None:
-    """`record` at step `stop` if no draw was recorded since its last check (before
-    `burn_in`): as it is, or stopped at the cap, with nothing to check. None if there
-    are draws to check."""
+def _stopped_undrawn(plan: RunPlan, record: Record, stop: int) -> Record:
+    """`record` stopped at the cap, `stop`, with no draw recorded since its last
+    check (before `burn_in`) to check."""
     start = record.window_start(stop)
-    if plan.draws.before(stop) != plan.draws.before(start):
-        return None
-    if stop != plan.num_steps:
-        return record
     reason = (
         f"reached the cap, num_steps={stop}, with no draw recorded since step "
         f"{start} to check"
@@ -162,78 +247,70 @@ def _with_check(plan: RunPlan, record: Record, stop: int, result: Check) -> Reco
     return record.with_check(stop, result, result.passed or at_cap, plan.draws.burn_in)
 
 
-class _ProblemChecks(NamedTuple):
-    """What the checks of every problem at one step read: their diagnostics (on the
-    host, each statistic with a leading axis of problems), the chains gone NaN or
-    infinite, and which problems pass, with the worst value of each."""
+class _ProblemChecks:
+    """What the checks of every problem at one step read, as the devices decided
+    them: which problems pass, with the worst value of each, read at once; their
+    diagnostics (each statistic with a leading axis of problems) and the chains gone
+    NaN or infinite, read only for a reason (a problem stops, or the bar shows it)."""
 
-    plan: RunPlan
-    diagnostics: Any
-    nonfinite: np.ndarray
-    passed: np.ndarray
-    worst: np.ndarray
+    def __init__(self, plan: RunPlan, decision: Decision):
+        self.plan, self._decision = plan, decision
+        self.passed, self.worst = jax.device_get((decision.passed, decision.worst))
 
-    @classmethod
-    def of(cls, plan: RunPlan, chunks: list[ChunkRun]) -> "_ProblemChecks":
-        assert plan.until is not None
-        # On the host at once: each problem's check reads its row of every statistic.
-        diagnostics = jax.device_get(
-            diagnose(
-                joined([chunk.moments() for chunk in chunks]),
-                plan.superchains,
-                plan.problems,
-            )
-        )
-        if plan.problems is None:
-            # The one problem's row: its statistics have no axis of problems.
-            diagnostics = jtu.tree_map(lambda x: x[None], diagnostics)
-        nonfinite = _nonfinite(_first_bad(chunks))
-        has_nonfinite = np.zeros(plan.layout.num_problems, bool)
-        has_nonfinite[plan.layout.problem_of(nonfinite)] = True
-        passed, worst = passes(plan.until, diagnostics, has_nonfinite)
-        return cls(plan, diagnostics, nonfinite, passed, worst)
+    @ft.cached_property
+    def diagnostics(self) -> Any:
+        return jax.device_get(self._decision.diagnostics)
+
+    @ft.cached_property
+    def nonfinite(self) -> np.ndarray:
+        return _nonfinite([jax.device_get(self._decision.first_bad)])
 
     def row(self, p: int) -> Any:
         """Problem `p`'s diagnostics."""
         return jtu.tree_map(lambda x: x[p], self.diagnostics)
 
-    def checked(self, p: int) -> Check:
-        """Problem `p`'s check with its reason, as `check` makes it."""
-        assert self.plan.until is not None
-        own = self.plan.layout.own(self.nonfinite, p)
-        return check(self.plan.until, self.row(p), own)
-
-    def result(self, p: int, stop: int) -> Check:
-        """Problem `p`'s check at step `stop`: a reason is made only where the
-        problem stops (it passed, or the run is at its cap)."""
-        if self.passed[p] or stop == self.plan.num_steps:
-            return self.checked(p)
-        return Check(False, float(self.worst[p]), "")
+    def reasons(self, problems: list[int]) -> dict[int, Check]:
+        """Each of `problems`' check with its reason, as `check` makes it, their
+        worst elements found at once."""
+        until = self.plan.until
+        assert until is not None
+        if not problems:
+            return {}
+        rows = np.asarray(problems, np.intp)
+        worst = [
+            worst_each(self.diagnostics, c.statistic, rows) for c in until.criteria
+        ]
+        return {
+            p: check(
+                until, [w[i] for w in worst], self.plan.layout.own(self.nonfinite, p)
+            )
+            for i, p in enumerate(problems)
+        }
 
 
 def _show_checks(
     context: RunContext,
     records: ProblemRecords,
     stop: int,
-    checks: _ProblemChecks | None,
+    checks: "_ProblemChecks",
     checked: list[int],
 ) -> None:
     """The bar at step `stop`: the problems still running and, of those `checked`
-    there (by `checks`, None if none was), the worst, with its check's reason;
-    without `data`, the one problem's statistics, if it was checked."""
+    there (by `checks`), the worst, with its check's reason; without `data`, the one
+    problem's statistics, if it was checked."""
     assert context.bar is not None
     if context.plan.problems is None:
-        if checks is not None:
+        if checked:
             context.bar.show(stop, postfix(checks.row(0), checks.nonfinite))
         return
     running = records.running(stop)
     text = f"{int(running.sum())} of {context.plan.problems} problems running"
     still = [p for p in checked if running[p]]
-    if still and checks is not None:
+    if still:
         # The worst by the first criterion, NaN (nothing to compare) last.
         worst = checks.worst
         p = max(still, key=lambda p: (not np.isnan(worst[p]), worst[p]))
-        text = f"{text}; worst: problem {p}, {checks.checked(p).reason}"
+        text = f"{text}; worst: problem {p}, {checks.reasons([p])[p].reason}"
     context.bar.show(stop, text)
 
 
@@ -261,7 +338,3 @@ def _nonfinite(first_bad: list[Any]) -> np.ndarray:
     """The indices of the chains gone NaN or infinite, from each chunk's whole NaN
     report (`ChainState.first_bad`), the chunks in the order of their chains."""
     return np.flatnonzero(np.concatenate([np.asarray(x) for x in first_bad]))
-
-
-def _first_bad(chunks: list[ChunkRun]) -> list[np.ndarray]:
-    return [chunk.first_bad() for chunk in chunks]

@@ -83,9 +83,16 @@ class Placement:
         return jtu.tree_unflatten(treedef, leaves)
 
     def _is_split(self, x: Any) -> bool:
-        return isinstance(x, jax.Array) and (
-            # Asked of a typed key array, `sharding` costs tens of microseconds.
-            self._one_device or x.sharding.is_equivalent_to(self.split, x.ndim)
+        # An uncommitted array (a fresh result of uncommitted inputs) is moved too:
+        # the loop's program is compiled for its inputs' placement, and its outputs
+        # come back committed, so one left uncommitted compiles the loop twice.
+        return (
+            isinstance(x, jax.Array)
+            and x.committed
+            and (
+                # Asked of a typed key array, `sharding` costs tens of microseconds.
+                self._one_device or x.sharding.is_equivalent_to(self.split, x.ndim)
+            )
         )
 
     def block_size(self, problem_of_row: np.ndarray) -> int:

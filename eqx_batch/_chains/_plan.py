@@ -180,7 +180,7 @@ def plan_run(
     schedule = _schedule(until, counts.num_steps, superchains, num_chains, problems)
     chunk_size = min(counts.chunk_size or num_chains, num_chains)
     mode = TraceMode(trace)  # decided once: nothing below asks `trace` again
-    segment = _segment_plan(mode, draws, with_output, legacy)
+    segment = _segment_plan(mode, draws, with_output, legacy, until is not None)
     streamed_steps = None
     if segment.returns_own_draws:
         streamed_steps = _streamed_steps(prepared, chunk_size, draws.thin)
@@ -259,13 +259,14 @@ def _check_diagnostics(
 
 
 def _segment_plan(
-    mode: TraceMode, draws: Draws, with_output: bool, legacy: bool
+    mode: TraceMode, draws: Draws, with_output: bool, legacy: bool, freezes: bool
 ) -> SegmentPlan:
     """The run's segments (their `length` set per segment) for the trace `mode`: a
     run that records draws writes them into its trace buffer, or with the trace on
     disk each segment returns its own draws, for the files; neither records any if
     the run makes no draw. Without a trace, a run `with_output` records its step's
-    outputs alone, in a buffer of them."""
+    outputs alone, in a buffer of them. With `until`, a segment `freezes` the chains
+    of the problems that have stopped."""
     records = (mode is not TraceMode.NONE or with_output) and draws.total > 0
     return SegmentPlan(
         0,
@@ -275,6 +276,7 @@ def _segment_plan(
         legacy=legacy,
         returns_own_draws=records and mode is TraceMode.DISK,
         records_states=mode is not TraceMode.NONE,
+        freezes=freezes,
     )
 
 

@@ -153,6 +153,8 @@ class Record(NamedTuple):
 
     def window_start(self, step: int) -> int:
         """Where the window of draws that ends at `step` began."""
+        if self.checks and self.checks[-1] < step:
+            return self.checks[-1]  # the checks are in order: the last is the one
         return max((c for c in self.checks if c < step), default=0)
 
     def with_check(

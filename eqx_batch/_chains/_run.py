@@ -8,6 +8,7 @@ the result.
 
 import contextlib
 import dataclasses
+import functools as ft
 import os
 import pathlib
 from collections.abc import Callable
@@ -405,9 +406,16 @@ def _recorded(
     recorded = joined_chains([trace for _, trace in results])
     if last < plan.num_steps:
         # Only the draws made: the buffer was sized for the cap.
-        made = plan.draws.before(last)
-        recorded = jtu.tree_map(lambda x: x[:, :made], recorded)
+        recorded = _first_draws(recorded, plan.draws.before(last))
     return recorded
+
+
+@ft.partial(jax.jit, static_argnums=1)
+def _first_draws(trace: Any, made: int) -> Any:
+    """The first `made` draws of every leaf of `trace`, in one program (sliced
+    eagerly, each leaf compiled programs of its own, several when split over
+    devices)."""
+    return jtu.tree_map(lambda x: x[:, :made], trace)
 
 
 def _stops(

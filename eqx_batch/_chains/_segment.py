@@ -65,13 +65,14 @@ def _with_first_bad(first_bad: jax.Array, raw_states: Any, step: Any) -> jax.Arr
     return jnp.where((first_bad == 0) & bad, step, first_bad)
 
 
-def _segment(
+def segment(
     plan: SegmentPlan,
     step: RunStep,
     shared: Any,
     chains: ChainState,
     start: jax.Array,
     trace: Any,
+    running: jax.Array | None = None,
 ) -> SegmentResult:
     """Runs `plan.length` steps of every chain from step `start`.
 
@@ -84,6 +85,12 @@ def _segment(
     segment's, written out already), records its own draws in it from slot 0 and
     returns it as `new_draws` (its `trace` is then None): nothing of the run's size is
     kept.
+
+    A segment that `freezes` (a run with `until`) gets `running`, whether each
+    problem still runs (`bool[problems]`; one, without `data`): the chains of the
+    others end it as they began it (state, key, moments and NaN report) and record
+    zeros (or, where a thinned trace rewrites a slot, what it holds), so that a batch
+    may hold problems that stopped since the host last looked (`_compaction.py`).
     """
     trace = made_zeros(trace)
     chains = chains._replace(
@@ -113,6 +120,10 @@ def _segment(
     # outside the loop, so that the loop body holds no gather of it and reads each
     # problem's row once per step (`ProblemStep.for_chains`).
     chain_step, map_chains = step.for_chains(chains.problem, plan.block)
+    live = None
+    if plan.freezes:
+        assert running is not None
+        live = running[0] if chains.problem is None else running[chains.problem]
 
     def one_chain(state: Any, key: jax.Array, *row: Any) -> tuple:
         key, step_key = next_key(key)
@@ -133,7 +144,9 @@ def _segment(
         slot = draws.slot(t) - offset
         is_draw = draws.is_draw(t) if draws.thin > 1 else None
         return jtu.tree_map(
-            lambda buffer, x: _write_slot(buffer, x, slot, is_draw, draws.thin),
+            lambda buffer, x: _write_slot(
+                buffer, x, slot, is_draw, draws.thin, live, plan.returns_own_draws
+            ),
             trace,
             recorded,
         )
@@ -154,6 +167,7 @@ def _segment(
         chains = ChainState(states, keys, first_bad, moments, problem)
         return (chains, buffer, t + 1), None
 
+    before = chains
     (chains, trace, end), _ = lax.scan(
         body, (chains, trace, start), None, length=plan.length
     )
@@ -161,6 +175,11 @@ def _segment(
     chains = chains._replace(
         first_bad=_with_first_bad(chains.first_bad, chains.states, end)
     )
+    if live is not None:
+        # A stopped chain ran on with the others, its results dropped here (a
+        # select per step costs the CPU's loop a third more); only what it recorded
+        # was kept out of the trace, step by step.
+        chains = _frozen(live, chains, before)
     new_draws = None
     if plan.returns_own_draws:
         new_draws, trace = (trace if records else None), None
@@ -172,17 +191,41 @@ def _segment(
     return SegmentResult(chains, trace, new_draws)
 
 
+def _rows(mask: jax.Array, ndim: int) -> jax.Array:
+    """`mask` (one per chain) shaped to broadcast over a leaf of `ndim` axes."""
+    return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
+
+
+def _frozen(live: jax.Array, new: ChainState, old: ChainState) -> ChainState:
+    """`new`, with the chains that are not `live` (a bool per chain, or one for all)
+    as they were in `old`."""
+    return jtu.tree_map(lambda n, o: jnp.where(_rows(live, n.ndim), n, o), new, old)
+
+
 def _write_slot(
-    buffer: jax.Array, x: jax.Array, slot: jax.Array, is_draw: Any, thin: int
+    buffer: jax.Array,
+    x: jax.Array,
+    slot: jax.Array,
+    is_draw: Any,
+    thin: int,
+    live: jax.Array | None,
+    own_draws: bool,
 ) -> jax.Array:
     """`buffer` with `x` written at `slot` along axis 1, if `is_draw` (None when
-    every step from `burn_in` on is a draw)."""
+    every step from `burn_in` on is a draw); for the chains that are not `live`
+    (None: all are), zeros, or what the slot holds where a thinned run's trace
+    buffer is rewritten (a stopped chain's last draw may sit there)."""
+    old = None
     if thin > 1:
         # A step between two draws rewrites the last draw's slot as it was.
         old = lax.dynamic_index_in_dim(
             buffer, slot, 1, keepdims=False, allow_negative_indices=False
         )
         x = jnp.where(is_draw, x, old)
+    if live is not None:
+        # A segment's own buffer held another segment's draws: zeros, not those.
+        kept = jnp.zeros_like(x) if old is None or own_draws else old
+        x = jnp.where(_rows(live, x.ndim), x, kept)
     # Without thinning, every step from `burn_in` on is a draw, and a step before it
     # writes slot 0, which holds no draw until step `burn_in` overwrites it: nothing
     # needs reading.
@@ -194,4 +237,4 @@ def _write_slot(
 # Dispatched without waiting: the next segment is queued while this one runs, and the
 # checkpoint writer waits on the results it needs, not the loop. The trace buffer is
 # donated and updated in place.
-run_segment = AsyncJit(_segment, donate=("trace",))
+run_segment = AsyncJit(segment, donate=("trace",))

@@ -47,6 +47,9 @@ class SegmentPlan:
     # Whether the draws hold the states: with `trace=False` and `with_output`, a run
     # records its step's outputs alone.
     records_states: bool = True
+    # Whether the segment takes which problems still run and keeps the others' chains
+    # as they are: with `until`.
+    freezes: bool = False
 
     def recorded(self, states: Any, output: Any) -> Any:
         """What a step's draw records: the chains' states, or with `with_output` the

@@ -1,10 +1,11 @@
-"""Stopping when converged: the rule (`eb.converged`) and the check made on the host
-between segments; what a check finds is recorded in `_records.py`.
+"""Stopping when converged: the rule (`eb.converged`) and a check's reason; the check
+itself is decided on the devices (`_decision.py`), and what it finds is recorded in
+`_records.py`.
 
 A check reads the `Diagnostics` of the draws since the last check (a failed check
 discards its window's moments, as Margossian et al.'s adaptive warmup discards a failed
 window's draws) and compares each criterion's worst element with its threshold. It runs
-between segments, never inside the compiled loop.
+between segments, in a program of its own, never inside the compiled loop.
 """
 
 import functools as ft
@@ -209,7 +210,7 @@ def converged(
     have converged, with `num_steps` as the cap.
 
     Many short chains on an accelerator converge at a step no one knows in advance.
-    Every `every` steps (between segments, on the host) the run computes the
+    Every `every` steps (between segments, on the devices) the run computes the
     diagnostics of the draws recorded since the previous check and stops when every
     given criterion holds at every element of the state. A check that fails starts a
     new window: its draws' moments are discarded, as in the adaptive warmup of
@@ -300,9 +301,12 @@ class Schedule(NamedTuple):
         return (step // self.every + 1) * self.every
 
 
-def check(schedule: Schedule, diagnostics: Diagnostics, nonfinite: np.ndarray) -> Check:
-    """Whether one problem's `diagnostics` meet every criterion, and why (the failing
-    one first): as `passes` decides, with the reason.
+def check(
+    schedule: Schedule, worst: list[tuple[str, float]], nonfinite: np.ndarray
+) -> Check:
+    """Whether one problem meets every criterion, and why (the failing one first),
+    from `worst`, the path and value of its worst element of each criterion's
+    statistic (`worst_each`).
 
     A check never passes while a chain in `nonfinite` (the indices of the chains whose
     state went NaN or infinite) is among those it covers: its statistics may skip
@@ -312,8 +316,9 @@ def check(schedule: Schedule, diagnostics: Diagnostics, nonfinite: np.ndarray) -
     if len(nonfinite):
         lines.append(_nonfinite_text(nonfinite))
         passed = False
-    for index, criterion in enumerate(schedule.criteria):
-        path, value = worst_of(diagnostics, criterion.statistic)
+    for index, (criterion, (path, value)) in enumerate(
+        zip(schedule.criteria, worst, strict=True)
+    ):
         holds = criterion.holds(value)
         passed &= holds
         if index == 0:
@@ -327,6 +332,42 @@ def check(schedule: Schedule, diagnostics: Diagnostics, nonfinite: np.ndarray) -
     return Check(passed, first, "; ".join(lines))
 
 
+def worst_each(
+    diagnostics: Diagnostics, statistic: str, rows: np.ndarray
+) -> list[tuple[str, float]]:
+    """What `worst_of` finds in the diagnostics of each problem of `rows` (each
+    statistic of `diagnostics` with a leading axis of problems): the path of its
+    worst element (`['w'][3]`) and its value, for all of them at once in NumPy."""
+    if not len(rows):
+        return []
+    largest = statistic != "ess"
+    leaves = []  # per leaf: its path, and each row's worst value and element there
+    for path, leaf in jtu.tree_flatten_with_path(getattr(diagnostics, statistic))[0]:
+        values = np.asarray(leaf)[rows]
+        flat = values.reshape(len(rows), -1)
+        if flat.shape[1] == 0:
+            continue
+        filled = np.where(np.isnan(flat), -np.inf if largest else np.inf, flat)
+        at = filled.argmax(axis=1) if largest else filled.argmin(axis=1)
+        elements = np.zeros((len(rows), 0), np.intp)  # a scalar leaf: no index
+        if values.ndim > 1:
+            elements = np.stack(np.unravel_index(at, values.shape[1:]), axis=1)
+        value = flat[np.arange(len(rows)), at]
+        leaves.append((jtu.keystr(path) or "state", value, elements))
+    found = []
+    for i in range(len(rows)):
+        # The worst leaf, NaN last, the first of equals: as `Diagnostics.worst` sorts.
+        name, value, elements = min(
+            leaves, key=lambda leaf: _badness(leaf[1][i], largest)
+        )
+        found.append((name + "".join(f"[{j}]" for j in elements[i]), float(value[i])))
+    return found
+
+
+def _badness(value: float, largest: bool) -> tuple[bool, float]:
+    return bool(np.isnan(value)), -value if largest else value
+
+
 def _nonfinite_text(nonfinite: np.ndarray) -> str:
     shown = ", ".join(map(str, nonfinite[:8])) + (", ..." if len(nonfinite) > 8 else "")
     return f"{len(nonfinite)} chains are NaN or infinite ({shown})"
@@ -336,47 +377,6 @@ def worst_of(diagnostics: Diagnostics, statistic: str) -> tuple[str, float]:
     """The path of the worst element of a statistic (`['w'][3]`) and its value."""
     path, (value, element) = next(iter(diagnostics.worst(statistic).items()))
     return path + "".join(f"[{i}]" for i in element), value
-
-
-def passes(
-    schedule: Schedule, diagnostics: Diagnostics, has_nonfinite: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """What `check` decides for every problem at once (a run without `data` is one),
-    from their stacked diagnostics on the host (each statistic with a leading axis
-    of problems): whether each passes, and each one's worst value of the first
-    criterion. The reasons, which cost a `check` each, are left to the problems that
-    need one.
-
-    `has_nonfinite` says which problems have a chain gone NaN or infinite.
-    """
-    passed, first = ~has_nonfinite, np.full(len(has_nonfinite), math.nan)
-    for index, criterion in enumerate(schedule.criteria):
-        # In float64, as `check` compares a Python float with the threshold.
-        value = _worst_each(diagnostics, criterion.statistic).astype(np.float64)
-        passed = passed & criterion.holds(value)
-        if index == 0:
-            first = value
-    return passed, first
-
-
-def _worst_each(diagnostics: Diagnostics, statistic: str) -> np.ndarray:
-    """`Diagnostics.worst`'s worst value of each problem, as `worst_of` reads it: over
-    every element of every leaf, NaNs passed over unless every one is NaN."""
-    largest = statistic != "ess"
-    per_leaf = []
-    for leaf in jtu.tree_leaves(getattr(diagnostics, statistic)):
-        flat = np.asarray(leaf).reshape(np.shape(leaf)[0], -1)
-        if flat.shape[1]:
-            per_leaf.append(_nan_extreme(flat, largest))
-    return _nan_extreme(np.stack(per_leaf, axis=1), largest)
-
-
-def _nan_extreme(x: np.ndarray, largest: bool) -> np.ndarray:
-    """The largest (or smallest) of each row of `x` that is not NaN; NaN for a row
-    of NaNs."""
-    filled = np.where(np.isnan(x), -np.inf if largest else np.inf, x)
-    extreme = filled.max(axis=1) if largest else filled.min(axis=1)
-    return np.where(np.isnan(x).all(axis=1), np.nan, extreme)
 
 
 def postfix(diagnostics: Diagnostics, nonfinite: np.ndarray) -> str:
