@@ -152,6 +152,8 @@ class ChunkRun:
             # The segments run and not yet checkpointed (the loop writes one while
             # the next runs), oldest first.
             self._unwritten: list[Advanced] = []
+            # The last pieces placed on the devices, and what they run (`_pieces`).
+            self._placed_pieces: tuple[Any, list[tuple[Any, Any]]] = (None, [])
             # With `trace="disk"`: the draws being written, and those written.
             self._writing: Any = None
             self._spare: Any = None
@@ -264,11 +266,7 @@ class ChunkRun:
         segment = plan.prepared.segment(
             plan.own_draws_segment, stop - start, emit, self.block
         )
-        everywhere = self.placement.everywhere
-        for piece in pieces(rows, size, self.block) if len(rows) else []:
-            # Where each of the chunk's rows is in the piece, for the write-backs.
-            slots = batch_slots(piece, self.placement.num_rows)
-            piece_rows_here, slots_here = jax.device_put((piece, slots), everywhere)
+        for piece_rows_here, slots_here in self._pieces(rows, size):
             self.chains, written = run_piece(
                 segment,
                 self.step,
@@ -294,6 +292,19 @@ class ChunkRun:
         elif files is not None:
             new_draws = target
         self._advanced(stop, new_draws, files)
+
+    def _pieces(self, rows: np.ndarray, size: int) -> list[tuple[Any, Any]]:
+        """The pieces of `size` rows that run `rows`, each its rows and where each of
+        the chunk's rows is in it (for the write-backs), on the devices: kept while
+        the running rows stay the same (placing them costs at every segment)."""
+        key = (size, rows.tobytes())
+        if self._placed_pieces[0] != key:
+            placed = []
+            for piece in pieces(rows, size, self.block) if len(rows) else []:
+                slots = batch_slots(piece, self.placement.num_rows)
+                placed.append(jax.device_put((piece, slots), self.placement.everywhere))
+            self._placed_pieces = (key, placed)
+        return self._placed_pieces[1]
 
     def _advanced(self, stop: int, new_draws: Any, files: SegmentFiles | None) -> None:
         self.steps_done = stop

@@ -26,6 +26,9 @@ class Decision(NamedTuple):
     """A check of every problem at one step, on a device until read."""
 
     diagnostics: Diagnostics  # each statistic with a leading axis of problems
+    # Every leaf of `diagnostics`, raveled into one array in their widest dtype: read
+    # to the host in one transfer rather than one per leaf (`read_diagnostics`).
+    flat: jax.Array
     first_bad: jax.Array  # every real chain's NaN report, in order
     passed: jax.Array  # bool[problems]: every criterion holds, and no chain is NaN
     worst: jax.Array  # each problem's worst value of the first criterion
@@ -83,7 +86,23 @@ def _decided(
         if index == 0:
             first = value
     stops = passed | at_cap
-    return Decision(diagnostics, first_bad, passed, first, running & ~stops)
+    leaves = jtu.tree_leaves(diagnostics)
+    dtype = jnp.result_type(*leaves)
+    flat = jnp.concatenate([x.ravel().astype(dtype) for x in leaves])
+    return Decision(diagnostics, flat, first_bad, passed, first, running & ~stops)
+
+
+def read_diagnostics(decision: Decision) -> Diagnostics:
+    """`decision.diagnostics` on the host, in one transfer: each leaf as it was (its
+    values widened and narrowed back, which changes no bit)."""
+    leaves, treedef = jtu.tree_flatten(decision.diagnostics)
+    flat = np.asarray(decision.flat)
+    sizes = np.cumsum([x.size for x in leaves])[:-1]
+    read = [
+        part.reshape(x.shape).astype(x.dtype)
+        for part, x in zip(np.split(flat, sizes), leaves, strict=True)
+    ]
+    return jtu.tree_unflatten(treedef, read)
 
 
 def _holds(criterion: Criterion, value: jax.Array) -> jax.Array:

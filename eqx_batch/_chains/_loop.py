@@ -17,7 +17,7 @@ import numpy as np
 from ._chunk import ChunkJob, ChunkRun, RunContext
 from ._common import ChainState
 from ._convergence import diagnose
-from ._decision import decide, Decision
+from ._decision import decide, Decision, read_diagnostics
 from ._placement import joined, whole_here
 from ._plan import RunPlan
 from ._problem_records import ProblemRecords
@@ -259,7 +259,7 @@ class _ProblemChecks:
 
     @ft.cached_property
     def diagnostics(self) -> Any:
-        return jax.device_get(self._decision.diagnostics)
+        return read_diagnostics(self._decision)
 
     @ft.cached_property
     def nonfinite(self) -> np.ndarray:
