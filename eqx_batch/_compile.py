@@ -213,6 +213,7 @@ class AsyncJit:
     ):
         self.fun = fun
         parameters = list(inspect.signature(fun).parameters)
+        self._parameters = parameters
         unknown = [name for name in donate if name not in parameters]
         if unknown:
             raise TypeError(
@@ -282,7 +283,7 @@ class AsyncJit:
         try:
             plan = self._by_statics.get(statics)
         except TypeError:
-            _check_hashable(args, name)
+            _check_hashable(args, name or self._name)
             raise
         if plan is None:
             positions, start = [], 0
@@ -298,6 +299,16 @@ class AsyncJit:
         held = tuple(x for x, i in zip(leaves, identity, strict=True) if i is not None)
         self._by_identity.add(key, _SeenArguments(plan, held, SameNodeData(treedef)))
         return plan
+
+    def _name(self, path: KeyPath) -> str:
+        """A leaf's name by its path in the arguments: the parameter's, then the
+        path within it (`step.scale`)."""
+        first = path[0]
+        if isinstance(first, jtu.SequenceKey) and first.idx < len(self._parameters):
+            # A wrapper's own node (a flattened index, not the user's) is left out.
+            within = [k for k in path[1:] if not isinstance(k, jtu.FlattenedIndexKey)]
+            return leaf_name(self._parameters[first.idx], tuple(within))
+        return leaf_name("args", path)
 
     def has_checks(self, plan: CallPlan, arrays: list[list[Any]]) -> bool:
         """Whether the program of `plan` holds host callbacks, such as the runtime
@@ -321,7 +332,7 @@ class AsyncJit:
         try:
             hash(statics)
         except TypeError:
-            _check_hashable(args, None)
+            _check_hashable(args, self._name)
             raise
         return self._jitted.lower(statics, *arrays)
 
@@ -341,7 +352,8 @@ class AsyncJit:
 def _check_hashable(
     args: tuple[Any, ...], name: Callable[[KeyPath], str] | None
 ) -> None:
-    """Raises `BatchError` naming the first non-array leaf of `args` that cannot be
+    """Raises `BatchError` naming the first non-array leaf of `args`, or static field
+    (`eqx.field(static=True)`, or other static data of a pytree node), that cannot be
     hashed (and so cannot be part of a compiled program's identity)."""
     for path, leaf in jtu.tree_flatten_with_path(args)[0]:
         if is_array(leaf):
@@ -357,6 +369,49 @@ def _check_hashable(
                 "array to trace it, or as a hashable value (a tuple rather than a "
                 "list, a frozenset rather than a set)."
             ) from None
+    for path, value in unhashable_static(args, ()):
+        where = name(path) if name is not None else leaf_name("args", path)
+        raise BatchError(
+            f"`{where}` is a static field holding {describe(value)}, which is not "
+            "hashable: a static field is part of the compiled program's identity. "
+            "Hold a hashable value there (a tuple rather than a list), or drop "
+            "`static=True` to trace an array."
+        )
+
+
+def unhashable_static(node: Any, path: KeyPath) -> Iterator[tuple[KeyPath, Any]]:
+    """The values in the static data of the pytree nodes of `node` that cannot be
+    hashed, with their paths: a dataclass's (a Module's) static field by the field's
+    path, another node's data by the node's."""
+    children, treedef = jtu.tree_flatten_with_path(
+        node, is_leaf=lambda x: x is not node
+    )
+    kind_and_data = treedef.node_data()
+    if kind_and_data is None:
+        return  # a leaf
+    for key_path, child in children:
+        yield from unhashable_static(child, (*path, *key_path))
+    data = kind_and_data[1]
+    if isinstance(node, dict):
+        return  # its node data is a list of its keys, which JAX compares itself
+    try:
+        hash(data)
+    except TypeError:
+        pass
+    else:
+        return
+    if not dataclasses.is_dataclass(node):
+        yield path, data
+        return
+    dynamic = {key.name for (key, *_), _ in children if isinstance(key, jtu.GetAttrKey)}
+    for field in dataclasses.fields(node):
+        value = getattr(node, field.name, None)
+        if field.name in dynamic:
+            continue
+        try:
+            hash(value)
+        except TypeError:
+            yield (*path, jtu.GetAttrKey(field.name)), value
 
 
 def donated_once(arguments: list[list[Any]], donated: Sequence[int]) -> list[list[Any]]:

@@ -20,10 +20,11 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from ._compile import AsyncJit, CallPlan, hold
+from ._compile import AsyncJit, CallPlan, hold, partition, unhashable_static
 from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
 from ._lowered import ArrayTypes, CallAdapter, Lowered
 from ._memo import BoundedCache
+from ._static_tracers import check_output_static
 from ._tree import is_array, is_tracer
 
 
@@ -35,9 +36,33 @@ Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
 
 def _call_fun(first: tuple[Any, ...], rest: tuple[Any, tuple, dict]) -> Any:
     """The traced program: the first argument (if any) apart, so that donation can
-    leave it out."""
+    leave it out. Its output's static part is checked here, where it is traced (once
+    per program): it is returned as it is by every call."""
     fun, rest_args, kwargs = rest
-    return fun(*first, *rest_args, **kwargs)
+    out = fun(*first, *rest_args, **kwargs)
+    _check_output_static(out)
+    return out
+
+
+def _check_output_static(out: Any) -> None:
+    """Refuses an output whose static fields hold a traced value (it would outlive
+    the program, and be returned by later calls too) or a value that cannot be
+    hashed (JAX compares the outputs' structures).
+
+    **Raises:**
+
+    `BatchError` naming the field by its path in the output (`out.config`).
+    """
+    check_output_static(
+        partition(out)[1], "`eb.filter_jit`", compiled="`jax.jit`'s program"
+    )
+    for path, value in unhashable_static(out, ()):
+        raise BatchError(
+            f"the output of `eb.filter_jit` holds {describe(value)} in a static field, "
+            f"`{leaf_name('out', path)}`, which is not hashable: JAX compares the "
+            "static parts of outputs. Hold a hashable value there (a tuple rather "
+            "than a list), or drop `static=True` to return an array."
+        )
 
 
 # Which parameters of `_call_fun` each value of `donate` donates.

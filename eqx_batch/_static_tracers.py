@@ -9,12 +9,14 @@ next use of the output raises JAX's `UnexpectedTracerError`, far from the cause.
 """
 
 import dataclasses
+import functools as ft
 import types
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.tree_util as jtu
+import numpy as np
 
 from ._compile import StaticPart
 from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
@@ -50,6 +52,7 @@ def check_output_static(
     ]
     if not escaped:
         return
+    fix = "so that each member gets its own value, or compute it"
     if compiled is not None:
         cause = (
             f"{compiled}, where every array is traced, unmapped arguments too, and a "
@@ -60,14 +63,24 @@ def check_output_static(
             "A value computed from a mapped argument cannot get a member axis there, "
             "and would outlive its trace"
         )
+    if transform == "`eb.filter_jit`":
+        # No members here: the program's output is returned by every later call.
+        cause = (
+            "A traced value in a static part outlives the program, and later calls "
+            "return it as it is"
+        )
+        fix = "or compute it"
+    else:
+        cause = (
+            "Static fields are not batched: they belong to the pytree's structure, "
+            f"which all members' outputs share. {cause}"
+        )
     raise BatchError(
         f"the output of {transform} holds traced values in its static part (fields "
         "declared `eqx.field(static=True)`, or other static data of a pytree node):"
-        f"\n{bullet_list(escaped)}\nStatic fields are not batched: they belong to "
-        f"the pytree's structure, which all members' outputs share. {cause} (its "
-        "next use would raise JAX's UnexpectedTracerError). Make it an array field "
-        "(drop static=True) so that each member gets its own value, or compute it "
-        f"outside {transform}."
+        f"\n{bullet_list(escaped)}\n{cause} (its next use would raise JAX's "
+        "UnexpectedTracerError). Make it an array field (drop static=True) "
+        f"{fix} outside {transform}."
     )
 
 
@@ -84,14 +97,17 @@ def _tracers_in_nodes(treedef: Any) -> Iterator[Any]:
             yield from _tracers_in(data)
 
 
-def _tracers_in(value: Any) -> Iterator[Any]:
-    """The tracers in `value`: its leaves, the data of its nodes, and the fields of a
-    plain dataclass (as an older Equinox keeps a Module's static fields)."""
+def _tracers_in(value: Any, depth: int = 0) -> Iterator[Any]:
+    """The tracers in `value`: its leaves, the data of its nodes, the fields of a
+    plain dataclass (as an older Equinox keeps a Module's static fields), and what a
+    closure, a `functools.partial` or a plain object holds (`_held`)."""
     if type(value) is tuple:
         # A Module's node data: mostly numbers, strings and functions, which hold none.
         for item in value:
             if type(item) not in _ATOMS:
-                yield from _tracers_in(item)
+                yield from _tracers_in(item, depth)
+            elif type(item) is types.FunctionType and item.__closure__:
+                yield from _tracers_in(_held(item), depth + 1)
         return
     leaves, treedef = jtu.tree_flatten(value)
     for leaf in leaves:
@@ -99,18 +115,41 @@ def _tracers_in(value: Any) -> Iterator[Any]:
             yield leaf
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             fields = dataclasses.fields(leaf)
-            yield from _tracers_in(tuple(getattr(leaf, f.name, None) for f in fields))
+            yield from _tracers_in(
+                tuple(getattr(leaf, f.name, None) for f in fields), depth
+            )
+        elif depth < _DEPTH and not isinstance(leaf, _ATOM_TYPES):
+            held = _held(leaf)
+            if held:
+                yield from _tracers_in(held, depth + 1)
     for node in read_nodes(treedef):
         # A static node (`jax.tree_util.register_static`) is its own data.
         if node[2] is not None and node[2] is not value:
-            yield from _tracers_in(node[2])
+            yield from _tracers_in(node[2], depth)
 
 
-# Types whose values hold no tracer, to skip without flattening.
+def _held(value: Any) -> tuple[Any, ...]:
+    """What a closure (its cells), a `functools.partial` (its function and
+    arguments) or a plain object (its attributes) holds; () for anything else."""
+    if isinstance(value, types.FunctionType):
+        return tuple(cell.cell_contents for cell in value.__closure__ or ())
+    if isinstance(value, ft.partial):
+        return (value.func, value.args, tuple(value.keywords.values()))
+    if isinstance(value, (type, types.ModuleType)) or not hasattr(value, "__dict__"):
+        return ()
+    return tuple(vars(value).values())
+
+
+# How deep `_tracers_in` looks into closures, partials and plain objects: a value
+# held there may hold others, up to whole programs (a bound method's object).
+_DEPTH = 3
+# Types whose values hold no tracer, to skip without flattening (a function's
+# closure is read apart).
 _ATOMS = frozenset(
     {int, float, complex, bool, str, bytes, type(None)}
     | {types.FunctionType, types.BuiltinFunctionType}
 )
+_ATOM_TYPES = (int, float, complex, bool, str, bytes, type(None), np.ndarray)
 
 
 def _static_tracers(

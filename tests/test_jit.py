@@ -2,6 +2,7 @@
 compilation, runtime checks, and errors that name the argument."""
 
 import dataclasses
+import functools as ft
 import logging
 import math
 import subprocess
@@ -13,6 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import optax
 import pytest
 from helpers import assert_trees_identical, raises
@@ -289,6 +291,7 @@ def test_donate_all_reuses_buffers_quietly():
 # pattern runs in its own process: a crash fails the test rather than ending pytest.
 _SHARDED_X = """
 import jax.numpy as jnp
+import numpy as np
 import eqx_batch as eb
 
 def check(out, expected):
@@ -473,3 +476,50 @@ def test_a_fresh_wrapper_of_an_equal_function_reuses_the_compilation():
     eb.filter_jit(eqx.filter_grad(f))(jnp.asarray(1.0))
     eb.filter_jit(eqx.filter_grad(f))(jnp.asarray(2.0))
     assert traces == 1
+
+
+class _Static(eqx.Module):
+    weight: jax.Array
+    held: Any = eqx.field(static=True)
+
+
+@pytest.mark.filterwarnings("ignore:A JAX array is being set as static:UserWarning")
+@pytest.mark.parametrize(
+    "held", [np.ones(3), jnp.ones(3)], ids=["numpy_array", "jax_array"]
+)
+def test_an_unhashable_static_field_is_named_by_argument_and_field(held):
+    # Issue 43, ST24-ST27: JAX's raw "unhashable type" error named nothing.
+    f = eb.filter_jit(lambda model, x: model.weight * x)
+    raises("static field", lambda: f(_Static(jnp.ones(3), held), 2.0), "`model.held`")
+
+
+@pytest.mark.filterwarnings("ignore:A JAX array is being set as static:UserWarning")
+@pytest.mark.parametrize(
+    "held", [[1, 2], {"a": [1]}, np.ones(2)], ids=["list", "dict", "numpy_array"]
+)
+def test_an_output_whose_static_field_is_unhashable_is_refused(held):
+    # JAX compared the outputs' structures and raised "Cache keys should be
+    # comparable", naming nothing.
+    f = eb.filter_jit(lambda x: _Static(x, held))
+    raises("not hashable", lambda: f(jnp.ones(3)), "`out.held`", "tuple")
+
+
+@pytest.mark.filterwarnings("ignore:A JAX array is being set as static:UserWarning")
+@pytest.mark.parametrize(
+    "held",
+    [lambda x: x, lambda x: lambda: x, lambda x: ft.partial(jnp.add, x)],
+    ids=["array", "closure", "partial"],
+)
+def test_a_traced_value_in_an_output_static_field_is_refused(held):
+    # Issue 43, ST13: the tracer outlived the program, and every later call returned it.
+    f = eb.filter_jit(lambda x: _Static(x, held(x)))
+    raises("traced values in its static part", lambda: f(jnp.ones(3)), "`out.held`")
+
+
+def test_an_output_static_field_of_hashable_values_is_returned():
+    f = eb.filter_jit(lambda x: _Static(x, (1, "a")))
+    assert f(jnp.ones(3)).held == (1, "a")
+    assert f(jnp.zeros(3)).held == (1, "a")
+    # A dict's keys are its node's data, a list: JAX compares them itself.
+    g = eb.filter_jit(lambda x: {"b": x, "a": _Static(x, None)})
+    assert sorted(g(jnp.ones(3))) == ["a", "b"]

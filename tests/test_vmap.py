@@ -665,6 +665,38 @@ def test_error_static_field_of_a_module_without_array_fields(build, path, chunk_
         vmapped(_arange(3, 2))
 
 
+class _Holder:
+    """A plain object, not a pytree: what a static field may hold."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+@pytest.mark.parametrize(
+    "held",
+    [
+        lambda w: lambda: w * 2,
+        lambda w: ft.partial(jnp.add, w),
+        _Holder,
+        lambda w: _Holder(_Holder(w)),
+    ],
+    ids=["closure", "partial", "plain_object", "nested_plain_objects"],
+)
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_error_static_field_holds_member_value_out_of_sight(held, chunk_size):
+    # Issue 43, ST07-ST09: a closure's cell, a partial's argument or a plain object's
+    # attribute was not looked into, and the traced value escaped.
+    vmapped = eb.filter_vmap(lambda w: _WithStatic(w, held(w)), chunk_size=chunk_size)
+    with pytest.raises(eb.BatchError, match=r"(?s)`out\.constants`.*static=True"):
+        vmapped(_arange(3, 2))
+
+
+def test_static_field_holding_a_closure_of_no_traced_value_is_accepted():
+    scale = 3.0
+    out = eb.filter_vmap(lambda w: _WithStatic(w, lambda: scale))(_arange(3, 2))
+    assert out.constants() == 3.0
+
+
 @pytest.mark.filterwarnings(_STATIC_ARRAY_WARNING)
 def test_error_chunked_module_without_array_fields_holds_unmapped_argument():
     def scaled(weight, scale):
