@@ -28,20 +28,24 @@ from eqx_batch._chains._compaction import (
 @pytest.mark.parametrize(
     "running, num_rows, unit, per_chain, size",
     [
-        # A quarter of 64 rows in units of 4: 16 rows a piece, as many as needed,
-        # every row running too (one program for every segment).
-        (64, 64, 4, True, 16),
-        (49, 64, 4, True, 16),
-        (48, 64, 4, True, 16),
-        (17, 64, 4, True, 16),
-        (16, 64, 4, True, 16),
-        (4, 64, 4, True, 16),
-        # Rounded up to whole units.
-        (8, 60, 8, True, 16),
-        # Where a step's time does not grow with its chains: one piece or none.
-        (64, 64, 4, False, None),
-        (17, 64, 4, False, None),
-        (16, 64, 4, False, 16),
+        # 256 rows in units of 4: pieces of 64, 16 or 4 rows, those that run the
+        # fewest rows (a unit more per call) in at most 8 calls, the fewest calls of
+        # equals; every row running too (one program while they all run).
+        (256, 256, 4, True, 64),
+        (65, 256, 4, True, 16),
+        (64, 256, 4, True, 64),
+        (17, 256, 4, True, 16),
+        (16, 256, 4, True, 16),
+        (5, 256, 4, True, 4),
+        (1, 256, 4, True, 4),
+        # Rounded up to whole units, and never the whole chunk.
+        (8, 60, 8, True, 8),
+        (60, 60, 8, True, 16),
+        # Where a step's time does not grow with its chains: one quarter or none.
+        (256, 256, 4, False, None),
+        (65, 256, 4, False, None),
+        (64, 256, 4, False, 64),
+        (1, 256, 4, False, 64),
         # A chunk of one unit never has pieces.
         (4, 4, 4, True, None),
     ],

@@ -7,19 +7,20 @@ stopped (`SegmentPlan.freezes`): the whole chunk may run, its stopped chains kep
 they are, and so may a batch that still holds a problem which stopped since the host
 last looked (it reads each check a segment late, `_loop.py`). The running chains go
 to a smaller batch in *pieces*: calls of one program on a fixed share of the chunk
-(`PIECES`, in whole blocks of a problem's chains), each gathering its rows, running
-the segment and writing them back, in one program. However many problems run, and
-wherever they stop, a run compiles one program for its pieces (issue 42 counted 23,
-one per batch size, before).
+(a quarter, a sixteenth or a 64th, in whole blocks of a problem's chains), each
+gathering its rows, running the segment and writing them back, in one program.
+However many problems run, and wherever they stop, a run compiles at most three
+programs for its pieces (issue 42 counted 23, one per batch size, before).
 
 Whether pieces pay depends on the device. A CPU's step takes time in proportion to
-the chains it runs: there every segment runs in pieces, the first ones too, so that a
-run compiles one segment program in all (its first call costs about what a run
-without `until` costs). An accelerator's step at these sizes is bound by latency, not
-by the chains (measured on a TPU v5e: `benchmarks/bench_problems.py`): there the
-whole chunk runs until one piece holds every running chain. Padding rows repeat a
-block of running chains, whose results they equal: written back over their rows,
-they change no bit.
+the chains it runs: there every segment runs in pieces, the first ones too, so that
+while every problem runs a run compiles one segment program (its first call costs
+about what a run without `until` costs). On an accelerator a step's time is partly
+fixed (on a TPU v5e a quarter of the chains took 0.42 of the time of all of them:
+`benchmarks/bench_problems.py`): there the whole chunk runs until a quarter holds
+every running chain, and smaller pieces would save less than they cost to compile.
+Padding rows repeat a block of running chains, whose results they equal: written
+back over their rows, they change no bit.
 """
 
 import functools as ft
@@ -43,19 +44,35 @@ from ._segment_plan import SegmentPlan
 # The share of a chunk that one piece holds: a quarter, so that pieces of the running
 # chains pad them by an eighth of the chunk on average.
 PIECES = 4
+# The sizes of pieces: a quarter of the chunk, a sixteenth, a 64th, each a program of
+# its own once reached. Where a step's time does not grow with the chains, only the
+# quarter: a smaller piece saves less there than its compile costs.
+LEVELS = 3
+# The most calls a segment makes: with 4, the problems left last padded the chain-steps
+# of `bench_problems.py compaction` by 26%; with 8, by 16%.
+MOST_CALLS = 8
 
 
 def piece_rows(running: int, num_rows: int, unit: int, per_chain: bool) -> int | None:
-    """The rows of a piece that runs `running` rows of a chunk of `num_rows`, or None
-    to run the whole chunk: a `PIECES`-th of it, in a whole number of `unit`s (a
-    problem's block on each device), if that is less than the chunk; on a device
-    whose step time does not grow with the chains (`per_chain` False), only if one
-    piece holds every running row."""
-    size = -(-num_rows // (PIECES * unit)) * unit
-    calls = -(-running // size)
-    if size >= num_rows or (calls > 1 and not per_chain):
-        return None
-    return size
+    """The rows of each piece that runs `running` rows of a chunk of `num_rows`, or
+    None to run the whole chunk. A piece is a `PIECES`-th of the chunk, or of such a
+    piece, down to `LEVELS` levels, in a whole number of `unit`s (a problem's block
+    on each device), and less than the chunk: of those that run them in at most
+    `MOST_CALLS` calls, the one that runs the fewest rows, padding included, each
+    call counted a unit more (for what a call costs beyond its rows), the fewest
+    calls of equals. On a device whose step time does not grow with the chains
+    (`per_chain` False), only a quarter, and only if one piece holds them all."""
+    sizes = []
+    for level in range(1, (LEVELS if per_chain else 1) + 1):
+        size = -(-num_rows // (PIECES**level * unit)) * unit
+        if size < num_rows and size not in sizes:
+            sizes.append(size)
+    most = MOST_CALLS if per_chain else 1
+    fitting = [size for size in sizes if -(-running // size) <= most]
+    # Sizes are largest first, and `min` keeps the first of equals: the fewest calls.
+    return min(
+        fitting, key=lambda size: -(-running // size) * (size + unit), default=None
+    )
 
 
 def pieces(rows: np.ndarray, size: int, block: int) -> list[np.ndarray]:
