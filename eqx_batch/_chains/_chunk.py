@@ -120,21 +120,7 @@ class ChunkRun:
             # The checks of `until` as this chunk's checkpoint has them.
             self.record = None if restored is None else restored.record
             self.placement = plan.placement(num_chains)
-            # Each chain's problem, on the host (a run without `data` is one
-            # problem); with `data`, one copy of it on every device of the chunk's
-            # chains.
-            if job.chains.problem is None:
-                self.problem_of_row = np.zeros(num_chains, np.intp)
-            else:
-                self.problem_of_row = np.asarray(job.chains.problem)
-            # The chains that share a problem, in blocks of this many on a device.
-            self.block = self.placement.block_size(self.problem_of_row)
-            # A piece of the running chains holds whole blocks on every device.
-            self._unit = self.block * self.placement.mesh.size
-            # Whether a step's time grows with the chains it runs (`piece_rows`).
-            self._per_chain = all(
-                d.platform == "cpu" for d in self.placement.mesh.devices.flat
-            )
+            self._lay_out(job.chains.problem, num_chains)
             self.step = plan.step
             if plan.data is not None:
                 # Asked only of a step with `data`: asking an `eqx.Module` costs a
@@ -158,6 +144,22 @@ class ChunkRun:
             self._writing: Any = None
             self._spare: Any = None
             self._stack = stack.pop_all()
+
+    def _lay_out(self, problem: Any, num_chains: int) -> None:
+        """Each chain's problem on the host (a run without `data` is one problem),
+        the blocks of a problem's chains, and what a piece of them holds."""
+        if problem is None:
+            self.problem_of_row = np.zeros(num_chains, np.intp)
+        else:
+            self.problem_of_row = np.asarray(problem)
+        # The chains that share a problem, in blocks of this many on a device.
+        self.block = self.placement.block_size(self.problem_of_row)
+        # A piece of the running chains holds whole blocks on every device.
+        self._unit = self.block * self.placement.mesh.size
+        # Whether a step's time grows with the chains it runs (`piece_rows`).
+        self._per_chain = all(
+            d.platform == "cpu" for d in self.placement.mesh.devices.flat
+        )
 
     def __enter__(self) -> "ChunkRun":
         return self

@@ -102,54 +102,8 @@ def segment(
     offset = first if plan.returns_own_draws else 0
     records = plan.writes_trace or (plan.returns_own_draws and plan.emit > 0)
 
-    def next_key(key: jax.Array) -> tuple:
-        # The chain's carried key and the key its step gets.
-        key, subkey = jr.split(key)
-        return key, jr.key_data(subkey) if plan.legacy else subkey
-
-    def advance(step: Callable, states: Any, step_keys: Any, *extra: Any) -> tuple:
-        # `step` on one chain's state (and what it reads of `data`), or on every
-        # chain's with their `count`.
-        result = step(eqx.combine(states, shared), step_keys, *extra)
-        new, output = result if plan.with_output else (result, None)
-        # Only arrays are recorded: the output's other leaves are the same every step.
-        output = eqx.filter(numbers_as_arrays(output), is_array)
-        return eqx.filter(new, is_array), output
-
-    # With `data`, what each block of a problem's chains reads of it is made here,
-    # outside the loop, so that the loop body holds no gather of it and reads each
-    # problem's row once per step (`ProblemStep.for_chains`).
-    chain_step, map_chains = step.for_chains(chains.problem, plan.block)
-    live = None
-    if plan.freezes:
-        assert running is not None
-        live = running[0] if chains.problem is None else running[chains.problem]
-
-    def one_chain(state: Any, key: jax.Array, *row: Any) -> tuple:
-        key, step_key = next_key(key)
-        return key, *advance(chain_step, state, step_key, *row)
-
-    def every_chain(states: Any, keys: jax.Array, t: jax.Array) -> tuple:
-        keys, step_keys = jax.vmap(next_key)(keys)
-        return keys, *advance(step, states, step_keys, t)
-
-    def write(t: jax.Array, recorded: Any, trace: Any) -> Any:
-        # One slot written per step, rather than a `lax.cond`, which XLA may turn into
-        # a copy of the whole buffer per step. A step before `burn_in` gives a slot of
-        # 0 or below, which XLA clamps to 0, as it clamps any slot past the buffer's
-        # end to the last: nothing is computed to bound it (else XLA repeats that
-        # arithmetic in every leaf's write, for longer compiles).
-        # Before the segment's first draw, the slot of a segment that returns its own
-        # draws is below 0, clamped to 0 like the slots before `burn_in`.
-        slot = draws.slot(t) - offset
-        is_draw = draws.is_draw(t) if draws.thin > 1 else None
-        return jtu.tree_map(
-            lambda buffer, x: _write_slot(
-                buffer, x, slot, is_draw, draws.thin, live, plan.returns_own_draws
-            ),
-            trace,
-            recorded,
-        )
+    move = _mover(plan, step, shared, chains.problem)
+    live = _live(plan, running, chains.problem)
 
     def body(carry: tuple, _: None) -> tuple:
         (states, keys, first_bad, moments, problem), buffer, t = carry
@@ -157,13 +111,11 @@ def segment(
         # no step has run, and 0 stays 0). They are read where they are held, so
         # XLA does not repeat the step's arithmetic to check them.
         first_bad = _with_first_bad(first_bad, states, t)
-        if step.sees_every_chain:
-            keys, states, output = every_chain(states, keys, t)
-        else:
-            keys, states, output = map_chains(one_chain, states, keys)
+        keys, states, output = move(states, keys, t)
         moments = add_draw(moments, states, t, draws)
         if records:
-            buffer = write(t, plan.recorded(states, output), buffer)
+            recorded = plan.recorded(states, output)
+            buffer = _written(plan, buffer, recorded, t, offset, live)
         chains = ChainState(states, keys, first_bad, moments, problem)
         return (chains, buffer, t + 1), None
 
@@ -189,6 +141,83 @@ def segment(
             lambda b: lax.dynamic_slice_in_dim(b, first, plan.emit, 1), trace
         )
     return SegmentResult(chains, trace, new_draws)
+
+
+def _live(plan: SegmentPlan, running: Any, problem: Any) -> jax.Array | None:
+    """Whether each chain's problem still runs (`running[problem]`; one for all
+    without `data`), if the segment `freezes` the others; else None."""
+    if not plan.freezes:
+        return None
+    assert running is not None
+    return running[0] if problem is None else running[problem]
+
+
+def _mover(
+    plan: SegmentPlan, step: RunStep, shared: Any, problem: Any
+) -> Callable[[Any, jax.Array, jax.Array], tuple]:
+    """One step of every chain, as the segment's loop takes it: `(states, keys, t)`
+    to the new keys, states and outputs (arrays only).
+
+    Made before the loop: with `data`, what each block of a problem's chains reads of
+    it is made here, so that the loop body holds no gather of it and reads each
+    problem's row once per step (`ProblemStep.for_chains`)."""
+
+    def next_key(key: jax.Array) -> tuple:
+        # The chain's carried key and the key its step gets.
+        key, subkey = jr.split(key)
+        return key, jr.key_data(subkey) if plan.legacy else subkey
+
+    def advance(step: Callable, states: Any, step_keys: Any, *extra: Any) -> tuple:
+        # `step` on one chain's state (and what it reads of `data`), or on every
+        # chain's with their `count`.
+        result = step(eqx.combine(states, shared), step_keys, *extra)
+        new, output = result if plan.with_output else (result, None)
+        # Only arrays are recorded: the output's other leaves are the same every step.
+        output = eqx.filter(numbers_as_arrays(output), is_array)
+        return eqx.filter(new, is_array), output
+
+    chain_step, map_chains = step.for_chains(problem, plan.block)
+
+    def one_chain(state: Any, key: jax.Array, *row: Any) -> tuple:
+        key, step_key = next_key(key)
+        return key, *advance(chain_step, state, step_key, *row)
+
+    def move(states: Any, keys: jax.Array, t: jax.Array) -> tuple:
+        if step.sees_every_chain:
+            keys, step_keys = jax.vmap(next_key)(keys)
+            return keys, *advance(step, states, step_keys, t)
+        return map_chains(one_chain, states, keys)
+
+    return move
+
+
+def _written(
+    plan: SegmentPlan,
+    trace: Any,
+    recorded: Any,
+    t: jax.Array,
+    offset: Any,
+    live: jax.Array | None,
+) -> Any:
+    """`trace` with step `t`'s draw, `recorded`, written in its slot (counted from
+    `offset`), for the chains that are `live` (None: all)."""
+    # One slot written per step, rather than a `lax.cond`, which XLA may turn into a
+    # copy of the whole buffer per step. A step before `burn_in` gives a slot of 0 or
+    # below, which XLA clamps to 0, as it clamps any slot past the buffer's end to the
+    # last: nothing is computed to bound it (else XLA repeats that arithmetic in every
+    # leaf's write, for longer compiles). Before the segment's first draw, the slot of
+    # a segment that returns its own draws is below 0, clamped to 0 like the slots
+    # before `burn_in`.
+    draws = plan.draws
+    slot = draws.slot(t) - offset
+    is_draw = draws.is_draw(t) if draws.thin > 1 else None
+    return jtu.tree_map(
+        lambda buffer, x: _write_slot(
+            buffer, x, slot, is_draw, draws.thin, live, plan.returns_own_draws
+        ),
+        trace,
+        recorded,
+    )
 
 
 def _rows(mask: jax.Array, ndim: int) -> jax.Array:
