@@ -140,39 +140,6 @@ def main() -> None:
         big / small <= 2.5,
         f"{big * 1e3:.1f} ms / {small * 1e3:.1f} ms",
     )
-    tiny_rows()
-
-
-TINY_MEMBERS = 10_000
-
-
-def tiny_rows() -> None:
-    """Issue 43 §5: many tiny members (`{"w": f32[2], "b": f32[]}`, as in
-    `bench_scaling.py`), where the cost per member is all there is, against the
-    tree-transpose recipe on the same dict (it drifted to 1.31-1.39 of it over two
-    releases; target 1.1)."""
-    tiny = jax.block_until_ready(
-        {"w": jnp.ones((TINY_MEMBERS, 2)), "b": jnp.ones((TINY_MEMBERS,))}
-    )
-
-    def recipe(tree: dict) -> list[dict]:
-        return jax.tree.transpose(
-            jax.tree.structure(tree), None, jax.tree.map(list, tree)
-        )
-
-    eb.unstack(tiny)
-    recipe(tiny)
-    ours, base = interleaved(
-        lambda: jax.block_until_ready(eb.unstack(tiny)),
-        lambda: jax.block_until_ready(recipe(tiny)),
-    )
-    report(
-        f"unstack steady, {TINY_MEMBERS} tiny members / tree-transpose recipe",
-        ours / base,
-        "<= 1.1",
-        ours / base <= 1.1,
-        f"ours {ours * 1e3:.1f} ms, recipe {base * 1e3:.1f} ms",
-    )
 
 
 if __name__ == "__main__":
