@@ -268,15 +268,15 @@ class ChunkRun:
         segment = plan.prepared.segment(
             plan.own_draws_segment, stop - start, emit, self.block
         )
-        for piece_rows_here, slots_here in self._pieces(rows, size):
+        for rows_placed, slots_placed in self._pieces(rows, size):
             self.chains, written = run_piece(
                 segment,
                 self.step,
                 plan.shared,
                 self.chains,
                 target if emit else None,
-                piece_rows_here,
-                slots_here,
+                rows_placed,
+                slots_placed,
                 np.int32(start),
                 live,
                 np.int32(offset),
