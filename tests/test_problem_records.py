@@ -3,27 +3,26 @@ which problems run and which checks failed at a step, where the run ends, the re
 as a chunk that has run so far keeps them, and their two forms in a checkpoint's files
 (`_chains/_problem_records.py`)."""
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from eqx_batch._chains._problem_records import ProblemRecords
-from eqx_batch._chains._records import Check, Record
+from eqx_batch._chains._records import Record
 
 
 def checked(*steps: int) -> Record:
     """A problem's record whose checks at `steps` all failed: it runs on."""
-    record = Record()
-    for step in steps:
-        record = record.with_check(step, Check(False, 1.5, ""), stop=False, burn_in=0)
-    return record
+    return Record(steps, (1.5,) * len(steps))
 
 
 def converged(*steps: int) -> Record:
     """A problem's record whose checks at `steps` failed but the last, where it
     converged and stopped."""
-    *failed, last = steps
-    passed = Check(True, 1.01, "nested R-hat 1.01")
-    return checked(*failed).with_check(last, passed, stop=True, burn_in=0)
+    return Record(steps, (1.5,) * (len(steps) - 1) + (1.01,)).stop(
+        steps[-1], True, "nested R-hat 1.01", burn_in=0
+    )
 
 
 def capped(*steps: int, cap: int) -> Record:
@@ -33,7 +32,7 @@ def capped(*steps: int, cap: int) -> Record:
 
 
 # Problem 0 converges at step 100, problem 1 runs on, problem 2 converges at step 50.
-RECORDS = ProblemRecords((converged(50, 100), checked(50, 100), converged(50)))
+RECORDS = ProblemRecords.of((converged(50, 100), checked(50, 100), converged(50)))
 
 
 @pytest.mark.parametrize(
@@ -55,7 +54,7 @@ def test_running_failed_and_decided_at_each_step(step, running, failed, decided)
 
 def test_no_check_yet_runs_every_problem_to_the_end():
     records = ProblemRecords.empty(3)
-    assert records == ProblemRecords((Record(), Record(), Record()))
+    assert records == ProblemRecords.of((Record(), Record(), Record()))
     np.testing.assert_array_equal(records.running(100), [True, True, True])
     np.testing.assert_array_equal(records.failed(100), [False, False, False])
     assert not records.decided(100)
@@ -76,7 +75,7 @@ def test_no_check_yet_runs_every_problem_to_the_end():
     ],
 )
 def test_the_run_ends_at_the_last_stop_once_every_problem_stopped(records, end):
-    assert ProblemRecords(records).end(200) == end
+    assert ProblemRecords.of(records).end(200) == end
 
 
 @pytest.mark.parametrize(
@@ -91,16 +90,16 @@ def test_the_run_ends_at_the_last_stop_once_every_problem_stopped(records, end):
     ],
 )
 def test_as_of_a_step_keeps_the_checks_and_stops_up_to_it(step, kept):
-    assert RECORDS.as_of(step) == ProblemRecords(kept)
+    assert RECORDS.as_of(step) == ProblemRecords.of(kept)
 
 
 def test_a_stop_at_the_cap_without_a_check_is_decided_not_failed():
-    records = ProblemRecords((capped(50, 100, cap=120), checked(50, 100)))
+    records = ProblemRecords.of((capped(50, 100, cap=120), checked(50, 100)))
     np.testing.assert_array_equal(records.running(119), [True, True])
     np.testing.assert_array_equal(records.running(120), [False, True])
     np.testing.assert_array_equal(records.failed(120), [False, False])
     assert records.decided(120)
-    assert records.as_of(119) == ProblemRecords((checked(50, 100), checked(50, 100)))
+    assert records.as_of(119) == ProblemRecords.of((checked(50, 100), checked(50, 100)))
 
 
 @pytest.mark.parametrize(
@@ -115,7 +114,7 @@ def test_a_stop_at_the_cap_without_a_check_is_decided_not_failed():
     ],
 )
 def test_stops_reports_each_problem_once_every_one_stopped(records, stopped, steps):
-    found, steps_done = ProblemRecords(records).stops(200)
+    found, steps_done = ProblemRecords.of(records).stops(200)
     assert steps_done.dtype == np.int64
     np.testing.assert_array_equal(steps_done, steps)
     if stopped is None:
@@ -125,7 +124,7 @@ def test_stops_reports_each_problem_once_every_one_stopped(records, stopped, ste
 
 
 def test_one_problem_is_kept_in_the_form_of_a_run_without_data():
-    records = ProblemRecords((converged(50, 100),))
+    records = ProblemRecords.of((converged(50, 100),))
     saved = records.to_json(one_problem=True)
     assert saved == converged(50, 100).to_json()
     assert ProblemRecords.from_json(saved, 0, one_problem=True) == records
@@ -143,7 +142,7 @@ def test_many_problems_are_kept_as_a_list_of_one_record_each():
 
 
 def test_a_disagreement_names_the_problem_only_with_many():
-    one = ProblemRecords((converged(50),))
+    one = ProblemRecords.of((converged(50),))
     assert one.disagreement(50, one_problem=True) is None
     assert one.disagreement(100, one_problem=True) == (
         "its record of `until`'s checks says the run stopped at step 50, but its "
@@ -155,3 +154,47 @@ def test_a_disagreement_names_the_problem_only_with_many():
         "problem 0: its record of `until`'s checks has a check at step 50, but its "
         "progress says 40 steps were done"
     )
+
+
+def test_checks_out_of_order_are_refused_when_read():
+    saved = {"checks": [100, 50], "worst": [1.5, 1.4], "stopped": None}
+    with pytest.raises(ValueError, match="out of order"):
+        ProblemRecords.from_json(saved, 0, one_problem=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.sampled_from(["fail", "pass", "skip"]), min_size=3, max_size=3),
+        max_size=6,
+    ),
+    st.integers(0, 120),
+)
+def test_checks_added_by_row_keep_what_one_record_per_problem_keeps(outcomes, burn_in):
+    # Each boundary (every 50 steps) checks some of 3 problems still running: each
+    # fails, passes (and stops) or is skipped (no draw to check). Added a row at a
+    # time, the records equal those built one problem at a time.
+    columns, records = ProblemRecords.empty(3), [Record()] * 3
+    for index, row in enumerate(outcomes):
+        step = 50 * (index + 1)
+        running = columns.stop_steps < 0
+        checked = np.array([o != "skip" for o in row]) & running
+        worst = np.array([1.0 + index + p / 10 for p in range(3)])
+        stopping = {
+            p: (True, f"passed at {step}")
+            for p in range(3)
+            if checked[p] and row[p] == "pass"
+        }
+        for p in np.flatnonzero(checked):
+            record = records[p]
+            records[p] = Record(
+                (*record.checks, step), (*record.worst, float(worst[p]))
+            )
+        for p, (is_converged, reason) in stopping.items():
+            records[p] = records[p].stop(step, is_converged, reason, burn_in)
+        columns = columns.with_checks(step, checked, worst, stopping, burn_in)
+        assert columns == ProblemRecords.of(records)
+        np.testing.assert_array_equal(
+            columns.last_checks, ProblemRecords.of(records).last_checks
+        )
+    assert ProblemRecords.of(columns.records) == columns

@@ -27,7 +27,7 @@ class Decision(NamedTuple):
 
     diagnostics: Diagnostics  # each statistic with a leading axis of problems
     # Every leaf of `diagnostics`, raveled into one array in their widest dtype: read
-    # to the host in one transfer rather than one per leaf (`read_diagnostics`).
+    # to the host in one transfer rather than one per leaf (`read_details`).
     flat: jax.Array
     first_bad: jax.Array  # every real chain's NaN report, in order
     passed: jax.Array  # bool[problems]: every criterion holds, and no chain is NaN
@@ -55,7 +55,7 @@ def decide(
     must not change with the chunking or the device count.
     """
     moments, first_bad = jtu.tree_map(on_one_device, (moments, first_bad))
-    return _decided(
+    decision = _decided(
         moments,
         first_bad,
         on_one_device(running),
@@ -64,6 +64,12 @@ def decide(
         superchains if layout is None else layout.superchains_each(superchains),
         np.bool_(at_cap),
     )
+    # The host reads these at every check: sent as soon as they are made, they wait
+    # there rather than the host waiting a transfer for them.
+    for x in (decision.passed, decision.worst):
+        if x.is_fully_addressable:
+            x.copy_to_host_async()
+    return decision
 
 
 @ft.partial(jax.jit, static_argnums=(3, 4, 5))
@@ -92,17 +98,18 @@ def _decided(
     return Decision(diagnostics, flat, first_bad, passed, first, running & ~stops)
 
 
-def read_diagnostics(decision: Decision) -> Diagnostics:
-    """`decision.diagnostics` on the host, in one transfer: each leaf as it was (its
-    values widened and narrowed back, which changes no bit)."""
+def read_details(decision: Decision) -> tuple[Diagnostics, np.ndarray]:
+    """`decision.diagnostics` and `first_bad` on the host, in one transfer: each
+    leaf of the diagnostics as it was (its values widened and narrowed back, which
+    changes no bit)."""
     leaves, treedef = jtu.tree_flatten(decision.diagnostics)
-    flat = np.asarray(decision.flat)
+    flat, first_bad = jax.device_get((decision.flat, decision.first_bad))
     sizes = np.cumsum([x.size for x in leaves])[:-1]
     read = [
         part.reshape(x.shape).astype(x.dtype)
         for part, x in zip(np.split(flat, sizes), leaves, strict=True)
     ]
-    return jtu.tree_unflatten(treedef, read)
+    return jtu.tree_unflatten(treedef, read), first_bad
 
 
 def _holds(criterion: Criterion, value: jax.Array) -> jax.Array:

@@ -17,11 +17,11 @@ import numpy as np
 from ._chunk import ChunkJob, ChunkRun, RunContext
 from ._common import ChainState
 from ._convergence import diagnose
-from ._decision import decide, Decision, read_diagnostics
+from ._decision import decide, Decision, read_details
 from ._placement import joined, whole_here
 from ._plan import RunPlan
 from ._problem_records import ProblemRecords
-from ._records import Check, Record
+from ._records import Check
 from ._stopping import check, postfix, worst_each
 
 
@@ -199,52 +199,38 @@ def _decide(
     is written only where a problem stops (it passed, or the run is at its cap)."""
     plan = context.plan
     at_cap = stop == plan.num_steps
-    made = plan.draws.before(stop)
+    running = records.stop_steps < 0
     # Not checked before `burn_in`: no draw to check (nor any moment, so the
     # devices' check failed too).
-    checked = [
-        p
-        for p, r in enumerate(records.records)
-        if r.stopped is None and plan.draws.before(r.window_start(stop)) != made
-    ]
-    reasons = checks.reasons([p for p in checked if at_cap or checks.passed[p]])
-    decided, drawn = list(records.records), set(checked)
-    for p, record in enumerate(decided):
-        if record.stopped is not None:
-            continue
-        if p in reasons:
-            decided[p] = _with_check(plan, record, stop, reasons[p])
-        elif p in drawn:
-            result = Check(False, float(checks.worst[p]), "")
-            decided[p] = record.with_check(stop, result, False, plan.draws.burn_in)
-        elif at_cap:
-            decided[p] = _stopped_undrawn(plan, record, stop)
-    records = ProblemRecords(tuple(decided))
+    checked = running & (
+        plan.draws.before(records.last_checks) != plan.draws.before(stop)
+    )
+    stopping = np.flatnonzero(checked & (checks.passed | at_cap)).tolist()
+    worst, reasons = checks.worst.astype(np.float64), {}
+    for p, result in checks.reasons(stopping).items():
+        reason = result.reason if result.passed else _at_cap(result.reason, stop)
+        worst[p], reasons[p] = result.worst, (result.passed, reason)
+    if at_cap:
+        for p in np.flatnonzero(running & ~checked).tolist():
+            reasons[p] = (False, _undrawn(int(records.last_checks[p]), stop))
+    records = records.with_checks(stop, checked, worst, reasons, plan.draws.burn_in)
     if context.bar is not None:
-        _show_checks(context, records, stop, checks, checked)
+        _show_checks(context, records, stop, checks, np.flatnonzero(checked).tolist())
     return records
 
 
-def _stopped_undrawn(plan: RunPlan, record: Record, stop: int) -> Record:
-    """`record` stopped at the cap, `stop`, with no draw recorded since its last
-    check (before `burn_in`) to check."""
-    start = record.window_start(stop)
-    reason = (
+def _at_cap(reason: str, stop: int) -> str:
+    """The reason of a problem stopped by the cap, `stop`, whose check failed."""
+    return f"reached the cap, num_steps={stop}: {reason}"
+
+
+def _undrawn(start: int, stop: int) -> str:
+    """The reason of a problem stopped by the cap, `stop`, with no draw recorded
+    since its last check, at `start`, to check (before `burn_in`)."""
+    return (
         f"reached the cap, num_steps={stop}, with no draw recorded since step "
         f"{start} to check"
     )
-    return record.stop(stop, False, reason, plan.draws.burn_in)
-
-
-def _with_check(plan: RunPlan, record: Record, stop: int, result: Check) -> Record:
-    """`record` with `result`, the check at step `stop`, added: the chains stop if it
-    passed or at the cap, where a failed check's reason says so."""
-    at_cap = stop == plan.num_steps
-    if at_cap and not result.passed:
-        result = result._replace(
-            reason=f"reached the cap, num_steps={stop}: {result.reason}"
-        )
-    return record.with_check(stop, result, result.passed or at_cap, plan.draws.burn_in)
 
 
 class _ProblemChecks:
@@ -258,12 +244,17 @@ class _ProblemChecks:
         self.passed, self.worst = jax.device_get((decision.passed, decision.worst))
 
     @ft.cached_property
-    def diagnostics(self) -> Any:
-        return read_diagnostics(self._decision)
+    def _details(self) -> tuple[Any, np.ndarray]:
+        diagnostics, first_bad = read_details(self._decision)
+        return diagnostics, _nonfinite([first_bad])
 
-    @ft.cached_property
+    @property
+    def diagnostics(self) -> Any:
+        return self._details[0]
+
+    @property
     def nonfinite(self) -> np.ndarray:
-        return _nonfinite([jax.device_get(self._decision.first_bad)])
+        return self._details[1]
 
     def row(self, p: int) -> Any:
         """Problem `p`'s diagnostics."""

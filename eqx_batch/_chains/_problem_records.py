@@ -1,31 +1,96 @@
-"""The record of `until`'s checks of a run: one `Record` per problem, a run without
-`data=` being one problem.
+"""The record of `until`'s checks of a run, kept by column: one row of every problem's
+outcome per check, a run without `data=` being one problem.
 
 Every problem still running is at the same step: the problems start together and move
 together, and one that stops leaves the compiled batch (`_chunk.py` compacts it out).
 So a check is made at one step for every running problem, and each problem's record
-is the record its run alone would keep.
+is the record its run alone would keep. A check adds one row of NumPy arrays, whatever
+the number of problems: per-problem records, rebuilt at every check, cost a TPU's
+host more than the segment they followed at 256 problems (issue 42).
 
 A checkpoint keeps the record as JSON, in the form the run's files have always had:
-one problem's record as it is without `data`, a list of one per problem with `data`.
-The form is chosen only here, at the file boundary (`one_problem`).
+one problem's record (`Record`) as it is without `data`, a list of one per problem
+with `data`. The form is chosen only here, at the file boundary (`one_problem`).
 """
 
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from ._records import Record, Stopped
 
 
-class ProblemRecords(NamedTuple):
-    """One `Record` per problem, in the order of the problems."""
+class ProblemRecords:
+    """Every problem's checks so far, in rows (one per step where any problem was
+    checked), and its `Stopped` once it stops."""
 
-    records: tuple[Record, ...]
+    def __init__(
+        self,
+        steps: tuple[int, ...],
+        checked: tuple[np.ndarray, ...],
+        worst: tuple[np.ndarray, ...],
+        stopped: tuple[Stopped | None, ...],
+        last_checks: np.ndarray | None = None,
+    ):
+        self.steps = steps  # the steps of the rows, in order
+        self.checked = checked  # per row, `bool[problems]`: which were checked
+        self.worst = worst  # per row, `float64[problems]`: their first statistic
+        self.stopped = stopped
+        # Each problem's stop (-1 while it runs) and last check (0 before any): given
+        # by `with_checks`, so that a check costs the same however many came before.
+        self.stop_steps = np.array(
+            [-1 if s is None else s.step for s in stopped], np.int64
+        )
+        if last_checks is None:
+            last_checks = np.zeros(len(stopped), np.int64)
+            for step, rows in zip(steps, checked, strict=True):
+                last_checks[rows] = step
+        self.last_checks = last_checks
 
     @classmethod
     def empty(cls, num_problems: int) -> "ProblemRecords":
-        return cls((Record(),) * num_problems)
+        return cls((), (), (), (None,) * num_problems)
+
+    @classmethod
+    def of(cls, records: Sequence[Record]) -> "ProblemRecords":
+        """The records of the problems, one `Record` each. Raises `ValueError` if a
+        record's checks are out of order."""
+        for record in records:
+            if list(record.checks) != sorted(set(record.checks)):
+                raise ValueError(
+                    f"its record of `until`'s checks is out of order ({record.checks})"
+                )
+        steps = tuple(sorted({step for r in records for step in r.checks}))
+        row_of = {step: row for row, step in enumerate(steps)}
+        checked = np.zeros((len(steps), len(records)), bool)
+        worst = np.full((len(steps), len(records)), np.nan)
+        for p, record in enumerate(records):
+            rows = [row_of[step] for step in record.checks]
+            checked[rows, p] = True
+            worst[rows, p] = record.worst
+        stopped = tuple(r.stopped for r in records)
+        return cls(steps, tuple(checked), tuple(worst), stopped)
+
+    @property
+    def records(self) -> tuple[Record, ...]:
+        """Each problem's `Record`."""
+        rows = (np.stack(self.checked), np.stack(self.worst)) if self.steps else None
+        records = []
+        for p, stopped in enumerate(self.stopped):
+            if rows is None:
+                records.append(Record((), (), stopped))
+                continue
+            mine = rows[0][:, p]
+            checks = tuple(int(s) for s in np.asarray(self.steps)[mine])
+            records.append(Record(checks, tuple(rows[1][mine, p].tolist()), stopped))
+        return tuple(records)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ProblemRecords) and self.records == other.records
+
+    def __repr__(self) -> str:
+        return f"ProblemRecords({self.records!r})"
 
     def to_json(self, *, one_problem: bool = False) -> dict:
         """The records as a checkpoint keeps them: with `one_problem` (a run without
@@ -42,15 +107,15 @@ class ProblemRecords(NamedTuple):
         """The records `to_json` wrote. Raises `ValueError`, `TypeError` or
         `KeyError` if `saved` is malformed."""
         if one_problem:
-            return cls((Record.from_json(saved, burn_in),))
+            return cls.of((Record.from_json(saved, burn_in),))
         if not isinstance(saved, dict) or not isinstance(saved["problems"], list):
             raise ValueError("a list of one record per problem")
-        return cls(tuple(Record.from_json(r, burn_in) for r in saved["problems"]))
+        return cls.of([Record.from_json(r, burn_in) for r in saved["problems"]])
 
     def disagreement(self, steps_done: int, *, one_problem: bool = False) -> str | None:
         """What contradicts a progress of `steps_done` steps in any problem's record:
-        checks out of order, a check or a stop after them, a stop before its last
-        check; with `one_problem` (a run without `data`), a stop elsewhere than at
+        a check or a stop after them, a stop before its last check; with
+        `one_problem` (a run without `data`), a stop elsewhere than at
         `steps_done`."""
         if one_problem:
             (record,) = self.records
@@ -61,51 +126,85 @@ class ProblemRecords(NamedTuple):
                 return f"problem {p}: {problem}"
         return None
 
+    def with_checks(
+        self,
+        step: int,
+        checked: np.ndarray,
+        worst: np.ndarray,
+        stopping: Mapping[int, tuple[bool, str]],
+        burn_in: int,
+    ) -> "ProblemRecords":
+        """The records with the checks at `step` of the problems `checked`
+        (`bool[problems]`), whose first statistic is `worst`, added; the problems of
+        `stopping` (`{problem: (converged, reason)}`) stop there, checked or not (at
+        the cap, with no draw to check). A window starts after `burn_in` at the
+        earliest."""
+        steps, rows, values = self.steps, self.checked, self.worst
+        if checked.any():
+            steps, rows = (*steps, step), (*rows, checked)
+            values = (*values, np.where(checked, worst, np.nan).astype(np.float64))
+        stopped = list(self.stopped)
+        for p, (is_converged, reason) in stopping.items():
+            # One problem's column: a stop costs the checks so far, not the problems.
+            mine = np.fromiter((row[p] for row in rows), bool, len(rows))
+            column = np.fromiter((row[p] for row in values), np.float64, len(values))
+            stopped[p] = Stopped(
+                step=step,
+                converged=is_converged,
+                reason=reason,
+                window_start=max(int(self.last_checks[p]), burn_in),
+                checks=np.asarray(steps, np.int64)[mine],
+                worst=column[mine],
+            )
+        last_checks = np.where(checked, step, self.last_checks)
+        return ProblemRecords(steps, rows, values, tuple(stopped), last_checks)
+
     def running(self, step: int) -> np.ndarray:
         """Whether each problem still runs after step `step` (`bool[problems]`)."""
-        return np.array(
-            [r.stopped is None or r.stopped.step > step for r in self.records]
-        )
+        return (self.stop_steps < 0) | (self.stop_steps > step)
 
     def end(self, num_steps: int) -> int:
         """The step the run ends at: `num_steps`, or the last problem's stop."""
-        if any(r.stopped is None for r in self.records):
+        if (self.stop_steps < 0).any():
             return num_steps
-        return max(r.stopped.step for r in self.records if r.stopped is not None)
+        return int(self.stop_steps.max())
 
     def decided(self, step: int) -> bool:
         """Whether the checks at `step` were made (by a chunk further on)."""
-        return any(r.decided(step) for r in self.records)
+        return step in self.steps or bool((self.stop_steps == step).any())
 
     def failed(self, step: int) -> np.ndarray:
         """Which problems' checks at `step` failed (`bool[problems]`): their windows
         are discarded."""
-        return np.array([r.failed(step) for r in self.records])
+        if step not in self.steps:
+            return np.zeros(len(self.stopped), bool)
+        return self.checked[self.steps.index(step)] & (self.stop_steps != step)
 
     def as_of(self, step: int) -> "ProblemRecords":
-        return ProblemRecords(tuple(r.as_of(step) for r in self.records))
+        kept = sum(1 for s in self.steps if s <= step)
+        stopped = tuple(
+            None if s is not None and s.step > step else s for s in self.stopped
+        )
+        return ProblemRecords(
+            self.steps[:kept], self.checked[:kept], self.worst[:kept], stopped
+        )
 
     @property
     def progress(self) -> tuple[int, int]:
         """How far these records have come: checks made, problems stopped (to pick
         the furthest of the chunks' records on resume)."""
-        return (
-            sum(len(r.checks) for r in self.records),
-            sum(r.stopped is not None for r in self.records),
-        )
+        checks = sum(int(rows.sum()) for rows in self.checked)
+        return checks, int((self.stop_steps >= 0).sum())
 
     @property
     def steps_done(self) -> np.ndarray:
         """Each problem's steps (`int64[problems]`): its stop, once it stopped."""
-        return np.array(
-            [-1 if r.stopped is None else r.stopped.step for r in self.records],
-            np.int64,
-        )
+        return self.stop_steps.copy()
 
     def stops(self, num_steps: int) -> tuple[tuple[Stopped, ...] | None, np.ndarray]:
         """Each problem's `Stopped` (None unless every problem stopped: the cap stops
         those still running) and the steps it ran (`int64[problems]`), of a run with
         the cap `num_steps` that ended with these records."""
-        steps = np.array([r.end(num_steps) for r in self.records], np.int64)
-        stopped = tuple(r.stopped for r in self.records if r.stopped is not None)
-        return (stopped if len(stopped) == len(self.records) else None), steps
+        steps = np.where(self.stop_steps < 0, num_steps, self.stop_steps)
+        stopped = tuple(s for s in self.stopped if s is not None)
+        return (stopped if len(stopped) == len(self.stopped) else None), steps

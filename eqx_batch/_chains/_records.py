@@ -95,21 +95,11 @@ class Record(NamedTuple):
             record = record.stop(int(step), bool(is_converged), str(reason), burn_in)
         return record
 
-    def as_of(self, step: int) -> "Record":
-        """The record as a chunk that has run `step` steps keeps it."""
-        kept = sum(1 for check_step in self.checks if check_step <= step)
-        stopped = self.stopped
-        if stopped is not None and stopped.step > step:
-            stopped = None
-        return Record(self.checks[:kept], self.worst[:kept], stopped)
-
     def disagreement(self, steps_done: int, *, stops_last: bool = True) -> str | None:
         """What in this record contradicts a progress of `steps_done` steps, if
-        anything: a check after them, checks out of order, or a stop elsewhere than
-        at `steps_done` (with `stops_last=False`, one of many problems', after them
-        or before its last check)."""
-        if list(self.checks) != sorted(set(self.checks)):
-            return f"its record of `until`'s checks is out of order ({self.checks})"
+        anything: a check after them, or a stop elsewhere than at `steps_done` (with
+        `stops_last=False`, one of many problems', after them or before its last
+        check). Checks out of order are refused when read (`ProblemRecords.of`)."""
         if self.checks and self.checks[-1] > steps_done:
             return (
                 f"its record of `until`'s checks has a check at step "
@@ -131,40 +121,11 @@ class Record(NamedTuple):
             )
         return None
 
-    @property
-    def progress(self) -> tuple[int, int]:
-        """How far this record has come: checks made, and whether it stopped (to pick
-        the furthest of the chunks' records on resume)."""
-        return len(self.checks), int(self.stopped is not None)
-
-    def end(self, num_steps: int) -> int:
-        """The step the run ends at: where it stopped, else `num_steps`."""
-        return num_steps if self.stopped is None else self.stopped.step
-
-    def decided(self, step: int) -> bool:
-        return step in self.checks or self._stopped_at(step)
-
-    def failed(self, step: int) -> bool:
-        """Whether the check at `step` failed and its window was discarded."""
-        return step in self.checks and not self._stopped_at(step)
-
-    def _stopped_at(self, step: int) -> bool:
-        return self.stopped is not None and self.stopped.step == step
-
     def window_start(self, step: int) -> int:
         """Where the window of draws that ends at `step` began."""
         if self.checks and self.checks[-1] < step:
             return self.checks[-1]  # the checks are in order: the last is the one
         return max((c for c in self.checks if c < step), default=0)
-
-    def with_check(
-        self, step: int, result: Check, stop: bool, burn_in: int
-    ) -> "Record":
-        """The record with the check at `step` added, stopping there if `stop`."""
-        record = Record((*self.checks, step), (*self.worst, result.worst))
-        if stop:
-            record = record.stop(step, result.passed, result.reason, burn_in)
-        return record
 
     def stop(
         self, step: int, is_converged: bool, reason: str, burn_in: int
