@@ -3,12 +3,14 @@
     python agreement_worker.py OUT ARGUMENT [CHECKPOINT]
 
 Every process runs `agreement_run` (8 chains of a random walk, with `data=` of 2
-problems); process 1 changes `ARGUMENT` (`_changes`: `num_steps`, `init`, `key`,
-`data`, ...; `refused`: an `init` that its checks refuse). A `BatchError` is saved to
+problems, its step a `functools.partial` given a drift); process 1 changes `ARGUMENT`
+(`_changes`: `num_steps`, `init`, `key`, `data`, `step`, `checkpoint`, ...; `refused`:
+an `init` that its checks refuse). A `BatchError` is saved to
 `OUT.<process id>.error` and the process exits cleanly; a run that returns writes
 `OUT.<process id>.done`. Run only as a job (`multiprocess_launch`).
 """
 
+import functools as ft
 import pathlib
 import sys
 from typing import Any
@@ -20,13 +22,15 @@ import numpy as np
 import eqx_batch as eb
 
 
-def walk(state: jax.Array, key: jax.Array, data: dict) -> jax.Array:
-    return state + data["scale"] * jr.normal(key, state.shape)
+def walk(state: jax.Array, key: jax.Array, data: dict, given: dict) -> jax.Array:
+    return state + given["drift"] + data["scale"] * jr.normal(key, state.shape)
 
 
 def agreement_run(checkpoint: str | None = None, **changed: Any) -> eb.Chains:
     """The job's run, with `changed` arguments in place of its own."""
     arguments = {
+        # A number given through `functools.partial`: part of what the loop runs.
+        "step": ft.partial(walk, given={"drift": 0.0}),
         # NumPy, as a job places it: the same host data in every process.
         "init": np.linspace(-1.0, 1.0, 16, dtype=np.float32).reshape(8, 2),
         "key": jr.key(0),
@@ -36,10 +40,11 @@ def agreement_run(checkpoint: str | None = None, **changed: Any) -> eb.Chains:
         "checkpoint_every": None if checkpoint is None else 10,
         **changed,
     }
-    return eb.run_chains(walk, **arguments)
+    return eb.run_chains(**arguments)
 
 
-def _changes() -> dict[str, dict[str, Any]]:
+def _changes(checkpoint: str | None) -> dict[str, dict[str, Any]]:
+    """What process 1 changes, by `ARGUMENT`; the job's `checkpoint`, if any."""
     init = np.linspace(-1.0, 1.0, 16, dtype=np.float32).reshape(8, 2)
     init[5, 1] = 7.0  # one value of one chain
     return {
@@ -47,6 +52,11 @@ def _changes() -> dict[str, dict[str, Any]]:
         "init": {"init": init},
         "key": {"key": jr.key(1)},
         "data": {"data": {"scale": np.array([0.5, 2.0], np.float32)}},
+        "step": {"step": ft.partial(walk, given={"drift": 1.0})},
+        # Another file in the same folder.
+        "checkpoint": {
+            "checkpoint": str(pathlib.Path(str(checkpoint)).with_name("other.ckpt"))
+        },
         "chunk_size": {"chunk_size": 4},
         "trace": {"trace": False},
         "progress": {"progress": True},
@@ -60,9 +70,10 @@ def main(argv: list[str]) -> None:
 
     process_id, _ = initialize()
     out, argument, *rest = argv
-    changed = _changes()[argument] if process_id == 1 else {}
+    checkpoint = rest[0] if rest else None
+    changed = _changes(checkpoint)[argument] if process_id == 1 else {}
     try:
-        agreement_run(rest[0] if rest else None, **changed)
+        agreement_run(**{"checkpoint": checkpoint, **changed})
     except eb.BatchError as e:
         pathlib.Path(f"{out}.{process_id}.error").write_text(str(e))
     else:

@@ -13,13 +13,16 @@ process's error).
 
 Options, each for process 1 of a job only:
 
-- `--elsewhere DIR`: the checkpoint's file name in `DIR`, a folder the others do not
-    see.
+- `--elsewhere DIR`: the checkpoint's path names its file in `DIR` in this process
+    only, a folder the others do not see (as node-local storage at one path would):
+    every process works in the checkpoint's folder (this one in `DIR`) and names the
+    checkpoint `/proc/self/cwd/<name>`, the same path in every process.
 - `--file-size-limit-after STEP`: once the checkpoint holds step `STEP`, this process
     may write no file larger than 4 KiB (`RLIMIT_FSIZE`): its next checkpoint write
     fails (`EFBIG`), as on a full disk, while the others' succeed.
 """
 
+import os
 import pathlib
 import resource
 import signal
@@ -94,9 +97,12 @@ def main(argv: list[str]) -> None:
         process_id, _ = initialize()
         argv = argv[1:]
     out, workload, checkpoint, *options = argv
-    if process_id == 1 and "--elsewhere" in options:
-        folder = options[options.index("--elsewhere") + 1]
-        checkpoint = str(pathlib.Path(folder, pathlib.Path(checkpoint).name))
+    if "--elsewhere" in options:
+        folder = pathlib.Path(checkpoint).parent
+        if process_id == 1:
+            folder = pathlib.Path(options[options.index("--elsewhere") + 1])
+        os.chdir(folder)
+        checkpoint = f"/proc/self/cwd/{pathlib.Path(checkpoint).name}"
     if process_id == 1 and "--file-size-limit-after" in options:
         step = int(options[options.index("--file-size-limit-after") + 1])
         limit_file_size_after(pathlib.Path(checkpoint), step)

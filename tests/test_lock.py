@@ -228,3 +228,48 @@ def test_a_checkpoint_path_that_is_a_link_is_refused_as_a_link(tmp_path):
     assert "Delete" not in str(info.value) and str(real) in str(info.value)
     after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if not p.is_symlink()}
     assert after == before
+
+
+def test_a_run_that_fails_removes_only_the_lock_file_it_created(tmp_path):
+    # A job whose checks fail after process 0 took the lock (issue 43, AG24; the job
+    # itself is in test_multiprocess_checkpoint.py) releases it this way.
+    from eqx_batch._chains._lock import take_lock
+
+    path, lock = tmp_path / "c.eqx", tmp_path / "c.eqx.lock"
+    created = take_lock(path)
+    assert created is not None and lock.exists()
+    created.release(remove=True)
+    assert list(tmp_path.iterdir()) == []
+    # An earlier run's lock file is kept, and a later run takes it.
+    lock.write_text("12345\n")
+    found = take_lock(path)
+    assert found is not None
+    found.release(remove=True)
+    assert lock.exists()
+    eb.run_chains(metropolis, make_init(2), jr.key(0), 5, checkpoint=path)
+    assert lock.read_text() == f"{os.getpid()}\n"
+
+
+def test_a_lock_file_removed_before_it_was_locked_is_not_held(tmp_path):
+    # A run that opened the lock file just before a failed run removed it, and locks
+    # it once that run closed it, holds a lock no other run sees: the next run would
+    # create the file anew and lock it too. The window between opening and locking
+    # cannot be reached from outside, so the locking is called on such a file.
+    from eqx_batch._chains._lock import _locked, take_lock
+
+    path, lock = tmp_path / "c.eqx", tmp_path / "c.eqx.lock"
+    failed = take_lock(path)
+    assert failed is not None
+    opened = os.open(lock, os.O_RDWR)
+    try:
+        failed.release(remove=True)
+        assert not _locked(path, lock, opened)
+        # Another file at the path (a new run's): not the one opened either.
+        held = take_lock(path)
+        assert held is not None
+        assert not _locked(path, lock, opened)
+        with pytest.raises(eb.BatchError, match="is in use"):
+            take_lock(path)
+        held.release()
+    finally:
+        os.close(opened)

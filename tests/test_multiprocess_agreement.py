@@ -79,6 +79,33 @@ def test_other_values_in_one_process_are_refused_by_every_process(
     assert f"- {named} in process 1 than in process 0\n" in error
 
 
+def test_other_values_given_to_the_step_are_refused_without_a_checkpoint(tmp_path):
+    # Process 1's `functools.partial` gives the step another number (issue 43, AG28):
+    # each process ran its own program, and the job returned chains of both. The step
+    # is traced (its program compared) only with a checkpoint: its values are
+    # compared in every job.
+    error = _agreed_error("step", tmp_path)
+    assert (
+        "- `step` carries other values in process 1 than in process 0 (arrays or "
+        "numbers given through `functools.partial` or held as a Module's fields, or "
+        "another function)\n"
+    ) in error
+    assert error.count("\n- ") == 1, error  # nothing else differs
+
+
+def test_another_checkpoint_path_in_one_process_is_refused_by_every_process(tmp_path):
+    # Another file in the same folder (issue 43, AG23, AG24): it was refused as a
+    # folder that is not shared, and process 0's lock file was left behind. Both paths
+    # are named, and nothing is written or locked.
+    error = _agreed_error("checkpoint", tmp_path, checkpoint=True)
+    assert (
+        "- `checkpoint` (its absolute path) differs between the processes of the job: "
+        f"process 0 has {tmp_path / 'run.ckpt'}, process 1 has "
+        f"{tmp_path / 'other.ckpt'}\n"
+    ) in error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.0.error", "job.1.error"]
+
+
 @pytest.mark.parametrize(
     ("argument", "values"),
     [

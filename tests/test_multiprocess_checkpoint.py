@@ -17,9 +17,10 @@ import sys
 import time
 
 import jax
+import jax.random as jr
 import numpy as np
 import pytest
-from chains_workloads import outputs, stopping_run
+from chains_workloads import make_init, metropolis, outputs, stopping_run
 from checkpoint_worker import metropolis_run
 from helpers import assert_trees_identical, checkpoint_progress, checkpoint_steps_done
 from multiprocess_launch import Job, launch
@@ -181,8 +182,9 @@ def test_a_stopping_job_resumes_alone_and_stops_at_the_same_step(tmp_path):
 def test_a_folder_that_one_process_does_not_see_is_refused_by_every_process(
     tmp_path,
 ):
-    # Process 1 is given the same file name in a folder of its own: every process
-    # raises, and no checkpoint file is written in either folder.
+    # The one path names another folder in process 1 (`/proc/self/cwd`, as node-local
+    # storage at one path would): every process raises, and no file is left in either
+    # folder, the lock that process 0 took included (issue 43, AG24).
     folder, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
     folder.mkdir()
     elsewhere.mkdir()
@@ -194,8 +196,13 @@ def test_a_folder_that_one_process_does_not_see_is_refused_by_every_process(
         assert "every process of the job must see the checkpoint's folder" in error
         assert "process 1 of 2 did not find the file" in error
         assert "nothing was written" in error
-    assert [p.name for p in folder.iterdir()] == ["run.ckpt.lock"]
+    assert list(folder.iterdir()) == []
     assert list(elsewhere.iterdir()) == []
+    # A later run takes the lock and writes the checkpoint.
+    path = folder / "run.ckpt"
+    eb.run_chains(metropolis, make_init(2), jr.key(0), 5, checkpoint=path)
+    assert (folder / "run.ckpt.lock").read_text() == f"{os.getpid()}\n"
+    assert path.exists()
 
 
 def test_a_write_that_fails_in_one_process_stops_every_process(tmp_path, plain):

@@ -3,16 +3,19 @@
 Every process of a job must make the same call. One with another `num_steps` runs
 other collectives than its peers (gloo aborts them, or they wait for each other
 forever); one with other values of `init`, `key` or `data` places them where its peers
-place theirs (JAX refuses, naming no argument); one that refuses its arguments leaves
-its peers waiting. So once each process has checked its arguments, and before anything
-is placed on the devices or written, every process shares the outcome: its error, or
-its call's identity, each field as a short digest with its value where that is short.
-It is one collective, whose shape no argument changes. Where a process failed or a
-field differs, every process raises, naming the process or the field and what each
-process has. A single process shares nothing and computes nothing.
+place theirs (JAX refuses, naming no argument); one whose step carries other values
+runs its own loop (the job returns chains of both); one with another `checkpoint`
+writes elsewhere; one that refuses its arguments leaves its peers waiting. So once
+each process has checked its arguments, and before anything is placed on the devices
+or written, every process shares the outcome: its error, or its call's identity, each
+field as a short digest with its value where that is short. It is one collective,
+whose shape no argument changes. Where a process failed or a field differs, every
+process raises, naming the process or the field and what each process has. A single
+process shares nothing and computes nothing.
 """
 
 import hashlib
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +26,7 @@ from jax.experimental import multihost_utils
 
 from .._errors import BatchError
 from ._common import ChainState
-from ._identity import identity_fields
+from ._identity import identity_fields, step_values
 from ._job import failed_elsewhere
 from ._plan import RunPlan
 
@@ -40,7 +43,7 @@ _VALUED = {
     "superchains": "`superchains`",
     "all_chains": "whether `step` is an `eb.all_chains` step",
     "chunk_size": "`chunk_size`",
-    "checkpoint": "whether a `checkpoint` is given",
+    "checkpoint": "`checkpoint` (its absolute path)",
     "checkpoint_every": "`checkpoint_every`",
     "progress": (
         "`progress` (the bar cuts the loop into segments, which every process must "
@@ -55,12 +58,17 @@ _VALUED = {
     "prng": "JAX's PRNG configuration",
 }
 # The fields that are digests: what differs when they do, and why it matters. One
-# missing in some process (`step`'s, traced only with a checkpoint; `data`'s) is told by
-# another field.
+# missing in some process (`step`'s program, traced only with a checkpoint; `data`'s)
+# is told by another field.
 _DIGESTS = {
     "init values": ("`init` holds other values", ""),
     "keys": ("`key` gives the chains other keys", ""),
     "data values": ("`data` holds other values", ""),
+    "step values": (
+        "`step` carries other values",
+        " (arrays or numbers given through `functools.partial` or held as a Module's "
+        "fields, or another function)",
+    ),
     "step program": ("`step` computes something else", " (its traced program differs)"),
     "step constants": (
         "`step` closes over other values",
@@ -70,9 +78,10 @@ _DIGESTS = {
 }
 _ORDER = (*_VALUED, *_DIGESTS)
 # Each field travels as a digest of its value, then the value's length plus one (0: not
-# shown) and the value itself, where it fits.
-_DIGEST_BYTES, _VALUE_BYTES = 8, 47
-_SLOT_BYTES = _DIGEST_BYTES + 1 + _VALUE_BYTES
+# shown; two bytes, little-endian) and the value itself, where it fits: long enough for
+# a checkpoint's path, and about 30 KB in all for each process.
+_DIGEST_BYTES, _LENGTH_BYTES, _VALUE_BYTES = 8, 2, 1024
+_SLOT_BYTES = _DIGEST_BYTES + _LENGTH_BYTES + _VALUE_BYTES
 
 
 # A process whose checks of its arguments failed sends its message instead, cut to
@@ -96,8 +105,8 @@ class CallAgreement:
     In a single process, nothing is shared or computed.
     """
 
-    def __init__(self, *, checkpointed: bool) -> None:
-        self._checkpointed = checkpointed  # whether the call names a checkpoint
+    def __init__(self, *, checkpoint: str | os.PathLike | None) -> None:
+        self._checkpoint = checkpoint  # as the call gives it
         self._fields: dict[str, str] | None = None
 
     def __enter__(self) -> "CallAgreement":
@@ -107,7 +116,7 @@ class CallAgreement:
         """This process's call, its arguments checked: `plan`, from the chains
         `start`, with a progress bar or not."""
         if jax.process_count() > 1:
-            self._fields = _call_fields(plan, start, self._checkpointed, progress)
+            self._fields = _call_fields(plan, start, self._checkpoint, progress)
 
     def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> None:
         """**Raises:** in every process but one that failed (which raises its own
@@ -160,16 +169,25 @@ def _raise_if_any_differs(fields: np.ndarray) -> None:
 
 
 def _call_fields(
-    plan: RunPlan, start: ChainState, checkpointed: bool, progress: bool
+    plan: RunPlan,
+    start: ChainState,
+    checkpoint: str | os.PathLike | None,
+    progress: bool,
 ) -> dict[str, str]:
-    """The run's identity, with what else decides the collectives each process runs."""
+    """The run's identity, with what else decides the collectives each process runs
+    and what the compiled loop is given."""
     init = eqx.combine(start.states, plan.shared)
     fields = identity_fields(init, start.keys, plan.options, plan.data, plan.program)
     return {
         **fields,
+        # Compared in every job: the step is traced (for its program and constants)
+        # only with a checkpoint, and without one each process would run its own.
+        "step values": step_values(plan.step.step),
         "trace": repr(plan.trace.value),  # as given: "disk" writes, True does not
         "chunk_size": str(plan.chunk_size),
-        "checkpoint": str(checkpointed),
+        # Where each process would write and lock: a relative path names another
+        # file in a process with another working folder.
+        "checkpoint": str(None if checkpoint is None else os.path.abspath(checkpoint)),
         "checkpoint_every": str(plan.checkpoint_every),
         "progress": str(progress),
     }
@@ -197,10 +215,10 @@ def _packed_fields(fields: Mapping[str, str]) -> np.ndarray:
         digest = hashlib.sha256(raw).digest()[:_DIGEST_BYTES]
         slots[index, :_DIGEST_BYTES] = np.frombuffer(digest, np.uint8)
         if field in _VALUED and len(raw) <= _VALUE_BYTES:
-            slots[index, _DIGEST_BYTES] = len(raw) + 1
-            slots[index, _DIGEST_BYTES + 1 : _DIGEST_BYTES + 1 + len(raw)] = (
-                np.frombuffer(raw, np.uint8)
-            )
+            length = (len(raw) + 1).to_bytes(_LENGTH_BYTES, "little")
+            start = _DIGEST_BYTES + _LENGTH_BYTES
+            slots[index, _DIGEST_BYTES:start] = np.frombuffer(length, np.uint8)
+            slots[index, start : start + len(raw)] = np.frombuffer(raw, np.uint8)
     return slots.reshape(-1)
 
 
@@ -247,10 +265,10 @@ def _difference(field: str, slots: np.ndarray) -> str | None:
 
 
 def _shown(slot: np.ndarray) -> str | None:
-    length = int(slot[_DIGEST_BYTES])
+    start = _DIGEST_BYTES + _LENGTH_BYTES
+    length = int.from_bytes(bytes(slot[_DIGEST_BYTES:start]), "little")
     if length == 0:
         return None
-    start = _DIGEST_BYTES + 1
     return bytes(slot[start : start + length - 1]).decode(errors="replace")
 
 

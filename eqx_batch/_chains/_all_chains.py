@@ -38,6 +38,9 @@ class RunStep(Protocol):
     # Whether it takes every chain at once: its chains are never padded (it would see
     # the padding), and each segment calls it once on the whole stack.
     sees_every_chain: ClassVar[bool]
+    # The user's step, as a pytree: its leaves (a `functools.partial`'s arguments, a
+    # Module's fields) are, beside `data`'s, what the compiled loop is given.
+    step: Callable
 
     @property
     def data(self) -> Any:

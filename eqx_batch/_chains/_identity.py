@@ -72,6 +72,28 @@ def _values_digest(tree: Any) -> str:
     return _digest(*parts)
 
 
+def step_values(step: Any) -> str:
+    """A digest of what `step` carries as a pytree: its structure (its function, a
+    Module's static fields) and the paths and values of its leaves (a
+    `functools.partial`'s arguments, a Module's fields). Its arrays are arguments of
+    the compiled loop, its other leaves and its structure part of its program.
+
+    An array split over the processes of a job (not fully addressable) is one array
+    of the job, of which each process holds its own shards: it is named by its shape
+    and dtype alone.
+    """
+    leaves = jtu.tree_map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype)
+            if isinstance(x, jax.Array) and not x.is_fully_addressable
+            else x
+        ),
+        step,
+    )
+    structure = _without_addresses(str(jtu.tree_structure(step)))
+    return _digest(structure.encode(), _values_digest(leaves).encode())
+
+
 class _Unidentifiable(Exception):
     """A host callback reaches a value whose identity cannot be written down."""
 

@@ -16,7 +16,7 @@ import re
 import secrets
 import stat
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -118,12 +118,38 @@ def refuse_if_in_use(path: pathlib.Path) -> None:
         os.close(descriptor)
 
 
-def take_lock(path: pathlib.Path) -> int | None:
-    """Locks `path.lock` for this process; returns its descriptor (close to release).
+class HeldLock(NamedTuple):
+    """A lock of a checkpoint that this process holds (`take_lock`)."""
+
+    path: pathlib.Path  # the lock file
+    descriptor: int  # open on it, holding the `flock`
+    created: bool  # whether this run created the file (and may remove it)
+
+    def release(self, *, remove: bool = False) -> None:
+        """Releases the lock. With `remove` (for a run that failed before writing
+        anything), first removes the lock file if this run created it and the path
+        still names it: never another's file."""
+        if remove and self.created and _names(self.path, self.descriptor):
+            # Removed while still locked: a run that opened the file meanwhile finds,
+            # once it holds the lock, that the path no longer names it (`take_lock`).
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        os.close(self.descriptor)
+
+
+# How often `take_lock` opens the lock file again when it was removed or replaced
+# between its opening and its locking (another run released it meanwhile).
+_LOCK_ATTEMPTS = 100
+
+
+def take_lock(path: pathlib.Path) -> HeldLock | None:
+    """Locks `path.lock` for this process; returns the lock held (`release` it).
 
     The lock file is opened without following a link, and only a regular file that
     is empty or holds a process id (what this function writes) is used: anything else
-    at that path may be the user's, and is neither truncated nor written.
+    at that path may be the user's, and is neither truncated nor written. The lock is
+    held only once the path still names the file locked: a run that fails removes the
+    lock file it created (`HeldLock.release`), and a file removed is locked in vain.
 
     **Raises:**
 
@@ -134,11 +160,48 @@ def take_lock(path: pathlib.Path) -> int | None:
     if sys.platform == "win32":
         return None
     lock_path = _lock_path(path)
+    for _ in range(_LOCK_ATTEMPTS):
+        opened = _opened_lock(path, lock_path)
+        if opened is None:
+            continue  # removed between two looks: open it again
+        held = HeldLock(lock_path, *opened)
+        try:
+            locked = _locked(path, lock_path, held.descriptor)
+        except BaseException:
+            held.release()
+            raise
+        if locked:
+            _claim(held, path)
+            return held
+        held.release()
+    raise BatchError(
+        f"`checkpoint` ({path}) cannot be locked: its lock file {lock_path} was "
+        f"removed or replaced each of the {_LOCK_ATTEMPTS} times it was locked (other "
+        "runs keep taking it). Wait for them to finish, or pass another path."
+    )
+
+
+def _opened_lock(
+    path: pathlib.Path, lock_path: pathlib.Path
+) -> tuple[int, bool] | None:
+    """`lock_path` opened for reading and writing, created if absent, and whether it
+    was created now; None if it was removed between two looks.
+
+    **Raises:**
+
+    `BatchError` if it cannot be opened, naming what is there if not a regular file.
+    """
     # No link is followed (a link there could point at any file), and opening a FIFO
     # does not wait for a writer.
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
-        descriptor = os.open(lock_path, flags, 0o666)
+        try:
+            # Exclusive: only a file this run created is ever removed by it.
+            return os.open(lock_path, flags | os.O_CREAT | os.O_EXCL, 0o666), True
+        except FileExistsError:
+            return os.open(lock_path, flags), False
+    except FileNotFoundError:
+        return None
     except OSError as e:
         kind = _kind_at(lock_path)
         if kind is not None:
@@ -147,26 +210,55 @@ def take_lock(path: pathlib.Path) -> int | None:
             f"`checkpoint` ({path}) cannot be locked: opening its lock file "
             f"{lock_path} failed ({e.strerror or e}). Pass another path."
         ) from None
+
+
+def _locked(path: pathlib.Path, lock_path: pathlib.Path, descriptor: int) -> bool:
+    """Locks the file open as `descriptor`; whether `lock_path` still names it (if
+    not, it was removed or replaced before it was locked, and locks nothing).
+
+    **Raises:**
+
+    `BatchError` if another live process holds the lock, or if the file is not a
+    regular file or not a lock of eqx_batch.
+    """
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        raise _not_a_lock(path, lock_path, _kind_at(lock_path))
     try:
-        status = os.fstat(descriptor)
-        if not stat.S_ISREG(status.st_mode):
-            raise _not_a_lock(path, lock_path, _kind_at(lock_path))
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _in_use(path, lock_path, descriptor) from None
-        # Only a file this function wrote (or created just now) is rewritten: a hard
-        # link, or a file with other contents, is someone else's.
-        content = os.pread(descriptor, 64, 0)
-        if status.st_nlink != 1 or not re.fullmatch(rb"(\d+\n)?", content):
-            raise _not_a_lock(path, lock_path, "a file that is not a lock of eqx_batch")
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(path, lock_path, descriptor) from None
+    if not _names(lock_path, descriptor):
+        return False
+    # Only a file this function wrote (or created just now) is rewritten: a hard
+    # link, or a file with other contents, is someone else's.
+    content = os.pread(descriptor, 64, 0)
+    if os.fstat(descriptor).st_nlink != 1 or not re.fullmatch(rb"(\d+\n)?", content):
+        raise _not_a_lock(path, lock_path, "a file that is not a lock of eqx_batch")
+    return True
+
+
+def _claim(held: HeldLock, path: pathlib.Path) -> None:
+    """Writes this process's id in the lock it holds, and removes what a killed run
+    left of `path`'s writes; if that fails, releases the lock (removing the file if
+    this run created it) and raises."""
+    try:
+        os.ftruncate(held.descriptor, 0)
+        os.pwrite(held.descriptor, f"{os.getpid()}\n".encode(), 0)
+        _remove_torn_writes(path)
     except BaseException:
-        os.close(descriptor)
+        held.release(remove=True)
         raise
-    os.ftruncate(descriptor, 0)
-    os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
-    _remove_torn_writes(path)
-    return descriptor
+
+
+def _names(path: pathlib.Path, descriptor: int) -> bool:
+    """Whether `path` names the file open as `descriptor` (not a file since removed,
+    or replaced by another)."""
+    try:
+        there = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(descriptor)
+    return (there.st_dev, there.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _lock_path(path: pathlib.Path) -> pathlib.Path:
@@ -263,7 +355,7 @@ class WriteAccess:
         self.path = path
         self.longest_name = longest_name
         self._taken = False
-        self._lock: int | None = None
+        self._lock: HeldLock | None = None
 
     def acquire(self) -> None:
         """Checks the folder, takes the lock (process 0) and, in a job, checks that
@@ -278,20 +370,29 @@ class WriteAccess:
                 self._lock = take_lock(self.path)
         except BatchError as e:
             failure = e
-        raise_if_any_failed(
-            failure,
-            f"Taking `checkpoint` ({self.path}) for writing",
-            fix="Nothing was written.",
-        )
-        check_shared_folder(self.path)
+        try:
+            raise_if_any_failed(
+                failure,
+                f"Taking `checkpoint` ({self.path}) for writing",
+                fix="Nothing was written.",
+            )
+            check_shared_folder(self.path)
+        except BaseException:
+            # Nothing was written: nor is the lock file left behind, if this run
+            # created it.
+            self._release(remove=True)
+            raise
         self._taken = True
 
     def __enter__(self) -> "WriteAccess":
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self._release()
+
+    def _release(self, *, remove: bool = False) -> None:
         if self._lock is not None:
-            os.close(self._lock)  # releases the `flock`
+            self._lock.release(remove=remove)
             self._lock = None
 
 

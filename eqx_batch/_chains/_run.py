@@ -194,7 +194,7 @@ def run_chains(
     """
     # In a job, before any collective that the arguments decide (the lock's, the
     # placement's): every process runs this call, or every process raises.
-    with CallAgreement(checkpointed=checkpoint is not None) as agreement:
+    with CallAgreement(checkpoint=checkpoint) as agreement:
         until = checked_until(until, num_steps)
         counts = checked_counts(
             num_steps,
