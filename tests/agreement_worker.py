@@ -5,13 +5,16 @@
 Every process runs `agreement_run` (8 chains of a random walk, with `data=` of 2
 problems, its step a `functools.partial` given a drift); process 1 changes `ARGUMENT`
 (`_changes`: `num_steps`, `init`, `key`, `data`, `step`, `checkpoint`, ...; `refused`:
-an `init` that its checks refuse). A `BatchError` is saved to
+an `init` that its checks refuse), or never calls it (`raised`: it raises before;
+`killed`: it is killed before). A `BatchError` is saved to
 `OUT.<process id>.error` and the process exits cleanly; a run that returns writes
 `OUT.<process id>.done`. Run only as a job (`multiprocess_launch`).
 """
 
 import functools as ft
+import os
 import pathlib
+import signal
 import sys
 from typing import Any
 
@@ -57,6 +60,7 @@ def _changes(checkpoint: str | None) -> dict[str, dict[str, Any]]:
         "checkpoint": {
             "checkpoint": str(pathlib.Path(str(checkpoint)).with_name("other.ckpt"))
         },
+        "data_dtype": {"data": {"scale": np.array([0.5, 1.0], np.float16)}},
         "chunk_size": {"chunk_size": 4},
         "trace": {"trace": False},
         "progress": {"progress": True},
@@ -65,12 +69,24 @@ def _changes(checkpoint: str | None) -> dict[str, dict[str, Any]]:
     }
 
 
+def _leave(argument: str) -> None:
+    """Process 1 never calls `run_chains`: it raises, or is killed, before (its
+    backend started, as a script's that built its arguments)."""
+    jax.devices()
+    if argument == "raised":
+        raise RuntimeError("process 1 failed before calling run_chains")
+    if argument == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str]) -> None:
     from multiprocess_launch import initialize
 
     process_id, _ = initialize()
     out, argument, *rest = argv
     checkpoint = rest[0] if rest else None
+    if process_id == 1 and argument in ("raised", "killed"):
+        _leave(argument)
     changed = _changes(checkpoint)[argument] if process_id == 1 else {}
     try:
         agreement_run(**{"checkpoint": checkpoint, **changed})

@@ -7,9 +7,10 @@ ended by PID if they outlive the timeout.
 """
 
 import pathlib
+import time
 
 import pytest
-from multiprocess_launch import launch
+from multiprocess_launch import Job, launch
 
 
 WORKER = pathlib.Path(__file__).with_name("agreement_worker.py")
@@ -69,6 +70,7 @@ def test_another_num_steps_in_one_process_is_refused_by_every_process(
         ("init", "`init` holds other values"),
         ("key", "`key` gives the chains other keys"),
         ("data", "`data` holds other values"),
+        ("data_dtype", "`data` holds other values"),
     ],
 )
 def test_other_values_in_one_process_are_refused_by_every_process(
@@ -138,3 +140,46 @@ def test_arguments_refused_in_one_process_stop_every_process(tmp_path):
         f"- process 1: {own}"
     )
     assert FIX in other
+
+
+def _unanswered_error(argument: str, tmp_path: pathlib.Path) -> tuple[str, Job]:
+    """What process 0 of a job whose process 1 never calls `run_chains` raised, and
+    the job (still running: its processes may still be shutting down)."""
+    out = tmp_path / "job"
+    job = Job.start(WORKER, [str(out), argument], timeout=TIMEOUT)
+    error = pathlib.Path(f"{out}.0.error")
+    deadline = time.monotonic() + TIMEOUT
+    while not error.exists() and time.monotonic() < deadline:
+        assert job.processes[0].poll() is None, job.finished()[0].output[-4000:]
+        time.sleep(0.1)
+    assert error.exists(), "process 0 raised nothing"
+    return error.read_text(), job
+
+
+UNANSWERED = (
+    "Process 0 of this job of 2 waited at `run_chains`' first collective, where the "
+    "processes agree on the call, and process 1 did not answer (JAX: "
+)
+
+
+def test_a_process_that_raised_before_run_chains_is_named(tmp_path):
+    # JAX's raw DEADLINE_EXCEEDED of gloo after 30 s, naming no process.
+    error, job = _unanswered_error("raised", tmp_path)
+    with job:
+        assert error.startswith(UNANSWERED)
+        assert "DEADLINE_EXCEEDED" in error
+        assert "Check the log of process 1: a process that raised or exited" in error
+        # Process 1 waited for process 0 in the shutdown barrier: both end.
+        finished = [process.wait(TIMEOUT) for process in job.processes]
+        output = job.finished()[1].output
+        assert finished == [0, 1], output[-4000:]
+        assert "process 1 failed before calling run_chains" in output
+
+
+def test_a_process_killed_before_run_chains_is_named(tmp_path):
+    # Process 0 then waits at its exit for the dead process until JAX's heartbeat
+    # timeout, and JAX aborts it: `jax_enable_recoverability` avoids that.
+    error, job = _unanswered_error("killed", tmp_path)
+    with job:
+        assert error.startswith(UNANSWERED)
+        assert "or was killed, never answers" in error

@@ -22,12 +22,11 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from .._errors import BatchError
 from ._common import ChainState
 from ._identity import identity_fields, step_values
-from ._job import failed_elsewhere
+from ._job import failed_elsewhere, gathered_rows
 from ._plan import RunPlan
 
 
@@ -129,8 +128,12 @@ class CallAgreement:
         assert failure is not None or self._fields is not None
         # A process that failed sends no fields: "None" and zeros, never read.
         shared = [_packed_failure(failure), _packed_fields(self._fields or {})]
-        gathered = np.asarray(multihost_utils.process_allgather(np.concatenate(shared)))
-        gathered = gathered.reshape(jax.process_count(), -1)
+        try:
+            gathered = gathered_rows(np.concatenate(shared))
+        except jax.errors.JaxRuntimeError as unanswered:
+            if error is not None:
+                return  # its own error says more than its peers' silence
+            raise _not_answered(unanswered) from unanswered
         if error is not None:
             return  # raised as it is
         failures = {
@@ -143,6 +146,23 @@ class CallAgreement:
                 failures, "Checking `run_chains`' arguments", fix=_FIX
             )
         _raise_if_any_differs(gathered[:, 1 + _FAILURE_BYTES :])
+
+
+def _not_answered(error: Exception) -> BatchError:
+    """The error of a process whose peers did not all answer the agreement's
+    collective (JAX's `error`): the ones that could be missing, and what to check."""
+    others = [p for p in range(jax.process_count()) if p != jax.process_index()]
+    missing = _processes(others) if len(others) == 1 else f"one of {_processes(others)}"
+    return BatchError(
+        f"Process {jax.process_index()} of this job of {jax.process_count()} waited "
+        f"at `run_chains`' first collective, where the processes agree on the call, "
+        f"and {missing} did not answer (JAX: {str(error).splitlines()[0]}).\n"
+        f"Check the log of {_processes(others)}: a process that raised or exited "
+        "before calling `run_chains`, or was killed, never answers; nor does one that "
+        "calls it too late (on CPU, gloo waits about 30 s for a peer's first "
+        "collective). Nothing was run: every process of a job must call `run_chains`, "
+        "with the same arguments."
+    )
 
 
 def _failure_message(error: Exception) -> str:

@@ -10,7 +10,7 @@ failed.
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._errors import BatchError
 
@@ -35,14 +35,40 @@ def _decoded(buffer: np.ndarray) -> str | None:
     return bytes(buffer[1:]).rstrip(b"\0").decode(errors="replace")
 
 
+def _identity(rows: jax.Array) -> jax.Array:
+    return rows
+
+
+def gathered_rows(local: np.ndarray) -> np.ndarray:
+    """Every process's `local` (of one shape and dtype in every process), stacked in
+    process order: a collective, which every process of a job must call, in the same
+    order.
+
+    It returns once the collective has finished on every device of this process.
+    `multihost_utils.process_allgather` (and `broadcast_one_to_all`) wait for the
+    first device's copy only: a process that raises right after can exit with the
+    others still gathering, and its peer's, waiting for that process in gloo, then
+    never ends (the interpreter waits for it at exit)."""
+    devices = np.array(jax.devices()).reshape(jax.process_count(), -1)
+    mesh = Mesh(devices, ("processes", "devices"))
+    pieces = [jax.device_put(local[None], device) for device in jax.local_devices()]
+    spread = jax.make_array_from_single_device_arrays(
+        (jax.process_count(), *local.shape),
+        NamedSharding(mesh, PartitionSpec("processes")),
+        pieces,
+    )
+    whole = jax.jit(_identity, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    rows = jax.block_until_ready(whole(spread))
+    return np.asarray(rows.addressable_data(0))
+
+
 def every_process(message: str | None) -> list[str | None]:
     """Every process's `message`, in process order. A collective in a job of several
     processes (every process must call it, in the same order); in one process, no
     communication."""
     if jax.process_count() == 1:
         return [message]
-    gathered = np.asarray(multihost_utils.process_allgather(_encoded(message)))
-    return [_decoded(b) for b in gathered.reshape(-1, _MESSAGE_BYTES + 1)]
+    return [_decoded(row) for row in gathered_rows(_encoded(message))]
 
 
 def shared_failures(failure: str | None) -> dict[int, str]:
@@ -59,8 +85,7 @@ def from_process_zero(message: str) -> str:
     """Process 0's `message`, in every process (a collective in a job)."""
     if jax.process_count() == 1:
         return message
-    buffer = multihost_utils.broadcast_one_to_all(_encoded(message))
-    return _decoded(np.asarray(buffer)) or ""
+    return _decoded(gathered_rows(_encoded(message))[0]) or ""
 
 
 def raise_if_any_failed(failure: BatchError | None, summary: str, *, fix: str) -> None:

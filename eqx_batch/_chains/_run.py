@@ -167,8 +167,8 @@ def run_chains(
     written, another live run holds it, or it holds another run's, a corrupt or a
     foreign file; during the run, if writing fails (the last good checkpoint is
     kept). In a job of several processes, in every process before any step, if an
-    argument differs between the processes (naming it and what each has) or one
-    process refuses its own (naming it).
+    argument differs between the processes (naming it and what each has), one
+    process refuses its own (naming it), or one does not answer (naming it).
 
     !!! Example
 
