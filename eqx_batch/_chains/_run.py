@@ -85,90 +85,66 @@ def run_chains(
     over every device of every process. Each step's key is split from the chain's own
     carried key, so chain `i` gets the same result (bit for bit, when its step is
     elementwise) as running it alone, whatever the number of chains, devices,
-    processes, chunks or checkpoints. A chain whose state goes NaN or infinite keeps
-    running without disturbing the others, and is reported in `nonfinite`.
+    processes, chunks or checkpoints. A chain gone NaN or infinite disturbs no other,
+    and is reported in `nonfinite`.
 
-    The guide is [Markov chains](../chains.md); each argument's section there has the
-    detail.
+    The guide, [Markov chains](../chains.md), has a section for each argument.
 
     **Arguments:**
 
     - `step`: `step(state, key) -> new_state` for ONE chain (with `with_output=True`,
-        `-> (new_state, output)`), keeping the state's structure, shapes and dtypes.
-        Pass data with `functools.partial` (arguments of the compiled loop) or by
-        closure (constants). Or [`eb.all_chains`][]`(step)`, for a step that takes
-        every chain at once.
-    - `init`: the chains' initial states, stacked along axis 0 of every array leaf.
-        Non-array leaves are shared. NumPy leaves take the dtype JAX gives them.
+        `-> (new_state, output)`), keeping the state's structure, shapes and dtypes;
+        data through `functools.partial`. Or [`eb.all_chains`][]`(step)`, for a step
+        that takes every chain at once.
+    - `init`: the chains' initial states, stacked along axis 0 of every array leaf
+        (non-array leaves are shared).
     - `key`: one PRNG key, split into one per chain, or an array of one key per
         chain; typed (`jr.key`) or legacy (`jr.PRNGKey`), and `step` gets the same kind.
     - `num_steps`: how many steps each chain takes; with `until`, the most.
     - `thin`, `burn_in`: the trace keeps the states after steps `burn_in + 1`,
         `burn_in + 1 + thin`, ...: the uninterrupted trace `[:, burn_in::thin]`.
-    - `with_output`: record `step`'s second output in `Chains.outputs` (with
-        `trace=False`, the outputs alone: no state is recorded).
-    - `trace`: whether to record the states at all; `"disk"` streams them to the
-        checkpoint's files and returns it read lazily from them ([Traces larger
-        than memory](../chains.md#traces-larger-than-memory)).
-    - `progress`: show one tqdm bar for all chains, moved from the host as the
-        loop's segments finish ([Progress](../chains.md#progress)).
-    - `checkpoint`: a file path. The run is checkpointed there (safetensors files in
-        its folder, under a lock) and a call of the same run resumes from it bit for
-        bit, or reads a finished run back. What makes two calls one run, the lock, and
-        jobs of several processes: [Checkpoint and
-        resume](../chains.md#checkpoint-and-resume); the files:
-        [Checkpoints and files](../checkpoints.md).
-    - `checkpoint_every`: write the checkpoint after every this many steps, while the
-        next ones run; `None` writes it once, at the end.
-    - `chunk_size`: run this many chains at a time, for more chains than fit in
-        memory, with the unchunked run's results bit for bit ([More chains than fit in
-        memory](../chains.md#more-chains-than-fit-in-memory)).
-    - `superchains`: `K`, to run the chains in K superchains started from one point
-        each: `init` holds K starts and `key` K * M keys
-        ([Superchains](../chains.md#superchains)).
-    - `diagnostics`: compute R-hat, split and nested R-hat and ESS while sampling, in
-        memory that does not grow with the steps, into `Chains.diagnostics`
-        ([Diagnostics while sampling](../chains.md#diagnostics-while-sampling)).
-    - `until`: a rule of [`eb.converged`][]: stop before `num_steps` once the chains
-        have converged, checked between segments ([Stopping when
-        converged](../chains.md#stopping-when-converged)). Implies `diagnostics`.
-    - `data`: many problems in one run: a pytree whose array leaves hold one row per
-        problem along axis 0 (P problems). `step` is then `step(state, key, data)`,
-        given its chain's problem's row, and chain `c` belongs to problem
-        `c // (chains // P)`; with `superchains=K`, superchain `s` to problem
-        `s // (K // P)`. With `until`, each problem stops on its own.
-        [`Chains.problem`][eqx_batch.Chains.problem] is one problem's result alone
-        ([Many problems in one run](../chains.md#many-problems-in-one-run)).
+    - `with_output`: record `step`'s second output in `Chains.outputs`.
+    - `trace`: whether to record the states; `"disk"` streams them to the
+        checkpoint's files ([Traces larger than
+        memory](../chains.md#traces-larger-than-memory)).
+    - `progress`: one tqdm bar for all chains ([Progress](../chains.md#progress)).
+    - `checkpoint`: a file path: the run is checkpointed there, and a call of the same
+        run resumes from it bit for bit, or reads a finished run back ([Checkpoint and
+        resume](../chains.md#checkpoint-and-resume)).
+    - `checkpoint_every`: write the checkpoint every this many steps (`None`: at the
+        end).
+    - `chunk_size`: run this many chains at a time, bit for bit the unchunked run
+        ([More chains than fit in memory](../chains.md#more-chains-than-fit-in-memory)).
+    - `superchains`: `K` superchains started from one point each: `init` holds K
+        starts, `key` K * M keys ([Superchains](../chains.md#superchains)).
+    - `diagnostics`: R-hat, nested R-hat and ESS computed while sampling, into
+        `Chains.diagnostics` ([Diagnostics while
+        sampling](../chains.md#diagnostics-while-sampling)).
+    - `until`: an [`eb.converged`][] rule: stop once the chains have converged
+        ([Stopping when converged](../chains.md#stopping-when-converged)).
+    - `data`: many problems in one run: one row per problem along axis 0 of every
+        array leaf (P problems). `step(state, key, data)` gets its chain's problem's
+        row; chain `c` is problem `c // (chains // P)`'s, and with `until` each
+        problem stops on its own ([Many problems in one
+        run](../chains.md#many-problems-in-one-run)).
 
     **Returns:**
 
-    A [`eb.Chains`][]: `final`, `trace` (`[chains, draws, ...]` per leaf), `outputs`
-    (with `with_output=True`), `keys` (to continue the run exactly), `nonfinite`,
-    `superchain`, `diagnostics`, `steps_done` and `stopped` (with `until`), each of
-    one type whatever the options; and `problems` (with `data`), an [`eb.Problems`][]
-    of each problem's steps, stop, draws and diagnostics, which the fields beside it
-    leave out. Its arrays stay split over the devices. In a job of several processes,
-    `final`, `trace`, `outputs` and `keys` are global arrays split by chain: each
-    process holds only its own chains' rows ([What each process
-    holds](../multi.md#what-each-process-holds));
-    [`Chains.gathered`][eqx_batch.Chains.gathered] makes them whole. `nonfinite` and
-    `diagnostics` are of every chain, in every process.
+    A [`eb.Chains`][] ([The result](../chains.md#the-result)): `final`, `trace`
+    (`[chains, draws, ...]` per leaf), `outputs`, `keys` (to continue the run
+    exactly), `nonfinite`, `superchain`, `diagnostics`, `steps_done` and `stopped`,
+    and with `data` the [`eb.Problems`][] of each problem. Its arrays stay split over
+    the devices; in a job each process holds its own chains' rows ([What each process
+    holds](../multi.md#what-each-process-holds)).
 
     **Raises:**
 
-    `eb.BatchError`, naming the argument and leaf, if `step` changes the state's
-    structure, a leaf's shape or dtype, or does not return a pair with
-    `with_output=True`; if `key` or the leaves of `init` disagree on the number of
-    chains; if `data`'s leaves disagree on the problems, the problems do not divide
-    the chains or superchains, or `step` does not take `data`; if a count is out of
-    range (a bool is no count) or a flag is not a bool (a string is no flag); if
-    `superchains`, `diagnostics`, `until` or an `eb.all_chains` step cannot be met (see
-    their sections); and for `checkpoint`, before any step, if its folder cannot be
-    written, another live run holds it, or it holds another run's, a corrupt or a
-    foreign file; during the run, if writing fails (the last good checkpoint is
-    kept). In a job of several processes, in every process before any step, if an
-    argument differs between the processes (naming it and what each has), one
-    process refuses its own (naming it), or one does not answer (naming it).
+    `eb.BatchError`, naming the argument, the leaf and the fix, before any step: if
+    `step` changes the state's structure, shapes or dtypes; if the arguments disagree
+    on the chains, problems or superchains, or a count or a flag is out of range; if
+    `checkpoint` cannot be used; in a job, if the processes' calls differ or one does
+    not answer. During the run, if a checkpoint cannot be written (the last good one
+    is kept). Each case: [What is refused](../chains.md#what-is-refused).
 
     !!! Example
 
