@@ -49,7 +49,10 @@ def gathered_rows(local: np.ndarray) -> np.ndarray:
     first device's copy only: a process that raises right after can exit with the
     others still gathering, and its peer's, waiting for that process in gloo, then
     never ends (the interpreter waits for it at exit)."""
-    devices = np.array(jax.devices()).reshape(jax.process_count(), -1)
+    # Row p of the mesh holds process p's devices: its row of the result is then
+    # process p's `local`, whatever order `jax.devices()` lists them in.
+    ordered = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = np.array(ordered).reshape(jax.process_count(), -1)
     mesh = Mesh(devices, ("processes", "devices"))
     pieces = [jax.device_put(local[None], device) for device in jax.local_devices()]
     spread = jax.make_array_from_single_device_arrays(
