@@ -20,7 +20,7 @@ import pytest
 import xarray as xr
 
 import eqx_batch as eb
-from eqx_batch._chains._arviz import trace_to_arviz
+from eqx_batch._chains._results._arviz import trace_to_arviz
 
 
 def noisy(state, key):

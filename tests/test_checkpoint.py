@@ -649,8 +649,8 @@ def test_chunked_run_in_two_processes(tmp_path):
 def test_the_draw_listing_names_every_draw_of_the_newest_step(tmp_path):
     # What a reader of the trace on disk gets: the files of the newest complete step,
     # in order of draws, each with its chains and draws.
-    from eqx_batch._chains._checkpoint import Checkpoint
-    from eqx_batch._chains._identity import RunIdentity
+    from eqx_batch._chains._checkpoints._checkpoint import Checkpoint
+    from eqx_batch._chains._jobs._identity import RunIdentity
     from eqx_batch._file_format import read_metadata
 
     path = tmp_path / "run.ckpt"

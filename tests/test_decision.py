@@ -1,6 +1,6 @@
-"""A check of `until` decided on the devices (`_chains/_decision.py`) decides as the
-host's check does (`_chains/_stopping.py`): the same pass or fail at every value, a
-threshold's last bits included, and the same worst element for the reason."""
+"""A check of `until` decided on the devices (`_chains/_until/_decision.py`) decides as
+the host's check does (`_chains/_until/_stopping.py`): the same pass or fail at every
+value, a threshold's last bits included, and the same worst element for the reason."""
 
 import hypothesis.strategies as st
 import jax
@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
 
-from eqx_batch._chains._convergence import Diagnostics
-from eqx_batch._chains._decision import _holds
-from eqx_batch._chains._stopping import Criterion, worst_each, worst_of
+from eqx_batch._chains._until._convergence import Diagnostics
+from eqx_batch._chains._until._decision import _holds
+from eqx_batch._chains._until._stopping import Criterion, worst_each, worst_of
 
 
 _THRESHOLDS = st.floats(0.5, 2000.0, allow_nan=False, allow_infinity=False)

@@ -20,7 +20,7 @@ from chains_workloads import key_step, make_init, make_key_init, metropolis
 from helpers import assert_trees_identical, checkpoint_steps_done, raises
 
 import eqx_batch as eb
-from eqx_batch._chains._disk_trace import disk_trace, DiskArray, ListedFile
+from eqx_batch._chains._checkpoints._disk_trace import disk_trace, DiskArray, ListedFile
 from eqx_batch._serialise import write_tree
 
 

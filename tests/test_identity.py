@@ -26,7 +26,7 @@ def test_another_prng_configuration_is_refused(tmp_path):
 
 
 def test_a_checkpoint_of_another_jax_is_refused():
-    from eqx_batch._chains._identity import RunIdentity, RunOptions
+    from eqx_batch._chains._jobs._identity import RunIdentity, RunOptions
 
     program = jax.make_jaxpr(metropolis)(make_init(1), jr.key(0))
     options = RunOptions(5, 1, 0, False, True, False, False, None, None)
@@ -41,7 +41,7 @@ def test_a_checkpoint_of_another_jax_is_refused():
 @pytest.mark.parametrize("with_output", [False, True])
 def test_every_run_records_every_option(tmp_path, with_output):
     # One rule for every run: no field is left out to keep an older identity.
-    from eqx_batch._chains._identity import RunOptions
+    from eqx_batch._chains._jobs._identity import RunOptions
     from eqx_batch._file_format import read_metadata
 
     path = tmp_path / "run.ckpt"

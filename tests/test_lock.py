@@ -233,7 +233,7 @@ def test_a_checkpoint_path_that_is_a_link_is_refused_as_a_link(tmp_path):
 def test_a_run_that_fails_removes_only_the_lock_file_it_created(tmp_path):
     # A job whose checks fail after process 0 took the lock (issue 43, AG24; the job
     # itself is in test_multiprocess_checkpoint.py) releases it this way.
-    from eqx_batch._chains._lock import take_lock
+    from eqx_batch._chains._checkpoints._lock import take_lock
 
     path, lock = tmp_path / "c.eqx", tmp_path / "c.eqx.lock"
     created = take_lock(path)
@@ -255,7 +255,7 @@ def test_a_lock_file_removed_before_it_was_locked_is_not_held(tmp_path):
     # it once that run closed it, holds a lock no other run sees: the next run would
     # create the file anew and lock it too. The window between opening and locking
     # cannot be reached from outside, so the locking is called on such a file.
-    from eqx_batch._chains._lock import _locked, take_lock
+    from eqx_batch._chains._checkpoints._lock import _locked, take_lock
 
     path, lock = tmp_path / "c.eqx", tmp_path / "c.eqx.lock"
     failed = take_lock(path)

@@ -1,6 +1,7 @@
-"""Running moments (`_chains/_moments.py`): merging the moments of two parts of the
-draws gives the moments of the whole (a law, checked by hypothesis), and the moments
-updated draw by draw in the loop are the draws' mean and second central moment."""
+"""Running moments (`_chains/_until/_moments.py`): merging the moments of two parts of
+the draws gives the moments of the whole (a law, checked by hypothesis), and the
+moments updated draw by draw in the loop are the draws' mean and second central
+moment."""
 
 import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 
 import eqx_batch as eb
-from eqx_batch._chains._moments import merge, Summary
+from eqx_batch._chains._until._moments import merge, Summary
 
 
 def _summary(draws: np.ndarray) -> Summary:

@@ -1,15 +1,15 @@
 """The records of `until`'s checks of a run, one per problem (one without `data`):
 which problems run and which checks failed at a step, where the run ends, the records
 as a chunk that has run so far keeps them, and their two forms in a checkpoint's files
-(`_chains/_problem_records.py`)."""
+(`_chains/_until/_problem_records.py`)."""
 
 import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from eqx_batch._chains._problem_records import ProblemRecords
-from eqx_batch._chains._records import Record
+from eqx_batch._chains._until._problem_records import ProblemRecords
+from eqx_batch._chains._until._records import Record
 
 
 def checked(*steps: int) -> Record:

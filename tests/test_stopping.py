@@ -409,7 +409,7 @@ def test_a_record_that_disagrees_with_the_progress_is_refused(tmp_path):
     # A stop at an earlier step than the state's, written as a sound file (as a bug,
     # or someone who knows the format, would write it): read back, it would give the
     # state of one step under the report of another.
-    from eqx_batch._chains._moments import Moments
+    from eqx_batch._chains._until._moments import Moments
     from eqx_batch._serialise import read_tree, write_tree
 
     path = tmp_path / "run.ckpt"

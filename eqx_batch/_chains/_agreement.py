@@ -25,8 +25,8 @@ import numpy as np
 
 from .._errors import BatchError
 from ._common import ChainState
-from ._identity import identity_fields, step_values
-from ._job import failed_elsewhere, gathered_rows
+from ._jobs._identity import identity_fields, step_values
+from ._jobs._job import failed_elsewhere, gathered_rows
 from ._plan import RunPlan
 
 

@@ -1,6 +1,6 @@
 """`run_chains`' arguments, checked: its counts, how many chains `init` holds, one key
 for each, and NumPy leaves read with the dtypes JAX gives them (`until` is checked in
-`_stopping.py`)."""
+`_until/_stopping.py`)."""
 
 from typing import Any, Literal, NamedTuple
 

@@ -12,9 +12,10 @@ import numpy as np
 
 from .._progress import ProgressBar
 from .._tree import structs
-from ._checkpoint import Checkpoint
-from ._checkpoint_reader import Expected, Restored
-from ._checkpoint_writer import segment_files, SegmentFiles, Snapshot
+from ._checkpoints._checkpoint import Checkpoint
+from ._checkpoints._checkpoint_reader import Expected, Restored
+from ._checkpoints._checkpoint_writer import segment_files, SegmentFiles, Snapshot
+from ._checkpoints._lock import WriteAccess
 from ._common import ChainState
 from ._compaction import (
     batch_slots,
@@ -24,12 +25,11 @@ from ._compaction import (
     sliced_draws,
     zeroed_problems,
 )
-from ._lock import WriteAccess
 from ._placement import Placement
 from ._plan import RunPlan
-from ._problem_records import ProblemRecords
 from ._segment import run_segment
 from ._segment_plan import TraceMode
+from ._until._problem_records import ProblemRecords
 
 
 # About how many times the progress bar moves over a run without a checkpoint.

@@ -23,7 +23,7 @@ class ChainState(NamedTuple):
     states: Any  # the array leaves of the state (others None)
     keys: Any  # each chain's carried key
     first_bad: Any  # the first non-finite step, counted from 1; 0 while finite
-    # The running moments of the recorded draws (`_moments.py`) with
+    # The running moments of the recorded draws (`_until/_moments.py`) with
     # `diagnostics=True`; else None.
     moments: Any = None
     # With `data`, each chain's problem (`int32`, `_problems.py`); else None.

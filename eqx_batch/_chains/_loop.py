@@ -16,13 +16,13 @@ import numpy as np
 
 from ._chunk import ChunkJob, ChunkRun, RunContext
 from ._common import ChainState
-from ._convergence import diagnose
-from ._decision import decide, Decision, read_details
 from ._placement import joined, whole_here
 from ._plan import RunPlan
-from ._problem_records import ProblemRecords
-from ._records import Check
-from ._stopping import check, postfix, worst_each
+from ._until._convergence import diagnose
+from ._until._decision import decide, Decision, read_details
+from ._until._problem_records import ProblemRecords
+from ._until._records import Check
+from ._until._stopping import check, postfix, worst_each
 
 
 def run_chunks(
@@ -77,10 +77,10 @@ def _run_group(
     problem is checked on its own, and a segment runs only the chains of the problems
     still running.
 
-    The checks are decided on the devices (`_decision.py`), and the host reads each
-    one while the next segment runs: the device never waits for the host. The host's
-    record is then a check behind the devices' `live` mask: the problems it thinks
-    running may have stopped (their chains frozen, `_compaction.py`). A segment
+    The checks are decided on the devices (`_until/_decision.py`), and the host reads
+    each one while the next segment runs: the device never waits for the host. The
+    host's record is then a check behind the devices' `live` mask: the problems it
+    thinks running may have stopped (their chains frozen, `_compaction.py`). A segment
     queued after every problem stopped runs in vain, changes nothing, and is
     forgotten."""
     plan = context.plan

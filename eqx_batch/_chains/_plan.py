@@ -13,13 +13,13 @@ from .._errors import BatchError
 from ._all_chains import RunStep
 from ._arguments import Counts, Init
 from ._common import ChainState, Draws, ProblemLayout
-from ._identity import RunIdentity, RunOptions
-from ._moments import check_diagnostics
+from ._jobs._identity import RunIdentity, RunOptions
 from ._placement import chain_devices, Placement
 from ._prepared import prepared_run, PreparedRun
 from ._segment_plan import SegmentPlan, TraceMode
 from ._step import trace_step
-from ._stopping import Schedule, StoppingRule
+from ._until._moments import check_diagnostics
+from ._until._stopping import Schedule, StoppingRule
 
 
 # With `trace="disk"`, a segment records at most this many bytes of draws (of a whole

@@ -33,30 +33,30 @@ from ._arguments import (
     Init,
     split_init,
 )
-from ._checkpoint_files import (
+from ._checkpoints._checkpoint_files import (
     chunk_path,
     longest_file_name,
     warn_of_other_chunkings,
 )
+from ._checkpoints._disk_trace import disk_trace
+from ._checkpoints._lock import check_folder, refuse_if_in_use, WriteAccess
 from ._chunk import ChunkJob, RunContext
 from ._common import ChainState, ProblemLayout
-from ._convergence import diagnose, Diagnostics
-from ._disk_trace import disk_trace
-from ._lock import check_folder, refuse_if_in_use, WriteAccess
 from ._loop import run_chunks
-from ._moments import zeros
-from ._nonfinite import NonFinite
-from ._per_problem import Problems
 from ._placement import joined_chains, whole_here, without_copies
 from ._plan import plan_run, RunPlan
-from ._problem_records import ProblemRecords
 from ._problems import problem_step
-from ._records import Stopped
-from ._result import assembled, Chains
+from ._results._nonfinite import NonFinite
+from ._results._per_problem import Problems
+from ._results._result import assembled, Chains
 from ._segment_plan import TraceMode
 from ._step import pytree_step
-from ._stopping import checked_until, StoppingRule
 from ._superchains import expand_superchains
+from ._until._convergence import diagnose, Diagnostics
+from ._until._moments import zeros
+from ._until._problem_records import ProblemRecords
+from ._until._records import Stopped
+from ._until._stopping import checked_until, StoppingRule
 
 
 def run_chains(

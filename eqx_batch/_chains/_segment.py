@@ -28,10 +28,10 @@ from .._compile import AsyncJit
 from .._tree import is_array
 from ._all_chains import RunStep
 from ._common import ChainState
-from ._moments import add_draw
 from ._placement import made_zeros
 from ._segment_plan import SegmentPlan
 from ._step import numbers_as_arrays
+from ._until._moments import add_draw
 
 
 class SegmentResult(NamedTuple):

@@ -7,7 +7,7 @@ one draw file and one state file per run of rows (`_checkpoint_files.py` names t
 Draw files are written before the state files that list them, and every file
 atomically, so a kill at any moment loses at most the segment in flight. At most one
 write is in flight; in a job, every process learns after each whether every process's
-write succeeded (`_job.py`).
+write succeeded (`_jobs/_job.py`).
 """
 
 import concurrent.futures
@@ -17,15 +17,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.tree_util as jtu
 
-from .._errors import BatchError
-from .._serialise import write_tree
+from ..._errors import BatchError
+from ..._serialise import write_tree
+from .._common import ChainState, Draws
+from .._jobs._job import raise_if_any_failed
+from .._until._problem_records import ProblemRecords
 from ._checkpoint_files import DrawFile, OnDisk, RunFiles
 from ._checkpoint_metadata import RunMetadata
 from ._checkpoint_rows import own_rows, rows_on_host
-from ._common import ChainState, Draws
-from ._job import raise_if_any_failed
 from ._lock import is_writer, WriteAccess
-from ._problem_records import ProblemRecords
 
 
 class SegmentFiles(NamedTuple):

@@ -2,8 +2,8 @@
 and whose window is discarded, in one program queued after the segment it checks.
 
 Decided there, the next segment can be queued at once with the new `running` mask,
-and the host reads the decision while that segment runs (`_loop.py`): a TPU's loop
-no longer waits for the host at every check (issue 42 measured 62 ms a boundary).
+and the host reads the decision while that segment runs (`_chains/_loop.py`): a TPU's
+loop no longer waits for the host at every check (issue 42 measured 62 ms a boundary).
 The host builds each stopped problem's reason from the same diagnostics, so the
 record and the mask cannot disagree.
 """
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._common import ProblemLayout
+from .._common import ProblemLayout
 from ._convergence import diagnose_traced, Diagnostics, on_one_device
 from ._stopping import Criterion, Schedule
 

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError, describe, leaf_name
-from .._tree import is_array, is_key
-from ._disk_trace import DiskArray
+from ..._errors import BatchError, describe, leaf_name
+from ..._tree import is_array, is_key
+from .._checkpoints._disk_trace import DiskArray
 
 
 if TYPE_CHECKING:

@@ -16,15 +16,15 @@ from typing import Any, NamedTuple
 
 import jax
 
-from .._errors import BatchError
-from .._tree import as_key_data, is_int
+from ..._errors import BatchError
+from ..._tree import as_key_data, is_int
+from .._common import ChainState, Draws
+from .._jobs._job import every_process, raise_if_any_failed
+from .._until._problem_records import ProblemRecords
 from ._checkpoint_files import DrawFile, OnDisk, RunFiles, StateFile, uncovered
 from ._checkpoint_metadata import RunMetadata
 from ._checkpoint_rows import RowReader
-from ._common import ChainState, Draws
 from ._disk_trace import ListedFile
-from ._job import every_process, raise_if_any_failed
-from ._problem_records import ProblemRecords
 
 
 class Expected(NamedTuple):

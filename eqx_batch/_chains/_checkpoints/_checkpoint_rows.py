@@ -18,17 +18,17 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError
-from .._file_format import BadFileError
-from .._serialise import read_tree
-from .._tree import as_keys_like, host_array, structs
+from ..._errors import BatchError
+from ..._file_format import BadFileError
+from ..._serialise import read_tree
+from ..._tree import as_keys_like, host_array, structs
+from .._common import ChainState
 from ._checkpoint_files import DrawFile, StateFile
 from ._checkpoint_metadata import RunMetadata
-from ._common import ChainState
 
 
 if TYPE_CHECKING:
-    from ._placement import Placement
+    from .._placement import Placement
 
 
 class RowReader:

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError
-from ._common import Draws
+from ..._errors import BatchError
+from .._common import Draws
 
 
 # The bins of a chain's draws: the first half, the middle draw (when the number of

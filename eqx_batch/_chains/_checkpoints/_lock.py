@@ -20,10 +20,10 @@ from typing import Any, NamedTuple
 
 import jax
 
-from .._atomic import temporary_name_pattern
-from .._errors import BatchError
+from ..._atomic import temporary_name_pattern
+from ..._errors import BatchError
+from .._jobs._job import from_process_zero, raise_if_any_failed, shared_failures
 from ._checkpoint_files import checkpoint_name_pattern, run_file_pattern
-from ._job import from_process_zero, raise_if_any_failed, shared_failures
 
 
 if sys.platform != "win32":
@@ -360,7 +360,7 @@ class WriteAccess:
     def acquire(self) -> None:
         """Checks the folder, takes the lock (process 0) and, in a job, checks that
         every process sees the folder; in a job every process raises if any check
-        fails in any process (see `_job.py`), before anything is written."""
+        fails in any process (see `_jobs/_job.py`), before anything is written."""
         if self._taken:
             return
         failure = None

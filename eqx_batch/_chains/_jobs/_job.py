@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._errors import BatchError
+from ..._errors import BatchError
 
 
 # A message travels as a fixed number of UTF-8 bytes: the collective needs one shape in

@@ -5,8 +5,8 @@ shape."""
 import equinox as eqx
 import numpy as np
 
-from ._convergence import Diagnostics
-from ._records import Stopped
+from .._until._convergence import Diagnostics
+from .._until._records import Stopped
 
 
 class Problems(eqx.Module):

@@ -31,11 +31,11 @@ hands the writer what the reader found, and neither calls the other.
 import pathlib
 from typing import Any
 
+from .._jobs._identity import RunIdentity
 from ._checkpoint_metadata import RunMetadata
 from ._checkpoint_reader import CheckpointReader, Expected, Restored
 from ._checkpoint_writer import CheckpointWriter, Snapshot
 from ._disk_trace import ListedFile
-from ._identity import RunIdentity
 from ._lock import WriteAccess
 
 

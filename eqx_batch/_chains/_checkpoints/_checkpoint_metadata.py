@@ -17,10 +17,10 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from .._errors import BatchError, bullet_list
-from .._file_format import BadFileError, ForeignFileError, read_metadata
+from ..._errors import BatchError, bullet_list
+from ..._file_format import BadFileError, ForeignFileError, read_metadata
+from .._jobs._identity import RunIdentity
 from ._checkpoint_files import DrawFile
-from ._identity import RunIdentity
 
 
 # The metadata entries of a run's files.

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError
-from ._common import ProblemLayout
+from ..._errors import BatchError
+from .._common import ProblemLayout
 from ._moments import bins, merge, Moments, Summary
 
 

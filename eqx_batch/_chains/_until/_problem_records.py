@@ -2,11 +2,11 @@
 outcome per check, a run without `data=` being one problem.
 
 Every problem still running is at the same step: the problems start together and move
-together, and one that stops leaves the compiled batch (`_chunk.py` compacts it out).
-So a check is made at one step for every running problem, and each problem's record
-is the record its run alone would keep. A check adds one row of NumPy arrays, whatever
-the number of problems: per-problem records, rebuilt at every check, cost a TPU's
-host more than the segment they followed at 256 problems (issue 42).
+together, and one that stops leaves the compiled batch (`_chains/_chunk.py` compacts it
+out). So a check is made at one step for every running problem, and each problem's
+record is the record its run alone would keep. A check adds one row of NumPy arrays,
+whatever the number of problems: per-problem records, rebuilt at every check, cost a
+TPU's host more than the segment they followed at 256 problems (issue 42).
 
 A checkpoint keeps the record as JSON, in the form the run's files have always had:
 one problem's record (`Record`) as it is without `data`, a list of one per problem

@@ -17,7 +17,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError, check_int, describe, is_bool
+from ..._errors import BatchError, check_int, describe, is_bool
 from ._convergence import Diagnostics
 from ._records import Check
 

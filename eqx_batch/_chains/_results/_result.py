@@ -11,16 +11,16 @@ import jax.lax as lax
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError, check_int, leaf_name
-from .._tree import is_array, is_key
+from ..._errors import BatchError, check_int, leaf_name
+from ..._tree import is_array, is_key
+from .._checkpoints._disk_trace import DiskArray
+from .._common import ProblemLayout
+from .._placement import whole_here
+from .._until._convergence import Diagnostics
+from .._until._records import Stopped
 from ._arviz import trace_to_arviz
-from ._common import ProblemLayout
-from ._convergence import Diagnostics
-from ._disk_trace import DiskArray
 from ._nonfinite import NonFinite
 from ._per_problem import Problems
-from ._placement import whole_here
-from ._records import Stopped
 
 
 if TYPE_CHECKING:

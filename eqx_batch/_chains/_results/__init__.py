@@ -1,0 +1,1 @@
+"""What a run returns: `Chains`, `Problems`, `NonFinite`, the trace as ArviZ data."""

@@ -1,0 +1,1 @@
+"""`until`: its rule and checks, the diagnostics, their moments, the checks' records."""
