@@ -194,7 +194,7 @@ def test_checks_added_by_row_keep_what_one_record_per_problem_keeps(outcomes, bu
             records[p] = records[p].stop(step, is_converged, reason, burn_in)
         columns = columns.with_checks(step, checked, worst, stopping, burn_in)
         assert columns == ProblemRecords.of(records)
-        np.testing.assert_array_equal(
-            columns.last_checks, ProblemRecords.of(records).last_checks
-        )
+        rebuilt = ProblemRecords.of(records)
+        np.testing.assert_array_equal(columns.last_checks, rebuilt.last_checks)
+        np.testing.assert_array_equal(columns.stop_steps, rebuilt.stop_steps)
     assert ProblemRecords.of(columns.records) == columns

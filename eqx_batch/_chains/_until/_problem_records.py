@@ -32,21 +32,23 @@ class ProblemRecords:
         worst: tuple[np.ndarray, ...],
         stopped: tuple[Stopped | None, ...],
         last_checks: np.ndarray | None = None,
+        stop_steps: np.ndarray | None = None,
     ):
         self.steps = steps  # the steps of the rows, in order
         self.checked = checked  # per row, `bool[problems]`: which were checked
         self.worst = worst  # per row, `float64[problems]`: their first statistic
         self.stopped = stopped
-        # Each problem's stop (-1 while it runs) and last check (0 before any): given
-        # by `with_checks`, so that a check costs the same however many came before.
-        self.stop_steps = np.array(
-            [-1 if s is None else s.step for s in stopped], np.int64
-        )
+        # Each problem's last check (0 before any) and stop (-1 while it runs): given
+        # by `with_checks`, so that a check costs the same however many problems and
+        # checks came before.
         if last_checks is None:
             last_checks = np.zeros(len(stopped), np.int64)
             for step, rows in zip(steps, checked, strict=True):
                 last_checks[rows] = step
+        if stop_steps is None:
+            stop_steps = np.array([-1 if s is None else s.step for s in stopped])
         self.last_checks = last_checks
+        self.stop_steps = stop_steps.astype(np.int64)
 
     @classmethod
     def empty(cls, num_problems: int) -> "ProblemRecords":
@@ -75,16 +77,20 @@ class ProblemRecords:
     @property
     def records(self) -> tuple[Record, ...]:
         """Each problem's `Record`."""
-        rows = (np.stack(self.checked), np.stack(self.worst)) if self.steps else None
-        records = []
-        for p, stopped in enumerate(self.stopped):
-            if rows is None:
-                records.append(Record((), (), stopped))
-                continue
-            mine = rows[0][:, p]
-            checks = tuple(int(s) for s in np.asarray(self.steps)[mine])
-            records.append(Record(checks, tuple(rows[1][mine, p].tolist()), stopped))
-        return tuple(records)
+        num_problems = len(self.stopped)
+        checked = np.zeros((0, num_problems), bool)
+        worst = np.zeros((0, num_problems))
+        if self.steps:
+            checked, worst = np.stack(self.checked), np.stack(self.worst)
+        steps = np.asarray(self.steps, np.int64)
+        return tuple(
+            Record(
+                tuple(steps[checked[:, p]].tolist()),
+                tuple(worst[checked[:, p], p].tolist()),
+                stopped,
+            )
+            for p, stopped in enumerate(self.stopped)
+        )
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ProblemRecords) and self.records == other.records
@@ -143,8 +149,9 @@ class ProblemRecords:
         if checked.any():
             steps, rows = (*steps, step), (*rows, checked)
             values = (*values, np.where(checked, worst, np.nan).astype(np.float64))
-        stopped = list(self.stopped)
+        stopped, stop_steps = list(self.stopped), self.stop_steps.copy()
         for p, (is_converged, reason) in stopping.items():
+            stop_steps[p] = step
             # One problem's column: a stop costs the checks so far, not the problems.
             mine = np.fromiter((row[p] for row in rows), bool, len(rows))
             column = np.fromiter((row[p] for row in values), np.float64, len(values))
@@ -157,7 +164,9 @@ class ProblemRecords:
                 worst=column[mine],
             )
         last_checks = np.where(checked, step, self.last_checks)
-        return ProblemRecords(steps, rows, values, tuple(stopped), last_checks)
+        return ProblemRecords(
+            steps, rows, values, tuple(stopped), last_checks, stop_steps
+        )
 
     def running(self, step: int) -> np.ndarray:
         """Whether each problem still runs after step `step` (`bool[problems]`)."""
