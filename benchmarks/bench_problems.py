@@ -63,7 +63,9 @@ the chain-steps the compacted run executed, padding included
 Stopping against the cap (section `stopping`, issue 42): the one call with
 `until=eb.converged(every=200)` and a cap of 4000 against the same call run to the cap,
 the trace on, warm and on a first call, and the programs the first `until=` call
-compiles (`stopping_rows` states the targets).
+compiles (`stopping_rows` states the targets). Section `parts` reports where its warm
+`until=` run spends its time: the cap in segments, with diagnostics, one check at the
+cap, checks that never pass, and the problems stopping, each against the cap.
 
 Against the loop by hand alone (section `hand`), at 256 and at 4096 problems (the
 loops of calls would take minutes at 4096): the one call at most 1.05 of it on a CPU
@@ -73,7 +75,8 @@ against the loop by hand has the same target.
 Times are medians of repeats in which the sides alternate, so that the load of a
 shared machine falls on all of them. The per-problem starts, keys and data rows of the
 loops are sliced before timing (a loop pays only for its calls). Usage:
-`python benchmarks/bench_problems.py [fixed] [hand] [until] [compaction] [stopping]`,
+`python benchmarks/bench_problems.py [fixed] [hand] [until] [compaction] [stopping]
+[parts]`,
 every section when none is named (or through `benchmarks/run.py problems`).
 """
 
@@ -890,12 +893,50 @@ def stopping_rows() -> None:
     )
 
 
+def stopping_parts_rows() -> None:
+    """Where a warm `until=` run of `stopping_rows` spends its time, side by side in
+    one process, each against the run to the cap: the cap cut into as many segments
+    (`progress=True`), one check at the cap (the loop body with `until`), checks
+    every 200 steps that never pass (`ess=1e9`: the boundaries, no compaction), and
+    the problems stopping (the row of `stopping`). Reported, not targets: they say
+    which part the next change should take on."""
+    on_cpu = jax.default_backend() == "cpu"
+    w = workload(16 if on_cpu else PROBLEMS)
+    run = one_call(w, STOP_CAP)
+    options = {
+        "cap": {},
+        "segments": {"progress": True},
+        "diagnostics": {"diagnostics": True},
+        "one check": {"until": eb.converged(every=STOP_CAP)},
+        "never passing": {
+            "until": eb.converged(nested_rhat=None, ess=1e9, every=STOP_EVERY)
+        },
+        "stopping": {"until": eb.converged(every=STOP_EVERY)},
+    }
+    sides = {name: ft.partial(run, **o) for name, o in options.items()}
+    for side in sides.values():
+        side()
+    t = interleaved_medians(sides, STOP_REPEAT)
+    cap = t["cap"].seconds
+    for name in list(options)[1:]:
+        report(
+            f"eight schools RWM, {w.problems} problems x {CHAINS} chains, cap "
+            f"{STOP_CAP}: {name} / the run to the cap",
+            t[name].seconds / cap,
+            "report",
+            True,
+            f"{t[name].seconds * 1e3:.1f} ms vs {cap * 1e3:.1f} ms on "
+            f"{jax.default_backend()}",
+        )
+
+
 SECTIONS = {
     "fixed": fixed_budget_rows,
     "hand": hand_rows,
     "until": until_rows,
     "compaction": compaction_rows,
     "stopping": stopping_rows,
+    "parts": stopping_parts_rows,
 }
 
 
