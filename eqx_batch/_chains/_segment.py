@@ -31,7 +31,7 @@ from ._common import ChainState
 from ._placement import made_zeros
 from ._segment_plan import SegmentPlan
 from ._step import numbers_as_arrays
-from ._until._moments import add_draw
+from ._until._moments import add_draw, pack, unpack
 
 
 class SegmentResult(NamedTuple):
@@ -120,9 +120,12 @@ def segment(
         return (chains, buffer, t + 1), None
 
     before = chains
+    # Carried packed, one array per dtype (`Packed`).
+    chains = chains._replace(moments=pack(chains.moments))
     (chains, trace, end), _ = lax.scan(
         body, (chains, trace, start), None, length=plan.length
     )
+    chains = chains._replace(moments=unpack(chains.moments, before.moments))
     # The states after the segment's last step, which no step of it carried in.
     chains = chains._replace(
         first_bad=_with_first_bad(chains.first_bad, chains.states, end)

@@ -11,6 +11,7 @@ bools, PRNG key data) is `None`. Moments are kept in at least float32, so that b
 and float16 states do not lose their sums.
 """
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -84,16 +85,79 @@ def zeros(states: Any, num_chains: int) -> Moments:
     return Moments(np.zeros((num_chains, NUM_BINS), np.int32), mean, m2)
 
 
+class Packed(NamedTuple):
+    """`Moments` as a segment's loop carries them: the leaves of each moments dtype in
+    one array, so that a step updates one array per dtype, not two per leaf (on a TPU
+    v5e each update is a kernel of its own, and the loop's steps are a few
+    microseconds: `pack`)."""
+
+    count: Any  # `int32[chains, bins]`
+    # Per moments dtype: `[chains, bins, 2, size]`, the means then the `m2`s of its
+    # leaves, each flattened, in the order of the state's leaves.
+    stats: tuple[jax.Array, ...]
+
+
+def _groups(mean_leaves: list) -> dict[np.dtype, list[int]]:
+    """The leaves with moments (their indices among `mean_leaves`), by dtype."""
+    groups: dict[np.dtype, list[int]] = {}
+    for index, mean in enumerate(mean_leaves):
+        if mean is not None:
+            groups.setdefault(np.dtype(mean.dtype), []).append(index)
+    return groups
+
+
+def pack(moments: Moments | None) -> Packed | None:
+    """`moments` as one array per dtype (`Packed`); `None` stays `None`."""
+    if moments is None:
+        return None
+    means = jtu.tree_leaves(moments.mean, is_leaf=_is_none)
+    m2s = jtu.tree_leaves(moments.m2, is_leaf=_is_none)
+    count = moments.count
+
+    def flat(x: jax.Array) -> jax.Array:
+        return x.reshape(*count.shape, -1)
+
+    return Packed(
+        count,
+        tuple(
+            jnp.concatenate(
+                [jnp.stack([flat(means[i]), flat(m2s[i])], axis=2) for i in indices],
+                axis=3,
+            )
+            for indices in _groups(means).values()
+        ),
+    )
+
+
+def unpack(packed: Packed | None, like: Moments | None) -> Moments | None:
+    """The `Moments` of `packed`, shaped as `like` (those that were packed)."""
+    if packed is None or like is None:
+        return None
+    mean_leaves, treedef = jtu.tree_flatten(like.mean, is_leaf=_is_none)
+    means: list = [None] * len(mean_leaves)
+    m2s: list = [None] * len(mean_leaves)
+    for stats, indices in zip(packed.stats, _groups(mean_leaves).values(), strict=True):
+        at = 0
+        for i in indices:
+            shape = mean_leaves[i].shape
+            size = math.prod(shape[2:])
+            piece = stats[..., at : at + size]
+            means[i] = piece[:, :, 0].reshape(shape)
+            m2s[i] = piece[:, :, 1].reshape(shape)
+            at += size
+    return Moments(packed.count, treedef.unflatten(means), treedef.unflatten(m2s))
+
+
 def add_draw(
-    moments: Moments | None, states: Any, t: jax.Array, draws: Draws
-) -> Moments | None:
-    """`moments` with every chain's state after step `t` (counted from 0) added, if
+    packed: Packed | None, states: Any, t: jax.Array, draws: Draws
+) -> Packed | None:
+    """`packed` with every chain's state after step `t` (counted from 0) added, if
     that step makes a draw; `None` stays `None`.
 
     One bin is read, updated and written back (rather than all three updated under a
     mask): the cost per step is one state's worth of arithmetic.
     """
-    if moments is None:
+    if packed is None:
         return None
     keep = draws.is_draw(t)
     draw = draws.slot(t)
@@ -101,41 +165,32 @@ def add_draw(
     which = (draw >= half).astype(jnp.int32) + (draw >= draws.total - half).astype(
         jnp.int32
     )
-    count = lax.dynamic_index_in_dim(moments.count, which, 1, keepdims=False)
+    count = lax.dynamic_index_in_dim(packed.count, which, 1, keepdims=False)
     new_count = count + keep.astype(count.dtype)
+    leaves = [x for x in jtu.tree_leaves(states) if has_moments(x)]
+    by_dtype: dict[np.dtype, list[jax.Array]] = {}
+    for x in leaves:
+        by_dtype.setdefault(moments_dtype(x.dtype), []).append(x)
 
-    def update(mean: Any, m2: Any, x: jax.Array) -> tuple:
-        old_mean = lax.dynamic_index_in_dim(mean, which, 1, keepdims=False)
-        old_m2 = lax.dynamic_index_in_dim(m2, which, 1, keepdims=False)
-        x = x.astype(mean.dtype)
-        n = _per_chain(jnp.maximum(new_count, 1).astype(mean.dtype), x)
+    def update(stats: jax.Array, xs: list[jax.Array]) -> jax.Array:
+        x = jnp.concatenate(
+            [x.reshape(x.shape[0], -1).astype(stats.dtype) for x in xs], axis=1
+        )
+        old = lax.dynamic_index_in_dim(stats, which, 1, keepdims=False)
+        old_mean, old_m2 = old[:, 0], old[:, 1]
+        n = jnp.maximum(new_count, 1).astype(stats.dtype)[:, None]
         delta = x - old_mean
         new_mean = jnp.where(keep, old_mean + delta / n, old_mean)
         new_m2 = jnp.where(keep, old_m2 + delta * (x - new_mean), old_m2)
-        return (
-            lax.dynamic_update_index_in_dim(mean, new_mean, which, 1),
-            lax.dynamic_update_index_in_dim(m2, new_m2, which, 1),
-        )
+        new = jnp.stack([new_mean, new_m2], axis=1)
+        return lax.dynamic_update_index_in_dim(stats, new, which, 1)
 
-    means, m2s = [], []
-    mean_leaves, treedef = jtu.tree_flatten(moments.mean, is_leaf=_is_none)
-    for mean, m2, x in zip(
-        mean_leaves,
-        jtu.tree_leaves(moments.m2, is_leaf=_is_none),
-        treedef.flatten_up_to(states),
-        strict=True,
-    ):
-        if mean is None:
-            means.append(None)
-            m2s.append(None)
-        else:
-            new_mean, new_m2 = update(mean, m2, x)
-            means.append(new_mean)
-            m2s.append(new_m2)
-    return Moments(
-        lax.dynamic_update_index_in_dim(moments.count, new_count, which, 1),
-        treedef.unflatten(means),
-        treedef.unflatten(m2s),
+    return Packed(
+        lax.dynamic_update_index_in_dim(packed.count, new_count, which, 1),
+        tuple(
+            update(stats, xs)
+            for stats, xs in zip(packed.stats, by_dtype.values(), strict=True)
+        ),
     )
 
 

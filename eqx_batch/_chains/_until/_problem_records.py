@@ -150,19 +150,24 @@ class ProblemRecords:
             steps, rows = (*steps, step), (*rows, checked)
             values = (*values, np.where(checked, worst, np.nan).astype(np.float64))
         stopped, stop_steps = list(self.stopped), self.stop_steps.copy()
-        for p, (is_converged, reason) in stopping.items():
-            stop_steps[p] = step
-            # One problem's column: a stop costs the checks so far, not the problems.
-            mine = np.fromiter((row[p] for row in rows), bool, len(rows))
-            column = np.fromiter((row[p] for row in values), np.float64, len(values))
-            stopped[p] = Stopped(
-                step=step,
-                converged=is_converged,
-                reason=reason,
-                window_start=max(int(self.last_checks[p]), burn_in),
-                checks=np.asarray(steps, np.int64)[mine],
-                worst=column[mine],
-            )
+        if stopping:
+            # The rows as tables, made once: a stop then costs two lookups, not a
+            # pass over the rows per problem.
+            at = np.asarray(steps, np.int64)
+            table = np.array(rows, bool).reshape(len(rows), -1)
+            worsts = np.array(values, np.float64).reshape(len(values), -1)
+            window_starts = np.maximum(self.last_checks, burn_in).tolist()
+            for p, (is_converged, reason) in stopping.items():
+                stop_steps[p] = step
+                mine = table[:, p]
+                stopped[p] = Stopped(
+                    step=step,
+                    converged=is_converged,
+                    reason=reason,
+                    window_start=window_starts[p],
+                    checks=at[mine],
+                    worst=worsts[mine, p],
+                )
         last_checks = np.where(checked, step, self.last_checks)
         return ProblemRecords(
             steps, rows, values, tuple(stopped), last_checks, stop_steps
