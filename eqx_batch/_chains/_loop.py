@@ -271,9 +271,13 @@ class _ProblemChecks:
         worst = [
             worst_each(self.diagnostics, c.statistic, rows) for c in until.criteria
         ]
+        nonfinite, layout = self.nonfinite, self.plan.layout
+        none = nonfinite[:0]
         return {
             p: check(
-                until, [w[i] for w in worst], self.plan.layout.own(self.nonfinite, p)
+                until,
+                [w[i] for w in worst],
+                layout.own(nonfinite, p) if len(nonfinite) else none,
             )
             for i, p in enumerate(problems)
         }

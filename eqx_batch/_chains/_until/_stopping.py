@@ -354,18 +354,20 @@ def worst_each(
             elements = np.stack(np.unravel_index(at, values.shape[1:]), axis=1)
         value = flat[np.arange(len(rows)), at]
         leaves.append((jtu.keystr(path) or "state", value, elements))
-    found = []
-    for i in range(len(rows)):
-        # The worst leaf, NaN last, the first of equals: as `Diagnostics.worst` sorts.
-        name, value, elements = min(
-            leaves, key=lambda leaf: _badness(leaf[1][i], largest)
+    values = np.stack([value for _, value, _ in leaves])  # [leaves, rows]
+    nan = np.isnan(values)
+    badness = np.where(nan, 0.0, -values if largest else values)
+    # Each row's worst leaf, NaN last, the first of equals (a stable sort): as
+    # `Diagnostics.worst` sorts. At once for every row: a check of hundreds of
+    # problems took milliseconds of the host's time row by row (issue 42).
+    chosen = np.lexsort((badness, nan), axis=0)[0].tolist()
+    return [
+        (
+            leaves[c][0] + "".join(f"[{j}]" for j in leaves[c][2][i].tolist()),
+            float(values[c, i]),
         )
-        found.append((name + "".join(f"[{j}]" for j in elements[i]), float(value[i])))
-    return found
-
-
-def _badness(value: float, largest: bool) -> tuple[bool, float]:
-    return bool(np.isnan(value)), -value if largest else value
+        for i, c in enumerate(chosen)
+    ]
 
 
 def _nonfinite_text(nonfinite: np.ndarray) -> str:
