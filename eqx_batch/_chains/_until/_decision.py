@@ -64,9 +64,10 @@ def decide(
         superchains if layout is None else layout.superchains_each(superchains),
         np.bool_(at_cap),
     )
-    # The host reads these at every check: sent as soon as they are made, they wait
-    # there rather than the host waiting a transfer for them.
-    for x in (decision.passed, decision.worst):
+    # The host reads these at every check, and the details wherever a problem stops:
+    # sent as soon as they are made, they wait there rather than the host waiting a
+    # transfer for them (on a TPU, a boundary's host work then fits in its segment).
+    for x in (decision.passed, decision.worst, decision.flat, decision.first_bad):
         if x.is_fully_addressable:
             x.copy_to_host_async()
     return decision
