@@ -36,6 +36,7 @@ SCRIPTS = [
     "multi_process",
     "parallel_markov_chains",
     "pmap_outputs_to_list",
+    "posteriors",
     "sbc",
     "vmap_affine",
 ]
@@ -299,6 +300,46 @@ def test_many_short_chains(tmp_path):
     size = assert_png(tmp_path / "many_short_chains.png")
     # docs/many_short_chains.md shows a committed copy of this plot.
     assert assert_png(ROOT / "docs" / "assets" / "many_short_chains.png") == size
+
+
+def test_posteriors(tmp_path):
+    # A module of models (issue 44) that benchmarks and tests import; run, it
+    # prints a table of them.
+    output, result = run_example("posteriors", tmp_path)
+    models = result["models"]
+    assert {name: row["dimension"] for name, row in models.items()} == {
+        "eight schools, centred": 10,
+        "eight schools, non-centred": 10,
+        "funnel": 10,
+        "ill-conditioned Gaussian": 100,
+        "logistic regression": 25,
+        "hierarchical logistic regression": 28,
+        "banana": 2,
+    }
+    for name, row in models.items():
+        # Vmapped over 4 problems of 16 chains each, from the model's starts.
+        assert row["log_density_shape"] == [4, 16], name
+        assert row["finite"] is True, name
+        assert np.isfinite(row["median_log_density"]), name
+        exact = row["exact_sampler"]
+        assert exact == (row["data"] == {"unused": []}), name
+        assert row["moments"] == (
+            "closed form" if exact else None if "logistic" in name else "quadrature"
+        ), name
+        if exact:
+            # 100000 exact draws have the stated moments, within Monte-Carlo error
+            # (the funnel's x have a kurtosis of 3 e^9: their variance's standard
+            # error, estimated from the draws, is itself rough; this run: 4.1).
+            assert row["exact_mean_error_se"] < 5, name
+            assert row["exact_variance_error_se"] < (10 if name == "funnel" else 5)
+    assert models["eight schools, centred"]["data"] == {"sigma": [8], "y": [8]}
+    assert models["logistic regression"]["data"] == {"x": [100, 25], "y": [100]}
+    assert models["hierarchical logistic regression"]["data"] == {
+        "x": [8, 20, 3],
+        "y": [8, 20],
+    }
+    assert "hierarchical logistic regression" in output and "quadrature" in output
+    assert list(tmp_path.iterdir()) == []  # it writes nothing
 
 
 def test_sbc(tmp_path):
