@@ -6,6 +6,9 @@ never the driver. Every file, from the top down:
 
 - `_run.py`: `run_chains`, the algorithm: checked arguments, the plan, the checkpoint,
     the chunks, the result;
+- `_start.py`, `_assembly.py`: what a run starts from (its chains, the progress bar
+    and the right to write the checkpoint, each chunk's job), and its result assembled
+    from the chunks;
 - `_loop.py`: the chunks through their steps, one after another or, with `until`,
     boundary by boundary;
 - `_chunk.py`: one chunk: placed, resumed, advanced a segment at a time, checkpointed;
