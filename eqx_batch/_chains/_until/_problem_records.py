@@ -210,11 +210,6 @@ class ProblemRecords:
         checks = sum(int(rows.sum()) for rows in self.checked)
         return checks, int((self.stop_steps >= 0).sum())
 
-    @property
-    def steps_done(self) -> np.ndarray:
-        """Each problem's steps (`int64[problems]`): its stop, once it stopped."""
-        return self.stop_steps.copy()
-
     def stops(self, num_steps: int) -> tuple[tuple[Stopped, ...] | None, np.ndarray]:
         """Each problem's `Stopped` (None unless every problem stopped: the cap stops
         those still running) and the steps it ran (`int64[problems]`), of a run with
