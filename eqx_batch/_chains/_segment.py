@@ -119,17 +119,15 @@ def segment(
         chains = ChainState(states, keys, first_bad, moments, problem)
         return (chains, buffer, t + 1), None
 
-    before = chains
-    # Carried packed, one array per dtype (`Packed`).
-    chains = chains._replace(moments=pack(chains.moments))
-    (chains, trace, end), _ = lax.scan(
-        body, (chains, trace, start), None, length=plan.length
+    # The moments are carried packed, one array per dtype (`Packed`).
+    packed = chains._replace(moments=pack(chains.moments))
+    (after, trace, end), _ = lax.scan(
+        body, (packed, trace, start), None, length=plan.length
     )
-    chains = chains._replace(moments=unpack(chains.moments, before.moments))
     # The states after the segment's last step, which no step of it carried in.
-    chains = chains._replace(
-        first_bad=_with_first_bad(chains.first_bad, chains.states, end)
-    )
+    end_bad = _with_first_bad(after.first_bad, after.states, end)
+    moments = unpack(after.moments, chains.moments)
+    before, chains = chains, after._replace(first_bad=end_bad, moments=moments)
     if live is not None:
         # A stopped chain ran on with the others, its results dropped here (a
         # select per step costs the CPU's loop a third more); only what it recorded
