@@ -25,8 +25,8 @@ per chain, targeting a standard normal, recording every state (a trace of
     floor: the plain run's trace (computed before timing) copied from the device
     (`np.asarray` of it put anew on the device before each call, so that no host copy
     is cached) and written to one file, fsynced as `run_chains` fsyncs each of its files
-    (`eqx_batch/_atomic.py`). The floor leaves out what the checkpoint adds to the
-    bytes: the safetensors header, the CRC-32 of the data, the state files, the
+    (`eqx_batch/_files/_atomic.py`). The floor leaves out what the checkpoint adds to
+    the bytes: the safetensors header, the CRC-32 of the data, the state files, the
     renames and the folder's fsync. Each call gets a new, empty folder (deleted after
     it, outside the timing), so every call writes its whole checkpoint; the folders
     are made by `tempfile` (under `$TMPDIR`, else `/tmp`; its file system is said in

@@ -11,8 +11,8 @@ import pytest
 from helpers import assert_trees_identical
 
 import eqx_batch as eb
-from eqx_batch._atomic import atomic_write
-from eqx_batch._serialise import write_tree
+from eqx_batch._files._atomic import atomic_write
+from eqx_batch._files._serialise import write_tree
 
 
 def test_atomic_write_replaces(tmp_path):
@@ -64,7 +64,7 @@ def test_crash_mid_write_leaves_previous_file_whole(getkey, tmp_path):
     script = textwrap.dedent(
         f"""
         import os
-        from eqx_batch._atomic import atomic_write
+        from eqx_batch._files._atomic import atomic_write
 
         def write(file):
             file.write(b"x" * 100_000)

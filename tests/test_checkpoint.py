@@ -365,8 +365,8 @@ def test_a_checkpoint_of_the_earlier_layout_is_refused(tmp_path):
     # Earlier eqx_batch kept every chain at the path, with its progress there: the
     # same run's checkpoint in that layout is refused, naming both layouts, and no
     # file is touched.
-    from eqx_batch._file_format import read_metadata
-    from eqx_batch._serialise import write_tree
+    from eqx_batch._files._file_format import read_metadata
+    from eqx_batch._files._serialise import write_tree
 
     path = tmp_path / "run.ckpt"
     eb.run_chains(metropolis, make_init(2), jr.key(0), 10, checkpoint=path)
@@ -651,7 +651,7 @@ def test_the_draw_listing_names_every_draw_of_the_newest_step(tmp_path):
     # in order of draws, each with its chains and draws.
     from eqx_batch._chains._checkpoints._checkpoint import Checkpoint
     from eqx_batch._chains._jobs._identity import RunIdentity
-    from eqx_batch._file_format import read_metadata
+    from eqx_batch._files._file_format import read_metadata
 
     path = tmp_path / "run.ckpt"
     result = eb.run_chains(

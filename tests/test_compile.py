@@ -1,4 +1,5 @@
-"""The compile plumbing in `_compile.py`: the static part of a pytree and `AsyncJit`."""
+"""The compile plumbing in `_compiling/_compile.py`: the static part of a pytree and
+`AsyncJit`."""
 
 import math
 from typing import Any
@@ -9,8 +10,14 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import pytest
 
-from eqx_batch import _static_key
-from eqx_batch._compile import AsyncJit, combine, donated_once, hold, partition
+from eqx_batch._compiling import _static_key
+from eqx_batch._compiling._compile import (
+    AsyncJit,
+    combine,
+    donated_once,
+    hold,
+    partition,
+)
 
 
 def test_partition_takes_out_arrays_and_combine_puts_them_back():

@@ -21,7 +21,7 @@ from helpers import assert_trees_identical, checkpoint_steps_done, raises
 
 import eqx_batch as eb
 from eqx_batch._chains._checkpoints._disk_trace import disk_trace, DiskArray, ListedFile
-from eqx_batch._serialise import write_tree
+from eqx_batch._files._serialise import write_tree
 
 
 def _read(trace):

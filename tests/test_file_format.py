@@ -24,9 +24,9 @@ from helpers import assert_trees_identical, mixed_tree
 from hypothesis import given, HealthCheck, settings
 
 import eqx_batch as eb
-from eqx_batch._file_format import BadFileError, read_metadata
-from eqx_batch._file_layout import FIXED_END
-from eqx_batch._serialise import read_tree, write_tree
+from eqx_batch._files._file_format import BadFileError, read_metadata
+from eqx_batch._files._file_layout import FIXED_END
+from eqx_batch._files._serialise import read_tree, write_tree
 
 
 SETTINGS = settings(
@@ -366,7 +366,7 @@ def test_hostile_sizes_under_an_address_space_limit(tmp_path):
         import resource, sys
         import jax.numpy as jnp
         import eqx_batch as eb
-        from eqx_batch._file_format import read_metadata
+        from eqx_batch._files._file_format import read_metadata
 
         like = {"w": jnp.zeros((4, 3))}
         eb.load(sys.argv[1], like)  # everything loading needs is imported and ready

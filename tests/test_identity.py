@@ -42,7 +42,7 @@ def test_a_checkpoint_of_another_jax_is_refused():
 def test_every_run_records_every_option(tmp_path, with_output):
     # One rule for every run: no field is left out to keep an older identity.
     from eqx_batch._chains._jobs._identity import RunOptions
-    from eqx_batch._file_format import read_metadata
+    from eqx_batch._files._file_format import read_metadata
 
     path = tmp_path / "run.ckpt"
     step = (lambda s, k: (metropolis(s, k), {"n": 1})) if with_output else metropolis

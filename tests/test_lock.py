@@ -111,8 +111,8 @@ def _rewrite_progress(path: pathlib.Path, edit: Any) -> None:
     """Rewrites the state file of a checkpoint's last step with its progress record
     edited, and sound otherwise (as a bug, or someone who knows the format, would
     write it)."""
-    from eqx_batch._file_format import read_metadata
-    from eqx_batch._serialise import write_tree
+    from eqx_batch._files._file_format import read_metadata
+    from eqx_batch._files._serialise import write_tree
 
     [path] = path.parent.glob(f"{path.name}.*.state-20.rows-0-3")
     metadata = read_metadata(path)

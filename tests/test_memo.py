@@ -1,6 +1,6 @@
 """`BoundedCache`: the per-call memo forgets its oldest entries beyond its size."""
 
-from eqx_batch._memo import BoundedCache
+from eqx_batch._compiling._memo import BoundedCache
 
 
 def test_holds_at_most_its_size_forgetting_the_oldest():

@@ -22,8 +22,8 @@ from helpers import assert_trees_identical, mixed_tree
 from hypothesis import given, HealthCheck, settings
 
 import eqx_batch as eb
-from eqx_batch._file_format import BadFileError
-from eqx_batch._serialise import read_tree, write_tree
+from eqx_batch._files._file_format import BadFileError
+from eqx_batch._files._serialise import read_tree, write_tree
 
 
 SETTINGS = settings(

@@ -410,7 +410,7 @@ def test_a_record_that_disagrees_with_the_progress_is_refused(tmp_path):
     # or someone who knows the format, would write it): read back, it would give the
     # state of one step under the report of another.
     from eqx_batch._chains._until._moments import Moments
-    from eqx_batch._serialise import read_tree, write_tree
+    from eqx_batch._files._serialise import read_tree, write_tree
 
     path = tmp_path / "run.ckpt"
     stop = _stopped(_run(checkpoint=path, checkpoint_every=50)).step

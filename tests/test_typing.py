@@ -29,7 +29,7 @@ from jaxtyping import (
 )
 
 import eqx_batch as eb
-from eqx_batch import _typing
+from eqx_batch._types import _typing
 
 
 # Static checkers read `eb.Stacked[...]` as the model class, which `isinstance` and

@@ -15,8 +15,8 @@ from helpers import assert_trees_identical, tree_allclose
 from hypothesis import given, settings
 
 import eqx_batch as eb
-from eqx_batch._bind import bind_arguments
-from eqx_batch._sizes import check_mapped_sizes
+from eqx_batch._transforms._bind import bind_arguments
+from eqx_batch._transforms._sizes import check_mapped_sizes
 
 
 def _arange(*shape: int) -> jax.Array:

@@ -33,7 +33,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding
 
-from .._compile import AsyncJit
+from .._compiling._compile import AsyncJit
 from ._all_chains import RunStep
 from ._common import ChainState
 from ._placement import made_zeros

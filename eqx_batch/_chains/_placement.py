@@ -23,10 +23,10 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from .._compiling._memo import BoundedCache
 from .._errors import BatchError
-from .._memo import BoundedCache
-from .._select import take
-from .._shard import Device, member_mesh, named_mesh
+from .._stacking._select import take
+from .._transforms._shard import Device, member_mesh, named_mesh
 from .._tree import as_keys_like, host_array, is_array, is_key
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import jax
 
-from .._compile import partition
-from .._lowered import array_types
-from .._memo import BoundedCache
+from .._compiling._compile import partition
+from .._compiling._lowered import array_types
+from .._compiling._memo import BoundedCache
 from .._tree import structs
 from ._all_chains import RunStep
 from ._common import OneChain

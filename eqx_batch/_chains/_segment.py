@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 
-from .._compile import AsyncJit
+from .._compiling._compile import AsyncJit
 from .._tree import is_array
 from ._all_chains import RunStep
 from ._common import ChainState

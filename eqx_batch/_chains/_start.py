@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from .._progress import ProgressBar
-from .._select import take
+from .._stacking._select import take
 from ._arguments import Init
 from ._checkpoints._checkpoint_files import (
     chunk_path,

@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from ..._atomic import temporary_name
+from ..._files._atomic import temporary_name
 
 
 def chunk_path(path: pathlib.Path, first: int, stop: int) -> pathlib.Path:

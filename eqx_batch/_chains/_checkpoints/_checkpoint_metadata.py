@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..._errors import BatchError, bullet_list
-from ..._file_format import BadFileError, ForeignFileError, read_metadata
+from ..._files._file_format import BadFileError, ForeignFileError, read_metadata
 from .._jobs._identity import RunIdentity
 from ._checkpoint_files import DrawFile
 

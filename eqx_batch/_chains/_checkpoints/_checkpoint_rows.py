@@ -19,8 +19,8 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ..._errors import BatchError
-from ..._file_format import BadFileError
-from ..._serialise import read_tree
+from ..._files._file_format import BadFileError
+from ..._files._serialise import read_tree
 from ..._tree import as_keys_like, host_array, structs
 from .._common import ChainState
 from ._checkpoint_files import DrawFile, StateFile

@@ -18,7 +18,7 @@ import jax
 import jax.tree_util as jtu
 
 from ..._errors import BatchError
-from ..._serialise import write_tree
+from ..._files._serialise import write_tree
 from .._common import ChainState, Draws
 from .._jobs._job import raise_if_any_failed
 from .._until._problem_records import ProblemRecords

@@ -33,8 +33,8 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ..._errors import BatchError
-from ..._file_format import BadFileError, open_checked
-from ..._file_layout import LENGTH, NAMESPACE
+from ..._files._file_format import BadFileError, open_checked
+from ..._files._file_layout import LENGTH, NAMESPACE
 from ..._tree import as_key_data, is_key, LazyArray
 from ._checkpoint_files import checkpoint_name_pattern, run_file_pattern
 

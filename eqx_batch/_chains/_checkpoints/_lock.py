@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 import jax
 
-from ..._atomic import temporary_name_pattern
 from ..._errors import BatchError
+from ..._files._atomic import temporary_name_pattern
 from .._jobs._job import from_process_zero, raise_if_any_failed, shared_failures
 from ._checkpoint_files import checkpoint_name_pattern, run_file_pattern
 

@@ -25,7 +25,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from ..._compile import all_equations
+from ..._compiling._compile import all_equations
 from ..._errors import BatchError, describe, qualified_name
 from ..._tree import host_array, is_array, is_key
 

@@ -18,10 +18,10 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from ._compile import StaticPart
-from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
-from ._static_key import read_nodes
-from ._tree import is_tracer
+from .._compiling._compile import StaticPart
+from .._compiling._static_key import read_nodes
+from .._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
+from .._tree import is_tracer
 
 
 def check_output_static(

@@ -12,7 +12,7 @@ from typing import Any
 
 import equinox as eqx
 
-from ._errors import BatchError, KeyPath
+from .._errors import BatchError, KeyPath
 
 
 DEFAULT_AXIS = eqx.if_array(0)
@@ -68,7 +68,7 @@ def bind_arguments(
     !!! Example
 
         ```python
-        from eqx_batch._bind import bind_arguments
+        from eqx_batch._transforms._bind import bind_arguments
 
         def affine(x, w, b, *, key=None):
             return x @ w + b

@@ -16,7 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._errors import BatchError, check_int, leaf_name
+from .._errors import BatchError, check_int, leaf_name
 from ._mapped_call import bind_call, MappedCall
 from ._outputs import join_output, OutputSkeleton, split_output
 from ._sizes import check_axis_size

@@ -34,10 +34,15 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._compiling._compile import AsyncJit, combine, hold, StaticPart
+from .._compiling._lowered import ArrayTypes, CallAdapter, Lowered
+from .._errors import BatchError, bullet_list, describe, leaf_name
+from .._tree import (
+    is_array,
+    is_tracer,
+    resolve_axes,
+)
 from ._bind import bind_arguments
-from ._compile import AsyncJit, combine, hold, StaticPart
-from ._errors import BatchError, bullet_list, describe, leaf_name
-from ._lowered import ArrayTypes, CallAdapter, Lowered
 from ._mapped_call import bind_call, MappedCall
 from ._outputs import join_output, OutputSkeleton, split_output
 from ._shard import (
@@ -49,11 +54,6 @@ from ._shard import (
 )
 from ._sizes import check_axis_size
 from ._static_tracers import check_output_static
-from ._tree import (
-    is_array,
-    is_tracer,
-    resolve_axes,
-)
 from ._vmap import filter_vmap
 
 

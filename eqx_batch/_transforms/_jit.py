@@ -20,12 +20,12 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from ._compile import AsyncJit, CallPlan, hold, partition, unhashable_static
-from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
-from ._lowered import ArrayTypes, CallAdapter, Lowered
-from ._memo import BoundedCache
+from .._compiling._compile import AsyncJit, CallPlan, hold, partition, unhashable_static
+from .._compiling._lowered import ArrayTypes, CallAdapter, Lowered
+from .._compiling._memo import BoundedCache
+from .._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
+from .._tree import is_array, is_tracer
 from ._static_tracers import check_output_static
-from ._tree import is_array, is_tracer
 
 
 _P = ParamSpec("_P")

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._tree import is_key, is_weak, make_weak, weak_scalar
+from .._tree import is_key, is_weak, make_weak, weak_scalar
 
 
 def on_cpu(x: jax.Array) -> bool:

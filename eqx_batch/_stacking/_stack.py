@@ -26,7 +26,18 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError, check_int, KeyPath, leaf_name
+from .._errors import BatchError, check_int, KeyPath, leaf_name
+from .._tree import (
+    axis_sizes,
+    common_size,
+    host_array,
+    is_array,
+    is_numpy,
+    is_tracer,
+    is_weak,
+    mapped_leaves,
+    resolve_axes,
+)
 from ._from_host import (
     key_impl,
     on_cpu,
@@ -42,17 +53,6 @@ from ._member_mismatch import (
     grid_members,
     MemberGrid,
     members_of,
-)
-from ._tree import (
-    axis_sizes,
-    common_size,
-    host_array,
-    is_array,
-    is_numpy,
-    is_tracer,
-    is_weak,
-    mapped_leaves,
-    resolve_axes,
 )
 
 

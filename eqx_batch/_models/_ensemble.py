@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 
-from ._errors import BatchError, check_int, describe
-from ._tree import is_key
-from ._typing import Stacked
+from .._errors import BatchError, check_int, describe
+from .._tree import is_key
+from .._types._typing import Stacked
 
 
 _Model = TypeVar("_Model")

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
-from ._tree import axis_sizes, common_size, is_array, is_weak, mapped_leaves
+from .._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
+from .._tree import axis_sizes, common_size, is_array, is_weak, mapped_leaves
 
 
 _Carry = TypeVar("_Carry")

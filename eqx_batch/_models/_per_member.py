@@ -11,8 +11,8 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 
-from ._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
-from ._tree import axis_sizes, common_size, mapped_leaves
+from .._errors import BatchError, bullet_list, describe, KeyPath, leaf_name
+from .._tree import axis_sizes, common_size, mapped_leaves
 
 
 def per_member(

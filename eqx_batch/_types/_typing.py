@@ -17,9 +17,9 @@ from typing import Any, NamedTuple, TYPE_CHECKING
 import jaxtyping
 from jaxtyping import AbstractArray, Shaped
 
-from ._errors import BatchError, leaf_name, type_names
+from .._errors import BatchError, leaf_name, type_names
+from .._tree import is_array
 from ._leaf_annotations import Field, flatten_annotated, Instance, LeafAnnotations
-from ._tree import is_array
 from ._typecheck import CHECKED_ARGUMENTS
 
 

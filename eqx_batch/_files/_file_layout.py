@@ -46,9 +46,9 @@ from typing import Any, BinaryIO, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from .._errors import BatchError
+from .._tree import is_lazy_array, LazyArray
 from ._atomic import atomic_write
-from ._errors import BatchError
-from ._tree import is_lazy_array, LazyArray
 
 
 NAMESPACE = "eqx_batch."

@@ -14,10 +14,8 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError, describe, KeyPath, leaf_name, qualified_name
-from ._file_format import CheckedFile
-from ._file_layout import storable
-from ._tree import (
+from .._errors import BatchError, describe, KeyPath, leaf_name, qualified_name
+from .._tree import (
     is_array,
     is_key,
     is_lazy_array,
@@ -26,6 +24,8 @@ from ._tree import (
     make_weak,
     weak_scalar,
 )
+from ._file_format import CheckedFile
+from ._file_layout import storable
 
 
 _KIND_PHRASES = {

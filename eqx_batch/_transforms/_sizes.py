@@ -16,9 +16,9 @@ import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
 
+from .._errors import BatchError, bullet_list, check_int, describe, KeyPath, leaf_name
+from .._tree import is_array, is_int, mapped_leaves
 from ._bind import DEFAULT_AXIS, LeavesByArgument
-from ._errors import BatchError, bullet_list, check_int, describe, KeyPath, leaf_name
-from ._tree import is_array, is_int, mapped_leaves
 
 
 def check_axis_size(axis_size: Any) -> int | None:
@@ -91,7 +91,7 @@ def check_mapped_sizes(
     !!! Example
 
         ```python
-        from eqx_batch._sizes import check_mapped_sizes
+        from eqx_batch._transforms._sizes import check_mapped_sizes
 
         arguments = {"x": jnp.ones((8, 3)), "w": jnp.ones((3, 2))}
         axes = {"x": 0, "w": None}

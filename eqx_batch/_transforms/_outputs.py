@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._compile import combine, DYNAMIC, StaticPart
-from ._errors import BatchError, describe, KeyPath, leaf_name
-from ._tree import is_array, resolve_axes
+from .._compiling._compile import combine, DYNAMIC, StaticPart
+from .._errors import BatchError, describe, KeyPath, leaf_name
+from .._tree import is_array, resolve_axes
 
 
 # Python scalars are JAX values: under a member axis `jax.vmap` broadcasts them to

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError, describe, is_bool
+from .._errors import BatchError, describe, is_bool
+from .._tree import host_array, is_numpy, is_tracer
 from ._from_host import on_cpu, put_like
 from ._stack import index_leaf, leaves_and_count
-from ._tree import host_array, is_numpy, is_tracer
 
 
 Tree = TypeVar("Tree")

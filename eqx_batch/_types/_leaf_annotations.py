@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax.tree_util as jtu
 from jaxtyping import AbstractArray
 
-from ._errors import KeyPath
+from .._errors import KeyPath
 
 
 # The leaf index of an annotated field holding a leaf directly, and the field's types

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import safetensors
 
-from ._errors import BatchError
+from .._errors import BatchError
 from ._file_layout import (
     DATA_CRC_AT,
     FIXED_END,

@@ -9,8 +9,8 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from .._errors import BatchError
 from ._compile import AsyncJit, donated_once, StaticPart
-from ._errors import BatchError
 
 
 ArrayTypes = tuple[tuple[tuple[int, ...], Any], ...]

@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 import jax
 import jax.tree_util as jtu
 
-from ._errors import BatchError, bullet_list, leaf_name
+from .._errors import BatchError, bullet_list, leaf_name
+from .._tree import is_lazy_array
 from ._file_format import CheckedFile, open_checked
 from ._file_layout import check_caller_metadata, write_file
 from ._leaf_records import (
@@ -28,7 +29,6 @@ from ._leaf_records import (
     leaf_value,
     materialise,
 )
-from ._tree import is_lazy_array
 
 
 Tree = TypeVar("Tree")

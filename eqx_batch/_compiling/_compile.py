@@ -22,10 +22,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.tree_util as jtu
 
-from ._errors import BatchError, describe, KeyPath, leaf_name
+from .._errors import BatchError, describe, KeyPath, leaf_name
+from .._tree import is_array, is_tracer
 from ._memo import BoundedCache
 from ._static_key import SameNodeData, tree_key
-from ._tree import is_array, is_tracer
 
 
 # Marks where a dynamic leaf was taken out of a `StaticPart`.

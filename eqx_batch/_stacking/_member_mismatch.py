@@ -19,8 +19,8 @@ import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
 
-from ._errors import BatchError, describe, KeyPath, leaf_name, type_names
-from ._tree import host_array, is_array, is_tracer, is_weak
+from .._errors import BatchError, describe, KeyPath, leaf_name, type_names
+from .._tree import host_array, is_array, is_tracer, is_weak
 
 
 _SAME_STRUCTURE_FIX = (

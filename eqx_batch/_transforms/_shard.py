@@ -16,8 +16,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ._errors import BatchError
-from ._tree import axis_sizes, common_size, is_array, mapped_leaves
+from .._errors import BatchError
+from .._tree import axis_sizes, common_size, is_array, mapped_leaves
 
 
 MEMBER_AXIS_NAME = "members"

@@ -1,0 +1,1 @@
+"""Compile plumbing: static parts of pytrees, `AsyncJit`, lowered programs, memos."""

@@ -1,0 +1,1 @@
+"""Files: `save` and `load`, the file format, its leaf records, atomic writes."""

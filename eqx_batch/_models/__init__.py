@@ -1,0 +1,1 @@
+"""Models: `ensemble`, `scan_layers` and `per_member`."""

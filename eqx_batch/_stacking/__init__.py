@@ -1,0 +1,1 @@
+"""Stacking members: `stack`, `unstack`, `concat`, `batch_size`, `index`, `take`."""

@@ -1,0 +1,1 @@
+"""Transforms: `filter_vmap`, `filter_pmap`, `filter_jit`, `shard` and their calls."""

@@ -1,0 +1,1 @@
+"""Typed batched models: `Stacked` annotations, `typecheck`, leaves' annotations."""
