@@ -215,8 +215,8 @@ def _resolve_subtree(spec: Any, subtree: Any, argname: str, path: KeyPath) -> An
 
         return jtu.tree_map_with_path(call, subtree)
     raise BatchError(
-        f"axis spec for `{leaf_name(argname, path)}` is {spec!r}; axis specs consist "
-        "of None, ints and callables such as `eqx.if_array(0)` only."
+        f"axis spec for `{leaf_name(argname, path)}` is {spec!r}; it must be None, "
+        "an int or a callable."
     )
 
 
@@ -234,8 +234,7 @@ def resolve_axes(tree: Any, axes: Any, argname: str) -> Any:
         subtrees = prefix.flatten_up_to(tree)
     except (ValueError, TypeError) as e:
         raise BatchError(
-            f"the axis spec for `{argname}` is not a pytree prefix of `{argname}`: "
-            f"{e}\nGive one spec (None, an int or a callable) per subtree."
+            f"the axis spec for `{argname}` is not a pytree prefix of it: {e}"
         ) from None
     resolved = [
         _resolve_subtree(spec, subtree, argname, path)
@@ -271,20 +270,19 @@ def normalise_axis(leaf: Any, axis: int, name: str) -> int:
     """`axis` made non-negative for `leaf`, which must be an array with that axis."""
     if not is_array(leaf):
         raise BatchError(
-            f"`{name}` is {describe(leaf)}, not an array, but is asked to have member "
-            f"axis {axis}. Make it an array, or give it the axis spec None."
+            f"`{name}` is {describe(leaf)}, not an array, but has member axis {axis}: "
+            "make it an array, or give it axis spec None."
         )
     ndim = np.ndim(leaf)
     if ndim == 0:
         raise BatchError(
-            f"`{name}` is a 0-d array ({describe(leaf)}) but is asked to have member "
-            f"axis {axis}: it has no axis to map over. Give it the axis spec None to "
-            "share it, or add a member axis."
+            f"`{name}` is a 0-d array ({describe(leaf)}) but has member axis {axis}: "
+            "give it axis spec None."
         )
     if not -ndim <= axis < ndim:
         raise BatchError(
-            f"`{name}` has shape {tuple(np.shape(leaf))} ({ndim} axes) but is asked to "
-            f"have member axis {axis}, which is out of range."
+            f"`{name}` has shape {tuple(np.shape(leaf))}: member axis {axis} is out of "
+            "range."
         )
     return axis % ndim
 
@@ -311,8 +309,7 @@ def common_size(
     """
     if not sizes:
         raise BatchError(
-            f"no array leaf has a {what}, so its size is undefined. "
-            "Pass a tree with at least one mapped array leaf."
+            f"no array leaf has a {what}: map at least one array leaf."
         )
     counts = Counter(size for _, size in sizes)
     if len(counts) == 1:

@@ -87,9 +87,8 @@ _SLOT_BYTES = _DIGEST_BYTES + _LENGTH_BYTES + _VALUE_BYTES
 # this many bytes (it raises the whole one itself).
 _FAILURE_BYTES = 1024
 _FIX = (
-    "Nothing was run: every process of a job must call `run_chains` with the same "
-    "arguments, the same values in each (build them from the same seeds and data, not "
-    "from `jax.process_index()`)."
+    "Nothing was run: every process must pass the same arguments "
+    "(see docs/multi.md#several-processes)."
 )
 
 
@@ -183,8 +182,8 @@ def _raise_if_any_differs(fields: np.ndarray) -> None:
     if lines:
         details = "\n".join(f"- {line}" for line in lines)
         raise BatchError(
-            f"The {len(fields)} processes of this job called `run_chains` with other "
-            f"arguments:\n{details}\n{_FIX}"
+            f"the {len(fields)} processes called `run_chains` with other arguments:"
+            f"\n{details}\n{_FIX}"
         )
 
 

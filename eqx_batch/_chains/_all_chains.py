@@ -135,11 +135,8 @@ class AllChains(eqx.Module):
         `BatchError`, always.
         """
         raise BatchError(
-            "`data` is given with an `eb.all_chains` step: the step sees every chain "
-            "at once, so there is no one problem to give it the row of. Pass the data "
-            "to the step yourself (`functools.partial(step, data=data)`) and index it "
-            "by each chain's problem inside, or use a per-chain "
-            "`step(state, key, data)`."
+            "`data` is given with an `eb.all_chains` step: pass it with "
+            "`functools.partial` (see docs/chains.md#what-is-refused)."
         )
 
 
@@ -199,8 +196,7 @@ def all_chains(step: Callable) -> AllChains:
         return step
     if not callable(step):
         raise BatchError(
-            f"`step` is {describe(step)}, not a function: `eb.all_chains` marks a "
-            "function `step(states, keys, count)`."
+            f"`step` is {describe(step)}, not a function `step(states, keys, count)`."
         )
     _check_signature(step)
     return AllChains(step)
@@ -214,8 +210,5 @@ def _check_signature(step: Callable) -> None:
         shown, reason = mismatch
         raise BatchError(
             f"`step` is {shown}, but an `eb.all_chains` step is called as "
-            "`step(states, keys, count)` (every chain's state, one key per chain, the "
-            f"step number): {reason}. Take the three arguments (`count` may be "
-            "ignored), or pass a per-chain `step(state, key)` to `run_chains` without "
-            "`eb.all_chains`."
+            f"`step(states, keys, count)`: {reason}."
         )

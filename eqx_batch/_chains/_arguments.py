@@ -50,14 +50,12 @@ def checked_trace(trace: Any, *, checkpointed: bool) -> bool | Literal["disk"]:
     if isinstance(trace, str):
         if trace != "disk":
             raise BatchError(
-                f"`trace` is {trace!r}; it must be True, False or 'disk' (to stream "
-                "the draws to the checkpoint's files)."
+                f"`trace` is {trace!r}; it must be True, False or 'disk'."
             )
         if not checkpointed:
             raise BatchError(
-                "`trace='disk'` streams the draws to the checkpoint's files, but "
-                "`checkpoint` is None: pass a file path as `checkpoint`, or "
-                "`trace=True` to keep the trace in memory."
+                "`trace='disk'` but `checkpoint` is None: pass a `checkpoint` path, "
+                "or `trace=True`."
             )
         return "disk"
     if not is_bool(trace) or getattr(trace, "ndim", 0) != 0:
@@ -88,8 +86,7 @@ def checked_counts(
     if checkpoint_every is not None:
         if not checkpointed:
             raise BatchError(
-                "`checkpoint_every` is set but `checkpoint` is None: pass a file path "
-                "as `checkpoint` to write checkpoints to."
+                "`checkpoint_every` is set but `checkpoint` is None: pass a path."
             )
         checkpoint_every = check_int(checkpoint_every, "checkpoint_every", minimum=1)
     if chunk_size is not None:
@@ -169,22 +166,19 @@ def chain_keys(key: Any, num_chains: int) -> tuple[jax.Array, bool]:
             # Legacy keys are raw data of the default implementation's key shape.
             key_shape = jr.key_data(jr.key(0)).shape
             raise BatchError(
-                f"`key` is {describe(key)}, which is not legacy key data: each legacy "
-                f"key (`jr.PRNGKey(0)`) is uint32{list(key_shape)}, so one key per "
-                f"chain is uint32[{num_chains},{','.join(map(str, key_shape))}]. Pass "
-                "such keys, or typed keys (`jr.key(0)`)."
+                f"`key` is {describe(key)}, not legacy keys: pass "
+                f"uint32[{num_chains},{','.join(map(str, key_shape))}], or `jr.key`."
             ) from None
     else:
         raise BatchError(
-            f"`key` is {describe(key)}; pass one PRNG key (`jr.key(0)`, or legacy "
-            f"`jr.PRNGKey(0)`) or an array of {num_chains} keys, one per chain."
+            f"`key` is {describe(key)}; pass one PRNG key (`jr.key(0)`) or "
+            f"{num_chains}, one per chain."
         )
     if key.ndim == 0:
         return _split(key, num_chains), legacy
     if key.shape != (num_chains,):
         raise BatchError(
             f"`key` holds {key.shape[0] if key.ndim == 1 else key.shape} keys but "
-            f"`init` has {num_chains} chains. Pass one key per chain, or a single key "
-            f"to be split with `jax.random.split(key, {num_chains})`."
+            f"`init` has {num_chains} chains: pass one key per chain, or one key."
         )
     return key, legacy

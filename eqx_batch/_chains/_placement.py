@@ -180,10 +180,8 @@ def chain_devices(num_chains: int) -> list[Device]:
     if per_process == 0:
         processes = jax.process_count()
         raise BatchError(
-            f"{num_chains} chains cannot be split evenly over the {processes} "
-            "processes of this job, and an `eb.all_chains` step sees every chain, so "
-            "none can be padding. Run a multiple of "
-            f"{processes} chains (one or more per process)."
+            f"{num_chains} chains do not split over {processes} processes: run a "
+            "multiple (see docs/chains.md#what-is-refused)."
         )
     chosen = {device for devices in _by_process() for device in devices[:per_process]}
     return [device for device in jax.devices() if device in chosen]

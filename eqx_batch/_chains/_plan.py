@@ -214,10 +214,8 @@ def _check_all_chains_run(num_chains: int, chunk_size: int | None) -> None:
     """
     if chunk_size is not None:
         raise BatchError(
-            f"`chunk_size={chunk_size}` cannot be used with an `eb.all_chains` step: "
-            "the step must see every chain at once, and a chunk holds only some of "
-            "them (its moves would depend on the chunking). Pass `chunk_size=None`, or "
-            "fewer chains if they do not fit in memory."
+            f"`chunk_size={chunk_size}` with an `eb.all_chains` step: pass None "
+            "(see docs/chains.md#what-is-refused)."
         )
     chain_devices(num_chains)
 

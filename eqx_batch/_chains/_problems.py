@@ -195,24 +195,17 @@ def problem_step(
     if superchains is not None and superchains % num_problems:
         raise BatchError(
             f"`data` holds {num_problems} problems, which do not divide "
-            f"`superchains={superchains}`: `superchains` counts the superchains of "
-            f"every problem, superchain `s` belonging to problem "
-            f"`s // (superchains // problems)`. Pass {num_problems} * K superchains."
+            f"`superchains={superchains}`: pass {num_problems} * K."
         )
     if num_chains % num_problems:
         raise BatchError(
             f"`data` holds {num_problems} problems, which do not divide the "
-            f"{num_chains} chains: every problem has the same number of chains, chain "
-            f"`c` belonging to problem `c // (chains // problems)`. Pass "
-            f"{num_problems} * M chains in `init` (or keys, with superchains)."
+            f"{num_chains} chains: pass {num_problems} * M."
         )
     return given, int(num_problems)
 
 
-_DATA_IS = (
-    "`data` must be a pytree of arrays with one row per problem along axis 0 (P "
-    "problems), each chain's step given its problem's row."
-)
+_DATA_IS = "(see docs/chains.md#many-problems-in-one-run)"
 
 
 def _num_problems(data: Any) -> int:
@@ -230,20 +223,14 @@ def _num_problems(data: Any) -> int:
     ]
     if not arrays:
         raise BatchError(
-            f"`data` is {describe(data)}, which holds no array: {_DATA_IS} Leaves that "
-            "are not arrays (Python numbers too) are given to every problem as they "
-            "are. "
-            "Stack each problem's values along axis 0 (`jnp.asarray([1.0, 2.0, 3.0])` "
-            "is 3 problems of one number each), or, for one problem, leave `data` out "
-            "and give the step its data with `functools.partial`."
+            f"`data` is {describe(data)}, with no array: stack each problem's row "
+            f"along axis 0 {_DATA_IS}."
         )
     for name, x in arrays:
         if np.ndim(x) == 0:
             raise BatchError(
-                f"`{name}` is a 0-d array ({describe(x)}), with no row per problem: "
-                f"{_DATA_IS} Stack one value per problem along axis 0, or, if every "
-                "problem shares it, make it a Python number (given to every problem "
-                "as it is) or close over it in `step`."
+                f"`{name}` is a 0-d array ({describe(x)}), with no row per problem "
+                f"{_DATA_IS}."
             )
     num_problems = common_size(
         [(name, np.shape(x)[0]) for name, x in arrays],
@@ -253,8 +240,7 @@ def _num_problems(data: Any) -> int:
     if num_problems == 0:
         name, x = arrays[0]
         raise BatchError(
-            f"`data` holds no problem: `{name}` is {describe(x)}, 0 rows along axis 0. "
-            f"{_DATA_IS} Pass data of at least one problem, or leave `data` out."
+            f"`data` holds no problem: `{name}` is {describe(x)}."
         )
     return int(num_problems)
 
@@ -267,6 +253,5 @@ def _check_signature(step: Callable) -> None:
         shown, reason = mismatch
         raise BatchError(
             f"`step` is {shown}, but with `data` it is called as "
-            "`step(state, key, data)`, `data` its chain's problem's row: "
-            f"{reason}. Take the third argument, or leave `data` out."
+            f"`step(state, key, data)`: {reason}."
         )

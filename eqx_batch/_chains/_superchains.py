@@ -36,26 +36,19 @@ def expand_superchains(init: Init, key: Any, superchains: Any) -> tuple[Init, An
     )
     if init.num_chains != superchains:
         raise BatchError(
-            f"`init` has {init.num_chains} members along axis 0, but "
-            f"`superchains={superchains}`: with superchains, `init` holds one start "
-            "per superchain "
-            f"({superchains}), and chain `c` starts from `init[c // M]` (M chains per "
-            "superchain). If `init` already holds a start per chain, pass one per "
-            "superchain instead (e.g. `init[::M]`), so that the chains of a superchain "
-            "cannot start apart."
+            f"`init` has {init.num_chains} members but `superchains={superchains}`: "
+            "pass one start per superchain (see docs/chains.md#superchains)."
         )
     num_keys = _key_count(key)
     if num_keys is None:
         raise BatchError(
-            f"`key` is {describe(key)}, but `superchains={superchains}` needs an array "
-            "of one key per chain: the number of keys, K * M, says how many chains (M) "
-            f"each superchain has. Pass `jax.random.split(key, {superchains} * M)`."
+            f"`key` is {describe(key)}, but `superchains={superchains}` needs one key "
+            f"per chain: `jax.random.split(key, {superchains} * M)`."
         )
     if num_keys == 0 or num_keys % superchains:
         raise BatchError(
             f"`key` holds {num_keys} keys, which `superchains={superchains}` does not "
-            f"divide: every superchain has the same number of chains, so pass "
-            f"{superchains} * M keys (one per chain)."
+            f"divide: pass {superchains} * M."
         )
     per_superchain = num_keys // superchains
     ids = np.arange(num_keys) // per_superchain

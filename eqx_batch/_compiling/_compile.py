@@ -363,19 +363,14 @@ def _check_hashable(
         except TypeError:
             where = name(path) if name is not None else leaf_name("args", path)
             raise BatchError(
-                f"`{where}` is {describe(leaf)}, a non-array value, which is held "
-                "static (part of the compiled program's identity) and so must be "
-                f"hashable; {type(leaf).__name__} is not. Pass it as a JAX or NumPy "
-                "array to trace it, or as a hashable value (a tuple rather than a "
-                "list, a frozenset rather than a set)."
+                f"`{where}` is {describe(leaf)}, static but not hashable: pass an "
+                f"array, or a tuple or frozenset (see docs/transforms.md#what-is-refused)."
             ) from None
     for path, value in unhashable_static(args, ()):
         where = name(path) if name is not None else leaf_name("args", path)
         raise BatchError(
-            f"`{where}` is a static field holding {describe(value)}, which is not "
-            "hashable: a static field is part of the compiled program's identity. "
-            "Hold a hashable value there (a tuple rather than a list), or drop "
-            "`static=True` to trace an array."
+            f"static field `{where}` is {describe(value)}, not hashable: use a tuple, "
+            f"or drop static=True (see docs/transforms.md#what-is-refused)."
         )
 
 

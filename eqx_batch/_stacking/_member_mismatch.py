@@ -24,8 +24,7 @@ from .._tree import host_array, is_array, is_tracer, is_weak
 
 
 _SAME_STRUCTURE_FIX = (
-    "stack and concat need members with the same structure: the same containers, "
-    "keys, module types and static fields."
+    "Members need the same structure (containers, keys, module types, static fields)."
 )
 
 
@@ -95,10 +94,8 @@ def grid_members(rows: list[Any], ndim: int, argname: str) -> tuple[list, tuple]
         name = f"{argname}[{r}]"
         if not is_sequence(row):
             raise BatchError(
-                f"`{name}` is {describe(row)} ({type(row).__qualname__}), but with "
-                f"`ndim={ndim}` every row of `{argname}` is a sequence of "
-                f"{'members' if ndim == 2 else 'rows'} (a list or tuple), as in "
-                f"`eb.stack([[a, b], [c, d]], ndim=2)`."
+                f"`{name}` is {describe(row)} ({type(row).__qualname__}); with "
+                f"`ndim={ndim}` each row must be a list or tuple."
             )
         members, shape = grid_members(list(row), ndim - 1, name)
         if inner is not None and shape != inner:
@@ -108,9 +105,8 @@ def grid_members(rows: list[Any], ndim: int, argname: str) -> tuple[list, tuple]
             else:
                 what = f"has shape {shape} where `{first}` has shape {inner}"
             raise BatchError(
-                f"`{name}` {what}; the rows of a grid must all have the same "
-                f"{'length' if ndim == 2 else 'shape'}. Pad or trim the rows, or "
-                "stack them separately."
+                f"`{name}` {what}; pad or trim the rows to one "
+                f"{'length' if ndim == 2 else 'shape'}."
             )
         inner = shape
         flat.extend(members)
@@ -159,48 +155,38 @@ def check_kept_once(column: list[Any], path: KeyPath, member_grid: MemberGrid) -
         if is_array(leaf) and not is_array(first):
             raise BatchError(
                 f"`{here}` is an array ({describe(leaf)}) but `{there}` is "
-                f"{describe(first)} ({type(first).__name__}), not an array. "
-                "Member 0 decides a leaf's axis spec (`eqx.if_array(0)`, the default, "
-                "maps arrays only), so this leaf is kept once and must be equal across "
-                "members. To stack it, make it an array in every member, "
-                f"`jnp.asarray({describe(first)})` in `{there}` too; to keep it "
-                "once, give every member the same non-array value."
+                f"{describe(first)}: make it an array in every member "
+                "(see docs/stacking.md#what-is-refused)."
             )
         if is_array(first) or is_array(leaf):
             if (is_tracer(first) or is_tracer(leaf)) and type(first) is type(leaf):
                 raise BatchError(
-                    f"`{here}` has axis spec None (shared: kept once), but it is a "
-                    f"traced array other than `{there}`, so it cannot be checked to be "
-                    "equal. Give it a member axis to stack it, or pass the same array "
-                    "object to every member."
+                    f"`{here}` is kept once (axis spec None) but is a traced array "
+                    f"other than `{there}`: give it a member axis "
+                    "(see docs/stacking.md#what-is-refused)."
                 )
             what = f"is {describe(leaf)} but `{there}` is {describe(first)}"
             if describe(leaf) == describe(first) and type(leaf) is type(first):
                 what = f"({describe(leaf)}) holds other values than `{there}`"
             raise BatchError(
-                f"`{here}` {what}, "
-                "and the leaf has axis spec None (shared: kept once), so it must be "
-                "equal across members. Give it a member axis (e.g. "
-                "`axes=eqx.if_array(0)`) to stack it, or make the members equal."
+                f"`{here}` {what}, and axis spec None keeps it once: give it a "
+                "member axis, or make the members equal."
             )
         leaf_type, first_type = type_names(type(leaf), type(first))
         message = (
             f"`{here}` is {describe(leaf)} ({leaf_type}) but "
             f"`{there}` is {describe(first)} ({first_type}). "
-            "Non-array leaves are kept once, so they must be equal (same type and "
-            "value) across members."
+            "Non-array leaves are kept once, so must be equal."
         )
         if isinstance(first, (bool, int, float, complex)) and isinstance(
             leaf, (bool, int, float, complex)
         ):
             message += (
-                " To let it differ per member, make it an array "
-                "(`jnp.asarray(...)`) so that it is stacked."
+                " Make it an array to stack it."
             )
         elif callable(first):
             message += (
-                " Two separately created functions (e.g. two lambdas) are different "
-                "objects; create the function once and share it."
+                " Create the function once and share it."
             )
         raise BatchError(message)
 
@@ -323,30 +309,27 @@ def check_mapped_column(
     there = leaf_name(member_grid.member(0), path)
     if not is_array(first):
         raise BatchError(
-            f"`{there}` is {describe(first)}, not an array, but is asked to have a "
-            "member axis. Make it an array, or give the leaf the axis spec None to "
-            "keep it once."
+            f"`{there}` is {describe(first)}, not an array, but has a member axis: "
+            "make it an array, or give it axis spec None."
         )
     for i, leaf in enumerate(column[1:], start=1):
         here = leaf_name(member_grid.member(i), path)
         if not is_array(leaf):
             raise BatchError(
-                f"`{here}` is {describe(leaf)}, not an array, but `{there}` is an "
-                f"array ({describe(first)}) with a member axis. Make it an array, or "
-                "give the leaf the axis spec None to keep it once."
+                f"`{here}` is {describe(leaf)}, not an array, but `{there}` is "
+                f"{describe(first)}: make it an array too."
             )
         if leaf.dtype != first.dtype:
             raise BatchError(
                 f"`{here}` has dtype {leaf.dtype} but `{there}` has dtype "
-                f"{first.dtype}. Cast the members to one dtype before stacking."
+                f"{first.dtype}: cast them to one dtype."
             )
         if is_weak(leaf) != is_weak(first):
             weak, strong = (here, there) if is_weak(leaf) else (there, here)
             raise BatchError(
-                f"`{weak}` is weakly typed ({describe(leaf)}, as made from a Python "
-                f"scalar) but `{strong}` is not. A stacked array has one weak type, "
-                "so unstacking could not give both back. Make every member's leaf "
-                f"strongly typed: `jnp.asarray(x, dtype=jnp.{leaf.dtype})`."
+                f"`{weak}` is weakly typed but `{strong}` is not: use "
+                f"`jnp.asarray(x, dtype=jnp.{leaf.dtype})` "
+                "(see docs/stacking.md#what-is-refused)."
             )
         shape, first_shape = list(np.shape(leaf)), list(np.shape(first))
         if axis is not None and len(shape) == len(first_shape):
@@ -355,5 +338,5 @@ def check_mapped_column(
             what = "shape" if axis is None else f"shape (apart from member axis {axis})"
             raise BatchError(
                 f"`{here}` has shape {tuple(np.shape(leaf))} but `{there}` has shape "
-                f"{tuple(np.shape(first))}; members need the same {what}."
+                f"{tuple(np.shape(first))}."
             )

@@ -51,16 +51,14 @@ def _select(leaf: Any, where: Any, axis: int) -> Any:
 def _check_traced_index(i: Any, argname: str) -> None:
     if not jnp.issubdtype(i.dtype, jnp.integer):
         raise BatchError(
-            f"`{argname}` is a traced {describe(i)}; an index must be an integer "
-            "(bools are refused, not read as 0 and 1)."
+            f"`{argname}` is a traced {describe(i)}; it must be an integer."
         )
 
 
 def _check_index(i: Any, size: int, argname: str) -> int:
     if is_bool(i):
         raise BatchError(
-            f"`{argname}` is {i!r}, a bool; an index must be an integer (bools are "
-            "refused, not read as 0 and 1)."
+            f"`{argname}` is {i!r}, a bool; it must be an integer."
         )
     try:
         index_ = operator.index(i)
@@ -164,8 +162,7 @@ def take(tree: Tree, indices: Any, *, axes: Any = eqx.if_array(0)) -> Tree:
         or has_bool
     ):
         raise BatchError(
-            f"`indices` is {describe(positions)}; it must be a 1-d sequence or array "
-            "of integers, without bools (use `eb.index` for a single member)."
+            f"`indices` is {describe(positions)}; it must be 1-d integers, no bools."
         )
     if not traced:
         # Checked in the indices' own dtype: casting first would wrap a uint64 above

@@ -200,10 +200,8 @@ def _leaves_and_grid(
     for path, leaf, axis in leaves:
         if axis is not None and axis + ndim > np.ndim(leaf):
             raise BatchError(
-                f"`{leaf_name(argname, path)}` has shape {tuple(np.shape(leaf))} "
-                f"but `ndim={ndim}` asks for {ndim} member axes starting at axis "
-                f"{axis}, up to axis {axis + ndim - 1}, which it does not have. Give "
-                "it the axis spec None to share it, or add the missing member axes."
+                f"`{leaf_name(argname, path)}` has shape {tuple(np.shape(leaf))}, "
+                f"too few axes for `ndim={ndim}` member axes from axis {axis}."
             )
     grid = tuple(
         common_size(

@@ -93,11 +93,9 @@ def bind_arguments(
         if len(in_axes) != len(args):
             passed = ", ".join(f"`{name}`" for name in names[: len(args)]) or "none"
             raise BatchError(
-                f"in_axes is a {type(in_axes).__name__} of {len(in_axes)} specs, one "
-                f"per positional argument, but the call passes {len(args)} positional "
-                f"argument{'' if len(args) == 1 else 's'} ({passed}). Give one spec "
-                "per positional argument (keyword arguments get eqx.if_array(0)), or "
-                "a dict keyed by parameter name."
+                f"in_axes is a {type(in_axes).__name__} of {len(in_axes)} specs but "
+                f"the call passes {len(args)} positional "
+                f"argument{'' if len(args) == 1 else 's'} ({passed})."
             )
         axes = dict(zip(names, in_axes, strict=False))
         axes.update((name, DEFAULT_AXIS) for name in names[len(args) :])
@@ -168,10 +166,8 @@ def _check_dict_keys(
     unknown = [key for key in in_axes if key not in passed and key not in parameters]
     if unknown:
         raise BatchError(
-            f"in_axes names {_listed(unknown)}, which "
-            f"{'is' if len(unknown) == 1 else 'are'} not a parameter of "
-            f"`{function_name(fun)}` nor a keyword of this call. Parameters: "
-            f"{_listed(parameters)}."
+            f"in_axes names {_listed(unknown)}, not a parameter of "
+            f"`{function_name(fun)}` ({_listed(parameters)})."
         )
     # Equinox refuses these too: a default is not the caller's, so whether it is
     # mapped would be a guess.
@@ -179,10 +175,8 @@ def _check_dict_keys(
     if unpassed:
         raise BatchError(
             f"in_axes names {_listed(unpassed)}, which this call to "
-            f"`{function_name(fun)}` does not pass (a parameter left at its default "
-            "cannot be given an axis). Pass "
-            f"{'it' if len(unpassed) == 1 else 'them'} explicitly, or drop "
-            f"{'its entry' if len(unpassed) == 1 else 'their entries'} from in_axes."
+            f"`{function_name(fun)}` does not pass: pass it, or drop the entry "
+            f"(see docs/transforms.md#what-is-refused)."
         )
 
 

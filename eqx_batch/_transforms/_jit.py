@@ -58,10 +58,8 @@ def _check_output_static(out: Any) -> None:
     )
     for path, value in unhashable_static(out, ()):
         raise BatchError(
-            f"the output of `eb.filter_jit` holds {describe(value)} in a static field, "
-            f"`{leaf_name('out', path)}`, which is not hashable: JAX compares the "
-            "static parts of outputs. Hold a hashable value there (a tuple rather "
-            "than a list), or drop `static=True` to return an array."
+            f"output static field `{leaf_name('out', path)}` is {describe(value)}, "
+            f"not hashable: use a tuple, or drop static=True (see docs/transforms.md#what-is-refused)."
         )
 
 
@@ -95,19 +93,16 @@ def _program(donate: str, jit_kwargs: dict[str, Any]) -> AsyncJit:
     for name in _DECIDED_HERE:
         if name in jit_kwargs:
             raise BatchError(
-                f"`{name}` is not passed on to `jax.jit`: `eb.filter_jit` traces every "
-                "array and holds everything else static, and donates by `donate=`. "
-                "Drop it; pass a value as a non-array to make it static."
+                f"`{name}` is decided by `eb.filter_jit`, not passed to `jax.jit`: "
+                f"drop it (see docs/transforms.md#what-is-refused)."
             )
     for (name, *path), leaf in jtu.tree_flatten_with_path(jit_kwargs)[0]:
         try:
             hash(leaf)
         except TypeError:
             raise BatchError(
-                f"`{leaf_name(name.key, tuple(path))}` is {describe(leaf)}, passed on "
-                "to `jax.jit` as part of the compiled program's identity, and so must "
-                f"be hashable; {type(leaf).__name__} is not. Pass a tuple rather than "
-                "a list, a frozenset rather than a set."
+                f"`{leaf_name(name.key, tuple(path))}` is {describe(leaf)}, not "
+                "hashable: pass a tuple or frozenset."
             ) from None
     key = (donate, hold(jit_kwargs))
     return _PROGRAMS.get_or_make(
@@ -432,8 +427,7 @@ def filter_jit(
     if donate not in _DONATED:
         raise BatchError(
             f"donate={donate!r} is not one of 'all', 'all-except-first', 'warn', "
-            "'warn-except-first' and 'none'. Use 'all' to donate every array's "
-            "buffer, 'none' to donate nothing."
+            "'warn-except-first' and 'none'."
         )
     # Made before `fun` is known, so that a bad keyword is refused where it is written.
     program = _program(donate, jit_kwargs)

@@ -64,16 +64,14 @@ def split_output(
         if not is_array(leaf) and not isinstance(leaf, _SCALARS):
             raise BatchError(
                 f"output `{leaf_name('out', path)}` is {describe(leaf)}, not an array, "
-                f"but out_axes asks for member axis {axis}. Give it out_axes None "
-                "(`eqx.if_array(0)` does so for non-arrays)."
+                f"but has out_axes {axis}: give it out_axes None."
             )
         ndim = np.ndim(leaf) + 1
         if not -ndim <= axis < ndim:
             raise BatchError(
                 f"output `{leaf_name('out', path)}` has {ndim} "
-                f"{'axis' if ndim == 1 else 'axes'} once mapped "
-                f"({describe(leaf)} per member) but out_axes asks for member axis "
-                f"{axis}, which is out of range."
+                f"{'axis' if ndim == 1 else 'axes'} once mapped: out_axes {axis} is "
+                "out of range."
             )
         mapped.append(leaf)
         axes.append(axis % ndim)

@@ -455,14 +455,12 @@ def filter_pmap(
     """
     if donate not in ("all", "warn", "none"):
         raise BatchError(
-            f"donate={donate!r} is not one of 'all', 'warn' and 'none'. Use 'all' to "
-            "donate every array argument's buffer, 'none' to donate nothing."
+            f"donate={donate!r} is not one of 'all', 'warn' and 'none'."
         )
     axis_size = check_axis_size(axis_size)
     if devices is not None and len(devices) == 0:
         raise BatchError(
-            "devices is empty: there is no device to run members on. Pass at least "
-            "one device, or devices=None for every device of every process."
+            "devices is empty: pass at least one device, or devices=None for all."
         )
     if fun is None:
         return ft.partial(

@@ -114,11 +114,8 @@ def shard(tree: Any, mesh: Mesh | None = None, *, axes: Any = eqx.if_array(0)) -
     if count % mesh.size:
         padded = -(-count // mesh.size) * mesh.size
         raise BatchError(
-            f"`{sizes[0][0]}` has {count} members, which the {mesh.size} devices of "
-            f"the mesh cannot share evenly. Pad every mapped leaf to {padded} members "
-            "along its member axis (and ignore the extra members' results), use a "
-            f"mesh whose size divides {count}, or call `eb.filter_pmap`, which pads "
-            "internally."
+            f"`{sizes[0][0]}` has {count} members, not a multiple of the mesh's "
+            f"{mesh.size} devices: pad to {padded}, or use `eb.filter_pmap`."
         )
     placed = [leaf for _, leaf, _ in leaves]
     targets = [

@@ -34,8 +34,8 @@ def check_output_static(
     closed over under `jax.jit`, stored as it is) is still valid and is left alone, as
     Equinox leaves it. A program's body (`lax.scan`'s, `jax.shard_map`'s) is traced
     to a program whose tracers JAX does not mark as ended, and even an unmapped
-    argument is traced there: out of such a body, every tracer is refused, and
-    `compiled` says which program it was, for the message.
+    argument is traced there: out of such a body (`compiled` names it), every tracer
+    is refused.
     Reads the output's structure only, at trace time: nothing is added to the program.
 
     **Raises:**
@@ -52,35 +52,10 @@ def check_output_static(
     ]
     if not escaped:
         return
-    fix = "so that each member gets its own value, or compute it"
-    if compiled is not None:
-        cause = (
-            f"{compiled}, where every array is traced, unmapped arguments too, and a "
-            "traced value in a static part would outlive the program"
-        )
-    else:
-        cause = (
-            "A value computed from a mapped argument cannot get a member axis there, "
-            "and would outlive its trace"
-        )
-    if transform == "`eb.filter_jit`":
-        # No members here: the program's output is returned by every later call.
-        cause = (
-            "A traced value in a static part outlives the program, and later calls "
-            "return it as it is"
-        )
-        fix = "or compute it"
-    else:
-        cause = (
-            "Static fields are not batched: they belong to the pytree's structure, "
-            f"which all members' outputs share. {cause}"
-        )
     raise BatchError(
-        f"the output of {transform} holds traced values in its static part (fields "
-        "declared `eqx.field(static=True)`, or other static data of a pytree node):"
-        f"\n{bullet_list(escaped)}\n{cause} (its next use would raise JAX's "
-        "UnexpectedTracerError). Make it an array field (drop static=True) "
-        f"{fix} outside {transform}."
+        f"the output of {transform} holds traced values in static fields:"
+        f"\n{bullet_list(escaped)}\nDrop static=True, or compute them outside "
+        f"{transform} (see docs/transforms.md#what-is-refused)."
     )
 
 

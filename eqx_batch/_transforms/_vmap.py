@@ -44,9 +44,7 @@ class _VmapWrapper(eqx.Module):
         if self.axis_name is not None:
             raise BatchError(
                 f"axis_name={self.axis_name!r} with chunk_size={self.chunk_size} < "
-                f"{size} members: a collective over `{self.axis_name}` inside a chunk "
-                "would see only that chunk's members. Drop chunk_size, or compute the "
-                "collective outside filter_vmap."
+                f"{size} members: drop chunk_size (see docs/transforms.md#what-is-refused)."
             )
         # Compile the loop over chunks so it is not bound by Python dispatch, and so
         # an eager `jax.grad` reuses it; under an outer `jax.jit` it is just traced.
@@ -57,10 +55,8 @@ class _VmapWrapper(eqx.Module):
         mapped, _, _ = split_output(out, self.out_axes)
         if mapped:
             raise BatchError(
-                "no argument has a mapped array leaf and axis_size is not given, so "
-                "the number of members is unknown, yet out_axes asks for a member "
-                "axis in the output. Map an argument, pass axis_size=..., or give the "
-                "output out_axes None."
+                "out_axes asks for a member axis but no argument is mapped: pass "
+                "axis_size=..., or give the output out_axes None."
             )
         return out
 
@@ -95,9 +91,8 @@ class _VmapWrapper(eqx.Module):
                     raise
                 name = leaf_name("out", skeletons[-1].unmapped_paths[int(found[1])])
                 raise BatchError(
-                    f"output `{name}` has out_axes None but differs between members "
-                    "(it depends on a mapped argument). Give it a member axis in "
-                    "out_axes, or compute it from unmapped arguments only."
+                    f"output `{name}` has out_axes None but differs between members: "
+                    "give it a member axis."
                 ) from None
             check_output_static(out[2].static, "filter_vmap")
             return out

@@ -80,8 +80,8 @@ class RunMetadata:
             return read_metadata(path)
         except FileNotFoundError:
             raise BatchError(
-                f"the {what} {path} of `checkpoint` ({self.path}) is missing. Delete "
-                "the checkpoint's files to start this run afresh."
+                f"the {what} {path} of `checkpoint` ({self.path}) is missing: delete "
+                "its files to start afresh."
             ) from None
         except (BadFileError, OSError) as e:
             raise self.unreadable(what, e) from None
@@ -101,8 +101,8 @@ class RunMetadata:
             saved = None
         if not isinstance(saved, dict):
             raise BatchError(
-                f"the file {path} of `checkpoint` ({self.path}) has no readable run "
-                "description: it is not a `run_chains` checkpoint file."
+                f"{path} of `checkpoint` ({self.path}) is not a `run_chains` "
+                "checkpoint file."
             )
         differences = self.identity.differences(saved)
         if differences or metadata.get(_RUN_ID) != self.identity.run_id:
@@ -127,10 +127,8 @@ class RunMetadata:
         if holds != expected:
             raise BatchError(
                 f"the draw file {path} of `checkpoint` ({self.path}) holds chains "
-                f"{holds[0]!r} and draws {holds[1]!r}, but the checkpoint names it "
-                f"for chains {expected[0]} and draws {expected[1]}: the "
-                "checkpoint's files were mixed up. Delete them to start this run "
-                "afresh."
+                f"{holds[0]!r}, draws {holds[1]!r}, not {expected[0]}, {expected[1]}: "
+                "delete its files."
             )
         return path
 
@@ -140,8 +138,8 @@ class RunMetadata:
         """The error of a checkpoint of this run that cannot be resumed, because of
         `problem`."""
         return BatchError(
-            f"`checkpoint` ({self.path}) cannot be resumed: {problem}. Delete the "
-            "checkpoint's files (or pass another path) to start this run afresh."
+            f"`checkpoint` ({self.path}) cannot be resumed: {problem}. Delete its "
+            "files to start afresh."
         )
 
     def unreadable(self, what: str, error: Exception) -> BatchError:

@@ -121,18 +121,14 @@ class CheckpointReader:
         metadata = self.metadata.read(self.path, "checkpoint")
         if not self.metadata.is_run_description(metadata):
             raise BatchError(
-                f"`checkpoint` ({self.path}) is an eqx_batch file but not a "
-                "`run_chains` checkpoint (it has no run description). Pass another "
-                "path: this one would be overwritten."
+                f"`checkpoint` ({self.path}) is an eqx_batch file, not a `run_chains` "
+                "checkpoint: pass another path."
             )
         self.metadata.check_run(self.path, metadata)
         if self.metadata.has_progress(metadata):
             raise BatchError(
-                f"`checkpoint` ({self.path}) was written by an earlier eqx_batch, "
-                "whose checkpoints keep every chain in this one file; this eqx_batch "
-                "writes each process's chains to files of their own and cannot read "
-                "it. Finish the run with the eqx_batch that wrote it, or delete the "
-                "checkpoint's files to start it afresh."
+                f"`checkpoint` ({self.path}) was written by an earlier eqx_batch: "
+                f"finish it with that one (see docs/chains.md#checkpoint-and-resume)."
             )
 
     def _record(
@@ -168,9 +164,8 @@ class CheckpointReader:
         if gap is not None:
             steps_done = tiles[0].step
             raise self.metadata.damaged(
-                f"the state files of step {steps_done} list no draw file for draw "
-                f"{gap[1]} of chain {gap[0]}, of the {num_draws} that {steps_done} "
-                "steps record"
+                f"no draw file for draw {gap[1]} of chain {gap[0]} "
+                f"(of {num_draws}, step {steps_done})"
             )
         if trace_like is None and draw_files:
             raise self.metadata.damaged("it lists draw files for a run without a trace")
@@ -215,8 +210,8 @@ class CheckpointReader:
             )
         if (steps_done, rows) != (tile.step, tile.rows):
             raise self.metadata.damaged(
-                f"its state file {tile.path.name} says it holds chains {rows} after "
-                f"step {steps_done}: the checkpoint's files were mixed up"
+                f"its state file {tile.path.name} holds chains {rows} after step "
+                f"{steps_done}"
             )
         return progress
 
@@ -236,10 +231,8 @@ class CheckpointReader:
                     and entry.name == self.files.draws_name(rows, drawn)
                 ):
                     raise self.metadata.damaged(
-                        f"its state file {tile.path.name} lists the draw file "
-                        f"{entry.name!r} for chains {rows!r} and draws {drawn!r}, "
-                        "which is not this run's file of them (expected "
-                        "`<name>.<run id>.rows-A-B.draws-X-Y`)"
+                        f"its state file {tile.path.name} lists {entry.name!r}, "
+                        "not this run's draw file"
                     )
                 listed[entry.name] = entry
         return list(listed.values())

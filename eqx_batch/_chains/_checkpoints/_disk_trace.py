@@ -530,8 +530,7 @@ def _check_tiling(
         covered[rows, draws] += 1
     if num_chains * num_draws and not (covered >= 1).all():
         raise BatchError(
-            f"the draw files of `checkpoint` ({checkpoint}) do not hold every one "
-            f"of the {num_chains} chains' {num_draws} draws (files listed: "
-            f"{[(str(e.path), e.rows, e.draws) for e in listing][:10]}): the "
-            "checkpoint's files were mixed up. Delete them to run it afresh."
+            f"the draw files of `checkpoint` ({checkpoint}) miss some of the "
+            f"{num_chains} chains' {num_draws} draws: delete them (listed: "
+            f"{[(str(e.path), e.rows, e.draws) for e in listing][:10]})."
         )

@@ -48,9 +48,8 @@ def check_folder(path: pathlib.Path) -> None:
         # link, its draw files would be looked for (and written) beside the link, away
         # from the checkpoint it points to, and a live run's files could be mixed up.
         raise BatchError(
-            f"`checkpoint` ({path}) is a symbolic link (to {os.readlink(path)}), which "
-            "`run_chains` does not follow: a run's files are named after its path. "
-            "Pass the path it points to, or another path; nothing was read or written."
+            f"`checkpoint` ({path}) is a symbolic link (to {os.readlink(path)}): "
+            f"pass the path it points to (see docs/chains.md#checkpoint-and-resume)."
         )
     if path.is_dir():
         raise BatchError(
@@ -60,8 +59,7 @@ def check_folder(path: pathlib.Path) -> None:
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist"
         raise BatchError(
-            f"`checkpoint` ({path}) cannot be written: its folder {folder} {what}. "
-            "Create the folder first, or pass a path in an existing one."
+            f"`checkpoint` ({path}) cannot be written: its folder {folder} {what}."
         )
 
 
@@ -84,14 +82,12 @@ def check_writable(path: pathlib.Path, longest_name: str) -> None:
     except OSError as e:
         if e.errno == errno.ENAMETOOLONG:
             raise BatchError(
-                f"`checkpoint` ({path}) cannot be written: the run's files get names "
-                f"of up to {len(longest_name.encode())} bytes (such as "
-                f"{longest_name}), more than the file system of {folder} allows. "
-                "Pass a shorter file name."
+                f"`checkpoint` ({path}): {longest_name} is too long a name for "
+                f"{folder}: pass a shorter name."
             ) from None
         raise BatchError(
             f"`checkpoint` ({path}) cannot be written: creating a file in {folder} "
-            f"failed ({e.strerror or e}). Pass a path in a folder you can write to."
+            f"failed ({e.strerror or e})."
         ) from None
 
 
@@ -175,9 +171,8 @@ def take_lock(path: pathlib.Path) -> HeldLock | None:
             return held
         held.release()
     raise BatchError(
-        f"`checkpoint` ({path}) cannot be locked: its lock file {lock_path} was "
-        f"removed or replaced each of the {_LOCK_ATTEMPTS} times it was locked (other "
-        "runs keep taking it). Wait for them to finish, or pass another path."
+        f"`checkpoint` ({path}) cannot be locked: other runs replaced {lock_path} "
+        f"{_LOCK_ATTEMPTS} times. Pass another path."
     )
 
 
@@ -207,8 +202,8 @@ def _opened_lock(
         if kind is not None:
             raise _not_a_lock(path, lock_path, kind) from None
         raise BatchError(
-            f"`checkpoint` ({path}) cannot be locked: opening its lock file "
-            f"{lock_path} failed ({e.strerror or e}). Pass another path."
+            f"`checkpoint` ({path}) cannot be locked: opening {lock_path} failed "
+            f"({e.strerror or e})."
         ) from None
 
 
@@ -331,12 +326,9 @@ def check_shared_folder(path: pathlib.Path) -> None:
     if failures:
         names = ", ".join(str(index) for index in sorted(failures))
         raise BatchError(
-            f"`checkpoint` ({path}) cannot be written by this job: every process of "
-            "the job must see the checkpoint's folder, a shared file system, but "
-            f"process{'es' if len(failures) > 1 else ''} {names} of "
-            f"{jax.process_count()} did not find the file {probe.name} that process 0 "
-            f"wrote in {path.parent}. Put the checkpoint on a file system every "
-            "process mounts at the same path; nothing was written."
+            f"`checkpoint` ({path}): process{'es' if len(failures) > 1 else ''} "
+            f"{names} of {jax.process_count()} did not find {probe.name} in "
+            f"{path.parent}: use a shared folder (see docs/multi.md#several-processes)."
         )
 
 

@@ -182,10 +182,8 @@ def _callbacks_digest(program: jax.extend.core.ClosedJaxpr) -> str | None:
             raise BatchError(
                 f"`step` calls `{primitive}` with "
                 f"{qualified_name(function) or describe(function)}, which reaches a "
-                f"value that cannot be identified across processes ({e}). A "
-                "checkpoint must recognise the run that wrote it, and this callback "
-                "could change what it computes unseen. Pass such data to the callback "
-                "as arrays, or run without `checkpoint`."
+                f"value that cannot be identified ({e}): pass it as arrays "
+                "(see docs/chains.md#what-is-refused)."
             ) from None
     return _digest(*parts) if parts else None
 

@@ -125,8 +125,8 @@ class Diagnostics(eqx.Module):
         tree = getattr(self, statistic)
         if tree is None:
             raise BatchError(
-                "`statistic` is 'nested_rhat', but these chains have no superchains: "
-                "run them with `superchains=K`, or ask for 'rhat'."
+                "`statistic` is 'nested_rhat', but the chains have no superchains: "
+                "ask for 'rhat'."
             )
         largest = statistic != "ess"
         found = {}

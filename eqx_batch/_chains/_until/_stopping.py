@@ -125,9 +125,8 @@ class StoppingRule(eqx.Module):
         elif nested is not None:
             if superchains is None:
                 raise BatchError(
-                    f"`until` checks nested R-hat (`converged(nested_rhat={nested})`), "
-                    "but the chains have no superchains: pass `superchains=K`, or "
-                    "check classic R-hat with `converged(nested_rhat=None, rhat=...)`."
+                    f"`until` has nested_rhat={nested} but no `superchains`: pass "
+                    "`superchains=K`, or `nested_rhat=None`."
                 )
             criteria.append(Criterion("nested_rhat", float(nested)))
         if self.rhat is not None:
@@ -143,8 +142,8 @@ def _check_criteria(rule: StoppingRule, subject: str, prefix: str) -> None:
     `prefix` (`until.`)."""
     if rule.nested_rhat is None and rule.rhat is None and rule.ess is None:
         raise BatchError(
-            f"{subject} has no criterion (`{prefix}nested_rhat`, `{prefix}rhat` and "
-            f"`{prefix}ess` are all None): pass at least one."
+            f"{subject} has no criterion: pass `{prefix}nested_rhat`, `{prefix}rhat` "
+            f"or `{prefix}ess`."
         )
 
 
@@ -161,8 +160,7 @@ def checked_until(until: Any, num_steps: Any) -> StoppingRule | None:
     until = checked_rule(until)
     if num_steps is None:
         raise BatchError(
-            "`until` is given but `num_steps` is None: `num_steps` is the cap, the "
-            "most steps the chains run if the rule never holds. Pass one."
+            "`until` is given but `num_steps` is None: pass `num_steps`, the cap."
         )
     return until
 
