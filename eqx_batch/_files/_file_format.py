@@ -287,8 +287,7 @@ def _check_envelope(path: str, descriptor: int, size: int) -> _Envelope:
     head = _read_at(descriptor, 0, FIXED_END)
     if size < LENGTH.size:
         raise ForeignFileError(
-            f"`{path}` is not an eqx_batch file: it has {size} bytes, fewer than any "
-            "safetensors file (empty, or cut short)."
+            f"`{path}` is not an eqx_batch file: it has only {size} bytes."
         )
     (header_nbytes,) = LENGTH.unpack_from(head)
     if not _similar(head):
@@ -323,9 +322,8 @@ def _check_envelope(path: str, descriptor: int, size: int) -> _Envelope:
         raise _malformed(path)
     if int(version) > VERSION:
         raise BadFileError(
-            f"`{path}` was written in eqx_batch file format version {version}, but "
-            f"this eqx_batch reads versions up to {VERSION}. Upgrade eqx_batch to "
-            "load it."
+            f"`{path}` has file format version {version} > {VERSION}: upgrade "
+            "eqx_batch."
         )
     if int(version) != VERSION:
         raise _malformed(path)
@@ -461,8 +459,7 @@ def _read_tensors(
         if isinstance(e, MemoryError) or "os error 12" in str(e):
             raise _too_big(path, f"mapping its {size} bytes") from None
         raise BadFileError(
-            f"`{path}` passed its checksums but safetensors cannot read it ({e}): it "
-            "was not written by `eb.save`."
+            f"`{path}` passed its checksums but safetensors cannot read it ({e})."
         ) from None
     entries = {k: v for k, v in envelope.header.items() if k != "__metadata__"}
     tensors = {}

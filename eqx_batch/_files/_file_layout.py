@@ -209,9 +209,8 @@ def _write_tensors(file: BinaryIO, tensors: list[_Tensor]) -> None:
             written += file.write(block)
         if written != tensor.nbytes:
             raise BatchError(
-                f"the leaf `tree{tensor.name}` read {written} bytes, where its shape "
-                f"{tuple(tensor.data.shape)} and dtype {tensor.data.dtype} make "
-                f"{tensor.nbytes}: it does not hold what it says. Nothing was saved."
+                f"`tree{tensor.name}` read {written} bytes, not {tensor.nbytes}: "
+                "nothing was saved."
             )
     file.seek(DATA_CRC_AT)
     file.write(b"%08x" % data_crc)
@@ -229,8 +228,7 @@ def check_caller_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
             )
         if key.startswith(NAMESPACE):
             raise BatchError(
-                f"`metadata` has the key {key!r}; keys starting with {NAMESPACE!r} "
-                "are eqx_batch's own. Choose another name."
+                f"`metadata` has the key {key!r}; {NAMESPACE!r} keys are reserved."
             )
     return entries
 

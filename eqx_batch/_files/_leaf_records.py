@@ -82,8 +82,8 @@ def leaf_records(tree: Any) -> tuple[list[dict], list[Any]]:
         record: dict[str, Any] = {"path": jtu.keystr(key_path)}
         if is_tracer(leaf):
             raise BatchError(
-                f"`{name}` is a traced array ({describe(leaf)}): `save` reads concrete "
-                "values on the host. Call it outside `jax.jit`, `jax.vmap` and friends."
+                f"`{name}` is a traced array ({describe(leaf)}): call `save` outside "
+                "`jax.jit`."
             )
         if isinstance(leaf, jax.Array) and is_key(leaf):
             record.update(
@@ -93,9 +93,7 @@ def leaf_records(tree: Any) -> tuple[list[dict], list[Any]]:
         elif is_array(leaf) or is_lazy_array(leaf):
             if not storable(np.dtype(leaf.dtype)):
                 raise BatchError(
-                    f"`{name}` is {describe(leaf)}; only numeric arrays (bool, "
-                    "integer, floating, complex and ml_dtypes such as bfloat16) can "
-                    "be saved."
+                    f"`{name}` is {describe(leaf)}; only numeric arrays can be saved."
                 )
             record.update(
                 kind="array",
@@ -114,18 +112,15 @@ def leaf_records(tree: Any) -> tuple[list[dict], list[Any]]:
                 record.update(kind="object", name=object_name(leaf))
         if record["path"] == "__metadata__" and record["kind"] in ("array", "key"):
             raise BatchError(
-                f"`{name}` is an array whose path prints as '__metadata__', the name "
-                "safetensors reserves for a file's metadata: no tensor can have it. "
-                "Give the leaf a key that prints otherwise (a dict key prints as "
-                "`['__metadata__']`, which is fine)."
+                f"`{name}` is an array at '__metadata__', a name safetensors "
+                "reserves: rename it (see docs/checkpoints.md#what-is-refused)."
             )
         records.append(record)
     names = [r["path"] for r in records if r["kind"] in ("array", "key")]
     if len(set(names)) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise BatchError(
-            f"`tree` has several array leaves with the path {twice[0]!r}, and a file "
-            "names each array by its path. Give the leaves distinct keys."
+            f"`tree` has several array leaves at {twice[0]!r}: give them distinct keys."
         )
     return records, on_device
 

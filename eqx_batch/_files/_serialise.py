@@ -122,8 +122,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     if not target.parent.is_dir():
         problem = "is not a folder" if target.parent.exists() else "does not exist"
         raise BatchError(
-            f"`path` ({path}) is in the folder {target.parent}, which {problem}. "
-            "Create the folder first (`os.makedirs`), or pass another path."
+            f"`path` ({path}) is in the folder {target.parent}, which {problem}."
         )
     _check_not_read_from(path, tree)
     write_tree(path, tree)
@@ -138,8 +137,8 @@ def _check_not_read_from(path: str | os.PathLike, tree: Any) -> None:
             file, lost = found
             named = "" if os.fspath(path) == str(file) else f" (`path` {path})"
             raise BatchError(
-                f"`{leaf_name('tree', key_path)}` reads from {file}{named}: saving "
-                f"over it loses {lost}. Save to another path."
+                f"`{leaf_name('tree', key_path)}` reads from {file}{named}: save "
+                "elsewhere."
             )
 
 

@@ -97,10 +97,8 @@ def ensemble(
         return eqx.filter_vmap(build)(keys)
     except Exception as e:
         raise BatchError(
-            f"`make` ({_name(make)}) raised {type(e).__name__} while building the "
-            f"members under vmap: {e}\nCheck that `make(**kwargs, key=jax.random."
-            "key(0))` works alone, and that it has no Python control flow on the key "
-            "or on values drawn from it (use `jnp.where`/`jax.lax.cond` instead)."
+            f"`make` ({_name(make)}) raised {type(e).__name__} under vmap: {e}\n"
+            "(see docs/ensembles.md#what-is-refused)"
         ) from e
 
 
@@ -115,14 +113,11 @@ def _check_key(key: Any) -> None:
             typed = jr.wrap_key_data(key)
         except TypeError:
             raise BatchError(
-                f"`key` is {describe(key)}, which is not key data for the default PRNG "
-                "implementation. Pass `jax.random.key(seed)`."
+                f"`key` is {describe(key)}, not key data: pass `jax.random.key(seed)`."
             ) from None
     if typed.shape != ():
         raise BatchError(
-            f"`key` is {describe(key)}, a batch of keys of shape {typed.shape}, but "
-            "`ensemble` takes one key and splits it into `n` itself. Pass the key "
-            "before it was split."
+            f"`key` is {describe(key)}, {typed.shape} keys: pass one key, unsplit."
         )
     impl = str(jr.key_impl(typed))
     if impl in _VMAP_VARIANT_IMPLS:
@@ -139,8 +134,7 @@ def _check_key(key: Any) -> None:
 def _check_make(make: Any, kwargs: dict[str, Any]) -> None:
     if not callable(make):
         raise BatchError(
-            f"`make` is {describe(make)}, not callable. Pass a module class or a "
-            "function that takes `key=` and returns a module."
+            f"`make` is {describe(make)}, not callable: pass a module class."
         )
     try:
         signature = inspect.signature(make)
@@ -153,9 +147,7 @@ def _check_make(make: Any, kwargs: dict[str, Any]) -> None:
     except TypeError as e:
         raise BatchError(
             f"`make` ({_name(make)}) cannot be called as `make(**kwargs, key=...)` "
-            f"with kwargs {sorted(kwargs)}: {e}. `ensemble` passes each member's key "
-            "as the keyword argument `key`; wrap `make` in a function that takes "
-            "`key=` if it names it differently."
+            f"with kwargs {sorted(kwargs)}: {e}."
         ) from None
 
 

@@ -193,8 +193,7 @@ def scan_layers(
     """
     if fn is None and xs is not None:
         raise BatchError(
-            "`xs` is given but `fn` is not: the default `fn` calls `layer(x)` and has "
-            "nowhere to put the extra input. Pass `fn=lambda layer, x, extra: ...`."
+            "`xs` is given but `fn` is not: pass `fn=lambda layer, x, extra: ...`."
         )
     # A Python number in the carry is an array that starts as that number, as in
     # `jax.lax.scan`; only the other non-array leaves are closed over.
@@ -331,14 +330,12 @@ class _Scan:
     def _check_state(self, before: list[tuple[str, Any]], new_state: Any) -> None:
         if not isinstance(new_state, eqx.nn.State):
             raise BatchError(
-                "`fn` must return the layer's new state, an `eqx.nn.State`, after `x`, "
-                f"but returned {describe(new_state)} in its place."
+                f"`fn` returned {describe(new_state)} after `x`, not an `eqx.nn.State`."
             )
         if jtu.tree_structure(new_state) != jtu.tree_structure(self.layer_state):
             raise BatchError(
-                "a layer returned a state with other entries than the one it was "
-                "given. Return the state the layer's own call returns, "
-                "`x, state = layer(x, state)`."
+                "a layer returned a state with other entries: return the one "
+                "`x, state = layer(x, state)` gives."
             )
         for (name, old), (_, new) in zip(
             before, self._state_values(new_state), strict=True
@@ -428,15 +425,12 @@ def _layer_state(layers: Any, state: Any) -> eqx.nn.State:
     """The part of `state` that belongs to `layers`, checked to be readable."""
     if not isinstance(state, eqx.nn.State):
         raise BatchError(
-            f"`state` is a {type(state).__name__}, not an `eqx.nn.State`. Pass the "
-            "state `eqx.nn.make_with_state` returned alongside the stacked layers."
+            f"`state` is a {type(state).__name__}, not an `eqx.nn.State`."
         )
     indices = _state_indices(layers)
     if not indices:
         raise BatchError(
-            "`state` is given, but `layers` holds no `eqx.nn.StateIndex`, so no layer "
-            "has a state to thread through. Drop `state=`, or pass the stateful layers "
-            "the state belongs to."
+            "`state` is given, but `layers` holds no `eqx.nn.StateIndex`: drop it."
         )
     missing = []
     for path, index in indices:
@@ -470,7 +464,7 @@ def _check_unchanged(argname: str, before: Any, after: Any, what: str) -> None:
         )
         raise BatchError(
             f"a layer returned {what} of structure {after_def}, but `{argname}` has "
-            f"structure {before_def}. Each layer must return what it takes.{advice}"
+            f"structure {before_def}.{advice}"
         )
     reshaped = []
     replaced = []

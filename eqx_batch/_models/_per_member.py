@@ -223,8 +223,7 @@ def _with_extra_args(
         # `optax.MultiSteps` and similar wrappers: `update` already takes extra args.
         return tx
     raise BatchError(
-        f"`tx` is {describe(tx)}, not an optax transformation. Pass an "
-        "`optax.GradientTransformation` such as `optax.adam(1e-3)`."
+        f"`tx` is {describe(tx)}, not an `optax.GradientTransformation`."
     )
 
 
@@ -330,9 +329,8 @@ def _per_cell_hyperparams(
             where = f"hyperparameter `{name}` (`{leaf_name('state', leaf_path)}`)"
             if name in scheduled:
                 raise BatchError(
-                    f"{where} is a schedule returning shape {shape}; per_member runs "
-                    "a schedule once per member, so it must return one value. Give "
-                    f"{per} as an array instead."
+                    f"{where} is a schedule returning shape {shape}, not one value: "
+                    f"give {per} as an array."
                 )
             if not _broadcasts_to(shape, grid):
                 if len(grid) == 1 and len(shape) == 1:
@@ -389,11 +387,8 @@ def _naming_list_hyperparameters(fn: Callable[..., Any]) -> Callable[..., Any]:
             if "'list'" not in str(error) and "'tuple'" not in str(error):
                 raise
             raise BatchError(
-                f"`tx` raised TypeError: {error}. A hyperparameter given as a Python "
-                "list or tuple (e.g. `learning_rate=[0.1, 0.2, 0.3]`) is not injected "
-                "by `optax.inject_hyperparams`, which takes numbers and arrays only, "
-                "so it reaches the optimiser as a list. Give per-member values as an "
-                "array: `learning_rate=jnp.asarray([0.1, 0.2, 0.3])`."
+                f"`tx` raised TypeError: {error}. Give per-member values as an array, "
+                "not a list (see docs/ensembles.md#what-is-refused)."
             ) from error
 
     return call

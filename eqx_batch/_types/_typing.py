@@ -67,8 +67,8 @@ def _parse_dims(dims: str) -> tuple[_Dim, ...]:
             parsed.append(_Dim(None, int(elem)))
         else:
             raise BatchError(
-                f"eb.Stacked dims {dims!r} contain {elem!r}; each leading dim must be "
-                "a name (`n`) or a fixed size (`4`), separated by spaces: 'chains 4'."
+                f"eb.Stacked dims {dims!r} contain {elem!r}; use names and sizes: "
+                "'chains 4'."
             )
     if not parsed:
         raise BatchError(
@@ -383,14 +383,11 @@ class _Stacked:
             return _make_stacked(model.model, " ".join(dims.split() + [model.dims]))
         if not inspect.isclass(model):
             raise BatchError(
-                f"eb.Stacked[{model!r}, ...]: the model must be a class (such as an "
-                "eqx.Module subclass, dict or a NamedTuple), not a subscripted or "
-                "other type form."
+                f"eb.Stacked[{model!r}, ...]: the model must be a class."
             )
         if not isinstance(dims, str):
             raise BatchError(
-                f"eb.Stacked[{model.__qualname__}, {dims!r}]: dims must be a string "
-                "of names and sizes, such as 'n' or 'chains 4'."
+                f"eb.Stacked[{model.__qualname__}, {dims!r}]: dims must be a string."
             )
         return _make_stacked(model, " ".join(dims.split()))
 
