@@ -308,9 +308,7 @@ def common_size(
     if they differ, or if there is no leaf at all.
     """
     if not sizes:
-        raise BatchError(
-            f"no array leaf has a {what}: map at least one array leaf."
-        )
+        raise BatchError(f"no array leaf has a {what}: map at least one array leaf.")
     counts = Counter(size for _, size in sizes)
     if len(counts) == 1:
         return sizes[0][1]

@@ -49,9 +49,7 @@ def checked_trace(trace: Any, *, checkpointed: bool) -> bool | Literal["disk"]:
     """
     if isinstance(trace, str):
         if trace != "disk":
-            raise BatchError(
-                f"`trace` is {trace!r}; it must be True, False or 'disk'."
-            )
+            raise BatchError(f"`trace` is {trace!r}; it must be True, False or 'disk'.")
         if not checkpointed:
             raise BatchError(
                 "`trace='disk'` but `checkpoint` is None: pass a `checkpoint` path, "

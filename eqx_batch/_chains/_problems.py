@@ -239,9 +239,7 @@ def _num_problems(data: Any) -> int:
     )
     if num_problems == 0:
         name, x = arrays[0]
-        raise BatchError(
-            f"`data` holds no problem: `{name}` is {describe(x)}."
-        )
+        raise BatchError(f"`data` holds no problem: `{name}` is {describe(x)}.")
     return int(num_problems)
 
 

@@ -424,9 +424,7 @@ def _state_indices(tree: Any) -> list[tuple[KeyPath, eqx.nn.StateIndex]]:
 def _layer_state(layers: Any, state: Any) -> eqx.nn.State:
     """The part of `state` that belongs to `layers`, checked to be readable."""
     if not isinstance(state, eqx.nn.State):
-        raise BatchError(
-            f"`state` is a {type(state).__name__}, not an `eqx.nn.State`."
-        )
+        raise BatchError(f"`state` is a {type(state).__name__}, not an `eqx.nn.State`.")
     indices = _state_indices(layers)
     if not indices:
         raise BatchError(

@@ -222,9 +222,7 @@ def _with_extra_args(
     if callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None)):
         # `optax.MultiSteps` and similar wrappers: `update` already takes extra args.
         return tx
-    raise BatchError(
-        f"`tx` is {describe(tx)}, not an `optax.GradientTransformation`."
-    )
+    raise BatchError(f"`tx` is {describe(tx)}, not an `optax.GradientTransformation`.")
 
 
 def _member_sizes(tree: Any, axes: Any, argname: str) -> list[tuple[str, int]]:

@@ -181,13 +181,9 @@ def check_kept_once(column: list[Any], path: KeyPath, member_grid: MemberGrid) -
         if isinstance(first, (bool, int, float, complex)) and isinstance(
             leaf, (bool, int, float, complex)
         ):
-            message += (
-                " Make it an array to stack it."
-            )
+            message += " Make it an array to stack it."
         elif callable(first):
-            message += (
-                " Create the function once and share it."
-            )
+            message += " Create the function once and share it."
         raise BatchError(message)
 
 

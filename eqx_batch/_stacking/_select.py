@@ -57,9 +57,7 @@ def _check_traced_index(i: Any, argname: str) -> None:
 
 def _check_index(i: Any, size: int, argname: str) -> int:
     if is_bool(i):
-        raise BatchError(
-            f"`{argname}` is {i!r}, a bool; it must be an integer."
-        )
+        raise BatchError(f"`{argname}` is {i!r}, a bool; it must be an integer.")
     try:
         index_ = operator.index(i)
     except TypeError:

@@ -454,9 +454,7 @@ def filter_pmap(
         ```
     """
     if donate not in ("all", "warn", "none"):
-        raise BatchError(
-            f"donate={donate!r} is not one of 'all', 'warn' and 'none'."
-        )
+        raise BatchError(f"donate={donate!r} is not one of 'all', 'warn' and 'none'.")
     axis_size = check_axis_size(axis_size)
     if devices is not None and len(devices) == 0:
         raise BatchError(

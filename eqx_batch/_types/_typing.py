@@ -382,9 +382,7 @@ class _Stacked:
             # of `Stacked[Stacked[Linear, "n"], "m"]` have leading axes (m, n).
             return _make_stacked(model.model, " ".join(dims.split() + [model.dims]))
         if not inspect.isclass(model):
-            raise BatchError(
-                f"eb.Stacked[{model!r}, ...]: the model must be a class."
-            )
+            raise BatchError(f"eb.Stacked[{model!r}, ...]: the model must be a class.")
         if not isinstance(dims, str):
             raise BatchError(
                 f"eb.Stacked[{model.__qualname__}, {dims!r}]: dims must be a string."

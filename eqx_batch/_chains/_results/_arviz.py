@@ -122,8 +122,7 @@ def trace_to_arviz(
         ) from error
     if states is None and outputs is None:
         raise BatchError(
-            "These chains hold no trace to convert: they were run with `trace=False`. "
-            "Run them with `trace=True` (the default) to diagnose their draws."
+            "these chains hold no trace to convert: run them with `trace=True`."
         )
     dims = _checked_dims(dims)
     # What ArviZ names itself, in every group: no variable or axis may take it.
@@ -137,9 +136,8 @@ def trace_to_arviz(
     }
     if not groups:
         raise BatchError(
-            "`chains.trace` (with `chains.outputs`) holds no array to convert: every "
-            "leaf of the recorded states (and outputs) is a PRNG key or a non-array "
-            "(static) value."
+            "`chains.trace` and `chains.outputs` hold no array to convert, only keys or "
+            "static values."
         )
     _check_dims_known(dims, groups)
     coords = _checked_coords(coords, groups)
@@ -267,21 +265,14 @@ def _check_name(
     if "/" in name:
         where = "that name in `dims`" if named_by_user else "that key"
         raise BatchError(
-            f"{taker} would be named `{name}` in the group `{group}` of `to_arviz()`, "
-            "and ArviZ's data (an `xarray.DataTree`) cannot hold a name with `/`: "
+            f"{taker} would be named `{name}` in `{group}`, and ArviZ refuses `/`: "
             f"rename {where}."
         )
     if name in given:
-        fix = (
-            "choose another name for that axis in `dims`"
-            if named_by_user
-            else "rename a dict key or field on a path so that the names differ"
-        )
+        fix = "rename that axis in `dims`" if named_by_user else "rename a key"
         raise BatchError(
-            f"{taker} and {given[name]} would both be named `{name}` in the group "
-            f"`{group}` of `to_arviz()`, which names a variable by its path joined "
-            "with dots (`.layers[0].weight` is `layers.0.weight`) and its axes "
-            f"`<name>_dim_0`, `<name>_dim_1`, ... (or as `dims` names them): {fix}."
+            f"{taker} and {given[name]} would both be named `{name}` in `{group}`: "
+            f"{fix} (see docs/chains.md#how-variables-are-named)."
         )
 
 
@@ -291,9 +282,7 @@ def _check_size(dim: str, new: _Dimension, old: _Dimension, group: str) -> None:
     if new.size != old.size:
         raise BatchError(
             f"{old.owner} (of size {old.size}) and {new.owner} (of size {new.size}) "
-            f"would both be the dimension `{dim}` in the group `{group}` of "
-            "`to_arviz()`, and a dimension has one size: give them different names "
-            "in `dims`."
+            f"would both be the dimension `{dim}` of `{group}`: name them apart in `dims`."
         )
 
 
@@ -343,9 +332,8 @@ def _axes(
     if len(axes) != len(shape):
         raise BatchError(
             f"`dims{jtu.keystr((jtu.DictKey(name),))}` names {_axes_count(len(axes))} "
-            f"({axes}), but {where}, the variable `{name}` of the group `{group}`, has "
-            f"{_axes_count(len(shape))} after `chain` and `draw` (each draw is shaped "
-            f"{shape}): give one name per axis, leaving out `chain` and `draw`."
+            f"({axes}), but {where} (`{name}` of `{group}`) has draws of shape "
+            f"{shape}: name each axis but `chain` and `draw`."
         )
     return axes
 
@@ -366,10 +354,8 @@ def _check_dims_known(
             for group, variables in groups.items()
         )
         raise BatchError(
-            f"`dims` names the variable `{unknown[0]}`, which these chains do not "
-            f"have. Their variables are {known}. A variable is named by its leaf's "
-            "path joined with dots (`['layer1']['weights']` is `layer1.weights`), "
-            "and a state (or output) that is one array `state` (`output`)."
+            f"`dims` names `{unknown[0]}`, not a variable of these chains: {known} "
+            "(see docs/chains.md#how-variables-are-named)."
         )
 
 
@@ -382,8 +368,8 @@ def _checked_coords(
         return {}
     if not isinstance(coords, Mapping):
         raise BatchError(
-            f"`coords` is {describe(coords)}: pass a dict from a dimension's name to "
-            "its labels, one per entry, as `coords={'school': ['A', 'B', ...]}`."
+            f"`coords` is {describe(coords)}: pass a dict such as "
+            "`coords={'school': ['A', 'B', ...]}`."
         )
     sizes = _dimensions(groups)
     checked = {}
@@ -392,9 +378,8 @@ def _checked_coords(
         if dim not in sizes:
             names = ", ".join(f"`{name}`" for name in sizes)
             raise BatchError(
-                f"{where} labels the dimension `{dim}`, which no variable of these "
-                f"chains has. Their dimensions are {names}: name an axis with `dims` "
-                "first, as `dims={'theta': ['school']}, coords={'school': [...]}`."
+                f"{where} labels `{dim}`, not a dimension of these chains ({names}): "
+                "name it in `dims` first."
             )
         array = _label_array(labels)
         for size in sizes[dim]:
