@@ -364,7 +364,8 @@ def _check_hashable(
             where = name(path) if name is not None else leaf_name("args", path)
             raise BatchError(
                 f"`{where}` is {describe(leaf)}, static but not hashable: pass an "
-                f"array, or a tuple or frozenset (see docs/transforms.md#what-is-refused)."
+                "array, or a tuple or frozenset "
+                "(see docs/transforms.md#what-is-refused)."
             ) from None
     for path, value in unhashable_static(args, ()):
         where = name(path) if name is not None else leaf_name("args", path)

@@ -331,8 +331,8 @@ def check_mapped_column(
         if axis is not None and len(shape) == len(first_shape):
             shape[axis] = first_shape[axis] = -1
         if shape != first_shape:
-            what = "shape" if axis is None else f"shape (apart from member axis {axis})"
+            what = "" if axis is None else f" (apart from member axis {axis})"
             raise BatchError(
                 f"`{here}` has shape {tuple(np.shape(leaf))} but `{there}` has shape "
-                f"{tuple(np.shape(first))}."
+                f"{tuple(np.shape(first))}{what}."
             )

@@ -59,7 +59,8 @@ def _check_output_static(out: Any) -> None:
     for path, value in unhashable_static(out, ()):
         raise BatchError(
             f"output static field `{leaf_name('out', path)}` is {describe(value)}, "
-            f"not hashable: use a tuple, or drop static=True (see docs/transforms.md#what-is-refused)."
+            "not hashable: use a tuple, or drop static=True "
+            "(see docs/transforms.md#what-is-refused)."
         )
 
 

@@ -44,7 +44,8 @@ class _VmapWrapper(eqx.Module):
         if self.axis_name is not None:
             raise BatchError(
                 f"axis_name={self.axis_name!r} with chunk_size={self.chunk_size} < "
-                f"{size} members: drop chunk_size (see docs/transforms.md#what-is-refused)."
+                f"{size} members: drop chunk_size "
+                "(see docs/transforms.md#what-is-refused)."
             )
         # Compile the loop over chunks so it is not bound by Python dispatch, and so
         # an eager `jax.grad` reuses it; under an outer `jax.jit` it is just traced.

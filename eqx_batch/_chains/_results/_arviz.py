@@ -136,8 +136,8 @@ def trace_to_arviz(
     }
     if not groups:
         raise BatchError(
-            "`chains.trace` and `chains.outputs` hold no array to convert, only keys or "
-            "static values."
+            "`chains.trace` and `chains.outputs` hold no array to convert, only keys "
+            "or static values."
         )
     _check_dims_known(dims, groups)
     coords = _checked_coords(coords, groups)
@@ -282,7 +282,8 @@ def _check_size(dim: str, new: _Dimension, old: _Dimension, group: str) -> None:
     if new.size != old.size:
         raise BatchError(
             f"{old.owner} (of size {old.size}) and {new.owner} (of size {new.size}) "
-            f"would both be the dimension `{dim}` of `{group}`: name them apart in `dims`."
+            f"would both be the dimension `{dim}` of `{group}`: name them apart in "
+            "`dims`."
         )
 
 
