@@ -1,5 +1,10 @@
 """`BatchError` and the message helpers in `_errors.py`."""
 
+import ast
+import pathlib
+import re
+import statistics
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -114,3 +119,68 @@ def test_bullet_list():
     text = bullet_list([str(i) for i in range(25)], limit=20)
     assert text.splitlines()[-1] == "  ... and 5 more"
     assert len(text.splitlines()) == 21
+
+
+# ------------------------------------------------------------------------------------
+# The messages themselves (issue 45): short, with the explanation in the docs.
+
+_PACKAGE = pathlib.Path(eb.__file__).parent
+_DOCS = _PACKAGE.parent / "docs"
+
+
+def _message_length(node: ast.expr) -> int | None:
+    """Characters of a message written as literals, f-strings and `+` of those, each
+    `{...}` of an f-string counted as 8; None for a message built otherwise."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return len(node.value)
+    if isinstance(node, ast.JoinedStr):
+        return sum(
+            len(part.value) if isinstance(part, ast.Constant) else 8
+            for part in node.values
+        )
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _message_length(node.left), _message_length(node.right)
+        return None if left is None or right is None else left + right
+    return None
+
+
+def _raised_messages() -> list[tuple[str, int]]:
+    """`(file:line, length)` of every `raise E(<message>, ...)` in the package whose
+    message is written out."""
+    found = []
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Raise)
+                and isinstance(node.exc, ast.Call)
+                and node.exc.args
+            ):
+                length = _message_length(node.exc.args[0])
+                if length is not None:
+                    where = f"{path.relative_to(_PACKAGE.parent)}:{node.lineno}"
+                    found.append((where, length))
+    return found
+
+
+def test_messages_are_short():
+    messages = _raised_messages()
+    assert len(messages) > 100
+    assert [where for where, length in messages if length == 0] == []
+    assert statistics.median(length for _, length in messages) <= 90
+
+
+def _anchor(heading: str) -> str:
+    """The anchor MkDocs gives a heading: lower case, punctuation dropped, spaces
+    as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).strip().replace(" ", "-")
+
+
+def test_messages_point_to_existing_sections():
+    pointers = set()
+    for path in _PACKAGE.rglob("*.py"):
+        pointers |= set(re.findall(r"see docs/(\w+\.md)#([\w-]+)", path.read_text()))
+    assert pointers
+    for page, anchor in sorted(pointers):
+        text = re.sub(r"```.*?```", "", (_DOCS / page).read_text(), flags=re.DOTALL)
+        headings = re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)
+        assert anchor in {_anchor(h) for h in headings}, f"docs/{page}#{anchor}"
