@@ -591,7 +591,7 @@ def test_fn_returning_no_state(getkey):
     with pytest.raises(eb.BatchError, match=r"pair `\(x, state\)`"):
         eb.scan_layers(layers, jnp.ones(2), fn=lambda layer, x, state: x, state=state)
     _, state = build_cached("ensemble", 2, 2, getkey())
-    with pytest.raises(eb.BatchError, match=r"an `eqx\.nn\.State`, after `x`"):
+    with pytest.raises(eb.BatchError, match=r"after `x`, not an `eqx\.nn\.State`"):
         eb.scan_layers(
             layers, jnp.ones(2), fn=lambda layer, x, state: (x, None), state=state
         )

@@ -523,7 +523,7 @@ jtu.register_pytree_with_keys(
 
 def test_save_rejects_leaves_with_the_same_path(tmp_path):
     path = tmp_path / "twins.safetensors"
-    with pytest.raises(eb.BatchError, match="several array leaves with the path '.w'"):
+    with pytest.raises(eb.BatchError, match="several array leaves at '.w'"):
         eb.save(path, _Twins(jnp.zeros(2), jnp.ones(2)))
     assert not path.exists()
 

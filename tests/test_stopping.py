@@ -133,7 +133,7 @@ def test_without_superchains_the_default_checks_classic_rhat():
         until=eb.converged(rhat=1.2, every=100),
     )
     assert _stopped(loose).converged and "<= 1.2" in _stopped(loose).reason
-    with pytest.raises(eb.BatchError, match="no superchains"):
+    with pytest.raises(eb.BatchError, match="nested_rhat=1.1 but no `superchains`"):
         eb.run_chains(
             fast, jnp.zeros(8), jr.key(1), 100, until=eb.converged(nested_rhat=1.1)
         )

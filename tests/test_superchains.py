@@ -91,5 +91,7 @@ def test_an_init_with_a_start_per_chain_is_refused():
     # start equal, is refused rather than read as 6 superchains' starts.
     starts = eb.take(_starts(), np.arange(2))
     expanded = eb.take(starts, np.repeat(np.arange(2), 3))
-    with pytest.raises(eb.BatchError, match=r"one start per superchain .*init\[::M\]"):
+    with pytest.raises(
+        eb.BatchError, match=r"`init` has 6 members .*one start per superchain"
+    ):
         eb.run_chains(metropolis, expanded, jr.split(jr.key(0), 6), 3, superchains=2)

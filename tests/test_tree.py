@@ -86,13 +86,15 @@ def test_resolve_axes_errors():
     with pytest.raises(eb.BatchError, match="not a pytree prefix") as info:
         resolve_axes(tree, {"v": 0}, "model")
     assert "`model`" in str(info.value)
-    with pytest.raises(eb.BatchError, match="axis specs consist") as info:
+    with pytest.raises(
+        eb.BatchError, match="must be None, an int or a callable"
+    ) as info:
         resolve_axes(tree, {"w": "zero"}, "model")
     assert "model['w']" in str(info.value)
     with pytest.raises(eb.BatchError, match="must return an int or None") as info:
         resolve_axes(tree, lambda _: 1.5, "model")
     assert "model['w']" in str(info.value)
-    with pytest.raises(eb.BatchError, match="axis specs consist"):
+    with pytest.raises(eb.BatchError, match="must be None, an int or a callable"):
         resolve_axes(tree, True, "model")
 
 

@@ -363,8 +363,8 @@ def _check_hashable(
         except TypeError:
             where = name(path) if name is not None else leaf_name("args", path)
             raise BatchError(
-                f"`{where}` is {describe(leaf)}, static but not hashable: pass an "
-                "array, or a tuple or frozenset "
+                f"`{where}` is {describe(leaf)} ({type(leaf).__name__}), static but "
+                "not hashable: pass an array, a tuple or a frozenset "
                 "(see docs/transforms.md#what-is-refused)."
             ) from None
     for path, value in unhashable_static(args, ()):

@@ -155,8 +155,8 @@ def check_kept_once(column: list[Any], path: KeyPath, member_grid: MemberGrid) -
         if is_array(leaf) and not is_array(first):
             raise BatchError(
                 f"`{here}` is an array ({describe(leaf)}) but `{there}` is "
-                f"{describe(first)}: make it an array in every member "
-                "(see docs/stacking.md#what-is-refused)."
+                f"{describe(first)}: use `jnp.asarray({describe(first)})` in `{there}` "
+                "too (see docs/stacking.md#what-is-refused)."
             )
         if is_array(first) or is_array(leaf):
             if (is_tracer(first) or is_tracer(leaf)) and type(first) is type(leaf):
@@ -176,15 +176,15 @@ def check_kept_once(column: list[Any], path: KeyPath, member_grid: MemberGrid) -
         message = (
             f"`{here}` is {describe(leaf)} ({leaf_type}) but "
             f"`{there}` is {describe(first)} ({first_type}). "
-            "Non-array leaves are kept once, so must be equal."
+            "Non-array leaves are kept once, so must be equal"
         )
         if isinstance(first, (bool, int, float, complex)) and isinstance(
             leaf, (bool, int, float, complex)
         ):
-            message += " Make it an array to stack it."
+            message += ": make it an array to stack it"
         elif callable(first):
-            message += " Create the function once and share it."
-        raise BatchError(message)
+            message += ": create the function once and share it"
+        raise BatchError(message + ".")
 
 
 # ------------------------------------------------------------------------------------

@@ -201,7 +201,8 @@ def _leaves_and_grid(
         if axis is not None and axis + ndim > np.ndim(leaf):
             raise BatchError(
                 f"`{leaf_name(argname, path)}` has shape {tuple(np.shape(leaf))}, "
-                f"too few axes for `ndim={ndim}` member axes from axis {axis}."
+                f"too few axes for `ndim={ndim}` member axes from axis {axis}: "
+                "give it axis spec None."
             )
     grid = tuple(
         common_size(

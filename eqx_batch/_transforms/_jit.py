@@ -102,8 +102,8 @@ def _program(donate: str, jit_kwargs: dict[str, Any]) -> AsyncJit:
             hash(leaf)
         except TypeError:
             raise BatchError(
-                f"`{leaf_name(name.key, tuple(path))}` is {describe(leaf)}, not "
-                "hashable: pass a tuple or frozenset."
+                f"`{leaf_name(name.key, tuple(path))}` is {describe(leaf)} "
+                f"({type(leaf).__name__}), not hashable: pass a tuple or frozenset."
             ) from None
     key = (donate, hold(jit_kwargs))
     return _PROGRAMS.get_or_make(

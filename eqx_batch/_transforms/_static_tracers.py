@@ -52,9 +52,10 @@ def check_output_static(
     ]
     if not escaped:
         return
+    cause = "" if compiled is None else f"{compiled}, where every array is traced. "
     raise BatchError(
         f"the output of {transform} holds traced values in static fields:"
-        f"\n{bullet_list(escaped)}\nDrop static=True, or compute them outside "
+        f"\n{bullet_list(escaped)}\n{cause}Drop static=True, or compute them outside "
         f"{transform} (see docs/transforms.md#what-is-refused)."
     )
 
