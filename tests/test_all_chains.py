@@ -219,7 +219,7 @@ def test_a_job_of_two_processes_uses_as_many_devices_of_each(tmp_path):
     here = outputs(eb.run_chains(counted_stretch, make_stretch_init(6), jr.key(0), 20))
     for process_id in range(2):
         assert_trees_identical(eb.load(f"{out}.{process_id}", here), here)
-    with pytest.raises(AssertionError, match="5 chains cannot be split evenly over"):
+    with pytest.raises(AssertionError, match="5 chains do not split over 2 processes"):
         launch(JOB_RUN_WORKER, [*args, "5", "20"], devices_per_process=2)
 
 

@@ -729,7 +729,7 @@ def test_python_numbers_in_outputs_are_recorded_as_arrays():
 
 @pytest.mark.parametrize("shape", [(3,), (4, 3)])
 def test_key_data_of_the_wrong_shape_is_refused(shape):
-    with pytest.raises(eb.BatchError, match=r"`key` is uint32\[.*not legacy key data"):
+    with pytest.raises(eb.BatchError, match=r"`key` is uint32\[.*not legacy keys"):
         eb.run_chains(metropolis, make_init(4), jnp.zeros(shape, jnp.uint32), 5)
 
 

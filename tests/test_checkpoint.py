@@ -388,8 +388,8 @@ def test_a_checkpoint_of_the_earlier_layout_is_refused(tmp_path):
         eb.run_chains(metropolis, make_init(2), jr.key(0), 10, checkpoint=path)
     message = str(info.value)
     assert "written by an earlier eqx_batch" in message
-    assert "every chain in this one file" in message
-    assert "each process's chains to files of their own" in message
+    assert "finish it with that one" in message
+    assert "docs/chains.md#checkpoint-and-resume" in message
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
