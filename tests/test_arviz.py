@@ -710,7 +710,9 @@ def test_dims_name_the_variables_of_every_group(getkey):
 
 def test_no_trace_is_an_error(getkey):
     result = eb.run_chains(noisy, jnp.zeros((2, 3)), getkey(), 4, trace=False)
-    with pytest.raises(eb.BatchError, match=r"no trace to convert: run them with `trace=True`"):
+    with pytest.raises(
+        eb.BatchError, match=r"no trace to convert: run them with `trace=True`"
+    ):
         result.to_arviz()
 
 

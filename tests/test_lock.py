@@ -83,7 +83,9 @@ def test_a_name_too_long_for_the_run_s_files_is_refused_before_any_work(
     # temporary files) would not.
     path = tmp_path / ("c" * 215 + ".eqx")
     STEPS_RUN.clear()
-    with pytest.raises(eb.BatchError, match="too long a name .*pass a shorter name") as info:
+    with pytest.raises(
+        eb.BatchError, match="too long a name .*pass a shorter name"
+    ) as info:
         eb.run_chains(
             counted_metropolis,
             make_init(3),
