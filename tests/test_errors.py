@@ -135,7 +135,9 @@ def _message_length(node: ast.expr) -> int | None:
         return len(node.value)
     if isinstance(node, ast.JoinedStr):
         return sum(
-            len(part.value) if isinstance(part, ast.Constant) else 8
+            len(part.value)
+            if isinstance(part, ast.Constant) and isinstance(part.value, str)
+            else 8
             for part in node.values
         )
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
