@@ -127,8 +127,8 @@ class RunMetadata:
         if holds != expected:
             raise BatchError(
                 f"the draw file {path} of `checkpoint` ({self.path}) holds chains "
-                f"{holds[0]!r}, draws {holds[1]!r}, not {expected[0]}, {expected[1]}: "
-                "delete its files."
+                f"{holds[0]!r} and draws {holds[1]!r}, not {expected[0]} and "
+                f"{expected[1]}: its files were mixed up."
             )
         return path
 
