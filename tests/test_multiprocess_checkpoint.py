@@ -193,7 +193,7 @@ def test_a_folder_that_one_process_does_not_see_is_refused_by_every_process(
     launch(WORKER, ["--job", *args, "--elsewhere", str(elsewhere)], timeout=TIMEOUT)
     for process_id in range(2):
         error = pathlib.Path(f"{out}.{process_id}.error").read_text()
-        assert "every process of the job must see the checkpoint's folder" in error
+        assert "docs/multi.md#several-processes" in error
         assert "process 1 of 2 did not find the file" in error
         assert "nothing was written" in error
     assert list(folder.iterdir()) == []

@@ -137,8 +137,8 @@ def _check_not_read_from(path: str | os.PathLike, tree: Any) -> None:
             file, lost = found
             named = "" if os.fspath(path) == str(file) else f" (`path` {path})"
             raise BatchError(
-                f"`{leaf_name('tree', key_path)}` reads from {file}{named}: save "
-                "elsewhere."
+                f"`{leaf_name('tree', key_path)}` reads from {file}{named}: saving "
+                f"over it loses {lost}. Save to another path."
             )
 
 

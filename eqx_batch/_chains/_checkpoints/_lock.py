@@ -327,8 +327,9 @@ def check_shared_folder(path: pathlib.Path) -> None:
         names = ", ".join(str(index) for index in sorted(failures))
         raise BatchError(
             f"`checkpoint` ({path}): process{'es' if len(failures) > 1 else ''} "
-            f"{names} of {jax.process_count()} did not find {probe.name} in "
-            f"{path.parent}: use a shared folder (see docs/multi.md#several-processes)."
+            f"{names} of {jax.process_count()} did not find the file {probe.name} in "
+            f"{path.parent}; nothing was written "
+            "(see docs/multi.md#several-processes)."
         )
 
 
