@@ -15,7 +15,7 @@ from multiprocess_launch import Job, launch
 
 WORKER = pathlib.Path(__file__).with_name("agreement_worker.py")
 TIMEOUT = 240  # each process compiles for a while on a busy machine
-FIX = "Nothing was run: every process of a job must call `run_chains` with the same"
+FIX = "Nothing was run: every process must pass the same arguments"
 
 
 def _errors(
@@ -43,7 +43,7 @@ def _agreed_error(
     errors = _errors(argument, tmp_path, checkpoint)
     assert errors[0] == errors[1]
     assert errors[0].startswith(
-        "The 2 processes of this job called `run_chains` with other arguments:\n"
+        "the 2 processes called `run_chains` with other arguments:\n"
     )
     assert FIX in errors[0]
     return errors[0]
