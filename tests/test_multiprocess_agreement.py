@@ -129,10 +129,7 @@ def test_other_options_in_one_process_are_refused_by_every_process(
 def test_arguments_refused_in_one_process_stop_every_process(tmp_path):
     # Process 1's 9 chains are refused by its checks: it raises its own error, and
     # process 0, which would have waited for it, names it.
-    own = (
-        "`data` holds 2 problems, which do not divide the 9 chains: every problem "
-        "has the same number of chains"
-    )
+    own = "`data` holds 2 problems, which do not divide the 9 chains: pass 2 * M."
     other, refused = _errors("refused", tmp_path)
     assert refused.startswith(own)
     assert other.startswith(
