@@ -276,8 +276,8 @@ def test_chunk_size_is_refused():
         "chunk_size",
         lambda: eb.run_chains(_disguised, make_init(8), jr.key(0), 5, chunk_size=4),
         "`chunk_size=4`",
-        "must see every chain",
-        "chunk_size=None",
+        "`eb.all_chains` step: pass None",
+        "docs/chains.md#what-is-refused",
     )
 
 

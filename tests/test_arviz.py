@@ -255,7 +255,7 @@ def test_two_outputs_of_one_name_are_refused(getkey):
     result = eb.run_chains(step, jnp.zeros((2, 3)), getkey(), 3, with_output=True)
     message = (
         "`chains.outputs['accept.rate']` and `chains.outputs['accept']['rate']` would "
-        "both be named `accept.rate` in the group `sample_stats`"
+        "both be named `accept.rate` in `sample_stats`"
     )
     with pytest.raises(eb.BatchError, match=re.escape(message)):
         result.to_arviz()
@@ -607,16 +607,15 @@ def test_dims_of_a_lazy_disk_trace_and_of_one_problem(getkey, tmp_path):
         # A variable the chains do not have: their variables are listed.
         (
             {"dims": {"thetas": ["school"]}},
-            "`dims` names the variable `thetas`, which these chains do not have. "
-            "Their variables are `eta`, `mu`, `scale`, `theta` (group `posterior`)",
+            "`dims` names `thetas`, not a variable of these chains: "
+            "`eta`, `mu`, `scale`, `theta` (group `posterior`)",
         ),
         # Not one name per axis after chain and draw.
         (
             {"dims": {"theta": ["chain", "draw", "school"]}},
             "`dims['theta']` names 3 axes (['chain', 'draw', 'school']), but "
-            "`chains.trace['theta']`, the variable `theta` of the group `posterior`, "
-            "has 1 axis after `chain` and `draw` (each draw is shaped (6,)): give one "
-            "name per axis, leaving out `chain` and `draw`.",
+            "`chains.trace['theta']` (`theta` of `posterior`) has draws of shape "
+            "(6,): name each axis but `chain` and `draw`.",
         ),
         (
             {"dims": {"mu": ["school"]}},
@@ -661,9 +660,9 @@ def test_dims_of_a_lazy_disk_trace_and_of_one_problem(getkey, tmp_path):
         # A dimension the data do not have (a typo, or one not named in `dims`).
         (
             {"coords": {"school": SCHOOLS}},
-            "`coords['school']` labels the dimension `school`, which no variable of "
-            "these chains has. Their dimensions are `chain`, `draw`, `eta_dim_0`, "
-            "`scale_dim_0`, `scale_dim_1`, `theta_dim_0`: name an axis with `dims`",
+            "`coords['school']` labels `school`, not a dimension of these chains "
+            "(`chain`, `draw`, `eta_dim_0`, `scale_dim_0`, `scale_dim_1`, "
+            "`theta_dim_0`): name it in `dims` first.",
         ),
         ({"coords": SCHOOLS}, "`coords` is ['Choate', "),
     ],
@@ -701,8 +700,8 @@ def test_dims_name_the_variables_of_every_group(getkey):
     assert data["posterior"]["state"].dims == ("chain", "draw", "school")
     assert data["sample_stats"]["accept"].dims == ("chain", "draw", "side")
     message = (
-        "Their variables are `state` (group `posterior`) and `accept` (group "
-        "`sample_stats`)"
+        "not a variable of these chains: `state` (group `posterior`) and `accept` "
+        "(group `sample_stats`)"
     )
     with pytest.raises(eb.BatchError, match=re.escape(message)):
         result.to_arviz(dims={"x": ["school"]})

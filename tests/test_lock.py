@@ -134,12 +134,12 @@ def _rewrite_progress(path: pathlib.Path, edit: Any) -> None:
         # Too few draw files: the draws of the last would read back as zeros.
         (
             lambda p: json.dumps(json.loads(p) | {"draws": json.loads(p)["draws"][:1]}),
-            "list no draw file for draw 5 of chain 0, of the 20 that 20 steps record",
+            "no draw file for draw 5 of chain 0 (of 20, step 20)",
         ),
-        (lambda p: p.replace("draws-5-10", "draws-5-9"), "not this run's file"),
+        (lambda p: p.replace("draws-5-10", "draws-5-9"), "not this run's draw file"),
         (
             lambda p: p.replace(json.loads(p)["draws"][1][0], "../../etc/passwd"),
-            "not this run's file",
+            "not this run's draw file",
         ),
         (lambda p: p[:-3], "does not parse"),
         (
@@ -148,7 +148,7 @@ def _rewrite_progress(path: pathlib.Path, edit: Any) -> None:
         ),
         (
             lambda p: json.dumps(json.loads(p) | {"rows": [0, 2]}),
-            "says it holds chains",
+            "holds chains",
         ),
         (lambda p: json.dumps(["not", "a", "dict"]), "does not parse"),
     ],

@@ -364,7 +364,7 @@ def _edited(field: str, rule: eb.StoppingRule, value) -> eb.StoppingRule:
         ),
         (
             _edited("nested_rhat", eb.converged(), None),
-            r"`until` has no criterion \(`until.nested_rhat`",
+            r"`until` has no criterion: pass `until.nested_rhat`",
         ),
     ],
     ids=[

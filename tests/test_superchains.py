@@ -75,9 +75,9 @@ def test_to_arviz_names_each_chain_s_superchain_for_rhat_nested():
     [
         (True, 6, "`superchains` is True; it must be"),
         (0, 6, "`superchains`"),
-        (4, 12, r"`init` has 3 members along axis 0, but `superchains=4`"),
+        (4, 12, r"`init` has 3 members but `superchains=4`"),
         (3, 7, r"`key` holds 7 keys, which `superchains=3` does not divide"),
-        (3, None, r"`superchains=3` needs an array of one key per chain"),
+        (3, None, r"`superchains=3` needs one key per chain"),
     ],
 )
 def test_bad_superchains_are_refused(superchains, keys, match):
