@@ -134,7 +134,7 @@ def _rewrite_progress(path: pathlib.Path, edit: Any) -> None:
         # Too few draw files: the draws of the last would read back as zeros.
         (
             lambda p: json.dumps(json.loads(p) | {"draws": json.loads(p)["draws"][:1]}),
-            "no draw file for draw 5 of chain 0 (of 20, step 20)",
+            r"no draw file for draw 5 of chain 0 \(of 20, step 20\)",
         ),
         (lambda p: p.replace("draws-5-10", "draws-5-9"), "not this run's draw file"),
         (

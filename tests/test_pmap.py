@@ -556,4 +556,4 @@ def test_error_static_field_holds_member_value(members):
 
     with pytest.raises(eb.BatchError, match=r"`out\.scale`: float32\[\]") as info:
         eb.filter_pmap(build)(jnp.ones((members, 3)))
-    assert "where every array is traced" in str(info.value)
+    assert "Drop static=True" in str(info.value)
