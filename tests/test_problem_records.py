@@ -198,3 +198,16 @@ def test_checks_added_by_row_keep_what_one_record_per_problem_keeps(outcomes, bu
         np.testing.assert_array_equal(columns.last_checks, rebuilt.last_checks)
         np.testing.assert_array_equal(columns.stop_steps, rebuilt.stop_steps)
     assert ProblemRecords.of(columns.records) == columns
+
+
+def test_a_stop_before_any_check_has_no_checks():
+    # At the cap with no draw ever checked (the records have no row yet).
+    records = ProblemRecords.empty(3).with_checks(
+        10, np.zeros(3, bool), np.full(3, np.nan), {1: (False, "no draw")}, burn_in=4
+    )
+    stopped = records.stopped[1]
+    assert stopped is not None and stopped.step == 10 and not stopped.converged
+    assert stopped.window_start == 4
+    assert stopped.checks.shape == (0,) and stopped.checks.dtype == np.int64
+    assert stopped.worst.shape == (0,) and stopped.worst.dtype == np.float64
+    assert records.stopped[0] is None and records.stopped[2] is None

@@ -154,8 +154,9 @@ class ProblemRecords:
             # The rows as tables, made once: a stop then costs two lookups, not a
             # pass over the rows per problem.
             at = np.asarray(steps, np.int64)
-            table = np.array(rows, bool).reshape(len(rows), -1)
-            worsts = np.array(values, np.float64).reshape(len(values), -1)
+            shape = (len(rows), len(stop_steps))  # also with no row yet
+            table = np.array(rows, bool).reshape(shape)
+            worsts = np.array(values, np.float64).reshape(shape)
             window_starts = np.maximum(self.last_checks, burn_in).tolist()
             for p, (is_converged, reason) in stopping.items():
                 stop_steps[p] = step
