@@ -195,7 +195,7 @@ def _call_fields(
 ) -> dict[str, str]:
     """The run's identity, with what else decides the collectives each process runs
     and what the compiled loop is given."""
-    init = eqx.combine(start.states, plan.shared)
+    init = eqx.combine(start.states, plan.static)
     fields = identity_fields(init, start.keys, plan.options, plan.data, plan.program)
     return {
         **fields,

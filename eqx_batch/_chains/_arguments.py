@@ -103,7 +103,7 @@ class Init(NamedTuple):
 
     whole: Any  # `init`, its NumPy leaves with the dtypes JAX gives them
     arrays: Any  # its array leaves (others None)
-    shared: Any  # its other leaves, the same for every chain (arrays None)
+    static: Any  # its other leaves, the same for every chain (arrays None)
     num_chains: int  # the size of axis 0 that its array leaves agree on
 
 

@@ -51,11 +51,11 @@ def result(
         else:
             states = recorded
         if states is not None:  # None: `trace=False`, the outputs recorded alone
-            states = eqx.combine(states, plan.shared)
+            states = eqx.combine(states, plan.static)
     # Legacy keys are returned as they were given: raw data.
     keys = jr.key_data(chains.keys) if plan.segment.legacy else chains.keys
     final, states, outputs, keys = without_copies(
-        (eqx.combine(chains.states, plan.shared), states, outputs, keys)
+        (eqx.combine(chains.states, plan.static), states, outputs, keys)
     )
     diagnostics, problems = _diagnostics(chains.moments, plan), None
     if plan.problems is not None:

@@ -232,7 +232,7 @@ class ChunkRun:
                 plan.segment, stop - self.steps_done, emit, self.block
             ),
             self.step,
-            plan.shared,
+            plan.static,
             self.chains,
             np.int32(self.steps_done),
             trace,
@@ -272,7 +272,7 @@ class ChunkRun:
             self.chains, written = run_piece(
                 segment,
                 self.step,
-                plan.shared,
+                plan.static,
                 self.chains,
                 target if emit else None,
                 rows_placed,

@@ -159,7 +159,7 @@ def draws_written_back(
 def _piece(
     plan: SegmentPlan,
     step: RunStep,
-    shared: Any,
+    static: Any,
     chains: ChainState,
     trace: Any,
     rows: jax.Array,
@@ -186,7 +186,7 @@ def _piece(
     batch = jtu.tree_map(
         lambda x: lax.with_sharding_constraint(x[rows], batch_split), chains
     )
-    result = segment(plan, step, shared, batch, start, own, running)
+    result = segment(plan, step, static, batch, start, own, running)
     chains = written_back(chains, result.chains, slots, split)
     if trace is not None and result.new_draws is not None:
         trace = draws_written_back(trace, result.new_draws, slots, first, count, split)

@@ -34,7 +34,7 @@ class RunPlan:
     """What every chunk of one call of `run_chains` shares."""
 
     step: RunStep
-    shared: Any  # the non-array leaves of the state
+    static: Any  # the non-array leaves of the state
     prepared: PreparedRun  # one chain's structs, and the segments and placements
     segment: SegmentPlan  # with `length` 0: `prepared.segment` sets it per segment
     options: RunOptions  # the arguments that change results, for the identity
@@ -135,7 +135,7 @@ class RunPlan:
     def identity(self, chains: ChainState) -> RunIdentity:
         """The identity of the run of these chains (at their start)."""
         assert self.program is not None
-        init = eqx.combine(chains.states, self.shared)
+        init = eqx.combine(chains.states, self.static)
         return RunIdentity.of(
             self.program, init, chains.keys, self.options, self.data, self.trace.value
         )
@@ -186,7 +186,7 @@ def plan_run(
         streamed_steps = _streamed_steps(prepared, chunk_size, draws.thin)
     return RunPlan(
         step=step,
-        shared=init.shared,
+        static=init.static,
         prepared=prepared,
         segment=segment,
         options=_run_options(

@@ -68,7 +68,7 @@ def _with_first_bad(first_bad: jax.Array, raw_states: Any, step: Any) -> jax.Arr
 def segment(
     plan: SegmentPlan,
     step: RunStep,
-    shared: Any,
+    static: Any,
     chains: ChainState,
     start: jax.Array,
     trace: Any,
@@ -76,7 +76,7 @@ def segment(
 ) -> SegmentResult:
     """Runs `plan.length` steps of every chain from step `start`.
 
-    `shared` holds the non-array leaves of the state. `trace`, the trace buffer, holds
+    `static` holds the non-array leaves of the state. `trace`, the trace buffer, holds
     every draw of the run (`[chains, draws, ...]` per leaf) and is written in place.
     A run of one segment passes it, and the NaN report, as the shape-dtype structs of
     the zeros they start as (`Placement.zeros_to_make`), made here: one program to
@@ -102,7 +102,7 @@ def segment(
     offset = first if plan.returns_own_draws else 0
     records = plan.writes_trace or (plan.returns_own_draws and plan.emit > 0)
 
-    move = _mover(plan, step, shared, chains.problem)
+    move = _mover(plan, step, static, chains.problem)
     live = _live(plan, running, chains.problem)
 
     def body(carry: tuple, _: None) -> tuple:
@@ -154,7 +154,7 @@ def _live(plan: SegmentPlan, running: Any, problem: Any) -> jax.Array | None:
 
 
 def _mover(
-    plan: SegmentPlan, step: RunStep, shared: Any, problem: Any
+    plan: SegmentPlan, step: RunStep, static: Any, problem: Any
 ) -> Callable[[Any, jax.Array, jax.Array], tuple]:
     """One step of every chain, as the segment's loop takes it: `(states, keys, t)`
     to the new keys, states and outputs (arrays only).
@@ -171,7 +171,7 @@ def _mover(
     def advance(step: Callable, states: Any, step_keys: Any, *extra: Any) -> tuple:
         # `step` on one chain's state (and what it reads of `data`), or on every
         # chain's with their `count`.
-        result = step(eqx.combine(states, shared), step_keys, *extra)
+        result = step(eqx.combine(states, static), step_keys, *extra)
         new, output = result if plan.with_output else (result, None)
         # Only arrays are recorded: the output's other leaves are the same every step.
         output = eqx.filter(numbers_as_arrays(output), is_array)

@@ -53,7 +53,7 @@ def expand_superchains(init: Init, key: Any, superchains: Any) -> tuple[Init, An
     per_superchain = num_keys // superchains
     ids = np.arange(num_keys) // per_superchain
     arrays = _repeated(init.arrays, per_superchain)
-    expanded = Init(eqx.combine(arrays, init.shared), arrays, init.shared, num_keys)
+    expanded = Init(eqx.combine(arrays, init.static), arrays, init.static, num_keys)
     return expanded, ids.astype(np.int64)
 
 
