@@ -154,8 +154,13 @@ class ChunkRun:
             self.problem_of_row = np.asarray(problem)
         # The chains that share a problem, in blocks of this many on a device.
         self.block = self.placement.block_size(self.problem_of_row)
-        # A piece of the running chains holds whole blocks on every device.
+        # A piece of the running chains holds whole blocks on every device: of a
+        # step that sees a problem's chains at once, only whole problems.
         self._unit = self.block * self.placement.mesh.size
+        self._in_pieces = (
+            not self.plan.step.sees_every_chain
+            or self.block == self.plan.layout.chains_each
+        )
         # Whether a step's time grows with the chains it runs (`piece_rows`).
         self._per_chain = all(
             d.platform == "cpu" for d in self.placement.mesh.devices.flat
@@ -201,7 +206,7 @@ class ChunkRun:
         (the segment freezes the chains of the others), and `running`
         (`bool[problems]`, on the host) which problems may: if their chains are few,
         they run in pieces (`_compaction.py`)."""
-        if running is not None:
+        if running is not None and self._in_pieces:
             rows = np.flatnonzero(running[self.problem_of_row])
             size = piece_rows(
                 len(rows), self.placement.num_rows, self._unit, self._per_chain
