@@ -195,8 +195,10 @@ def _call_fields(
 ) -> dict[str, str]:
     """The run's identity, with what else decides the collectives each process runs
     and what the compiled loop is given."""
-    init = eqx.combine(start.states, plan.static)
-    fields = identity_fields(init, start.keys, plan.options, plan.data, plan.program)
+    own, shared = plan.step.own_and_shared(eqx.combine(start.states, plan.static))
+    fields = identity_fields(
+        own, start.keys, plan.options, plan.data, plan.program, shared
+    )
     return {
         **fields,
         # Compared in every job: the step is traced (for its program and constants)

@@ -50,6 +50,11 @@ class RunStep(Protocol):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
+    def own_and_shared(self, states: Any) -> tuple[Any, Any]:
+        """The chains' own states (what is recorded, diagnosed and returned), and
+        the copies of a shared state carried beside them (None: none is)."""
+        ...
+
     def placed(self, sharding: jax.sharding.Sharding) -> "RunStep":
         """This step with what it holds of `data` on the devices of `sharding`."""
         ...
@@ -104,6 +109,10 @@ class AllChains(eqx.Module):
     def __call__(self, states: Any, keys: Any, count: Any) -> Any:
         return self.step(states, keys, count)
 
+    def own_and_shared(self, states: Any) -> tuple[Any, None]:
+        """The states as they are: it carries no shared state."""
+        return states, None
+
     @property
     def data(self) -> None:
         """None: it reads no `data`."""
@@ -135,8 +144,8 @@ class AllChains(eqx.Module):
         `BatchError`, always.
         """
         raise BatchError(
-            "`data` is given with an `eb.all_chains` step: pass it with "
-            "`functools.partial` (see docs/chains.md#what-is-refused)."
+            "`data` is given with an `eb.all_chains` step and no `shared`: pass it "
+            "with `functools.partial` (see docs/chains.md#what-is-refused)."
         )
 
 
@@ -204,9 +213,10 @@ def all_chains(step: Callable) -> AllChains:
 
 def _check_signature(step: Callable) -> None:
     """Refuses a step that cannot be called as `step(states, keys, count)`, such as a
-    per-chain `step(state, key)` marked by mistake, before it is traced."""
+    per-chain `step(state, key)` marked by mistake, before it is traced; or with a
+    shared state (and `data`) after them: `run_chains` checks which it is given."""
     mismatch = call_mismatch(step, 3)
-    if mismatch is not None:
+    if mismatch is not None and all(call_mismatch(step, n) for n in (4, 5)):
         shown, reason = mismatch
         raise BatchError(
             f"`step` is {shown}, but an `eb.all_chains` step is called as "

@@ -40,6 +40,9 @@ def result(
     # The trace holds the draws made by the problem that ran longest.
     last = plan.num_steps if plan.until is None else int(np.max(steps_done))
     recorded = _recorded(plan, results, last, chains, checkpoint)
+    # The chains' own states, and the copies of a shared state carried beside them.
+    own, copies = plan.step.own_and_shared(eqx.combine(chains.states, plan.static))
+    static, _ = plan.step.own_and_shared(plan.static)
     states = outputs = None
     if recorded is not None:
         # The leaves of a draw that are the same in every draw (an MLP's activation)
@@ -51,12 +54,11 @@ def result(
         else:
             states = recorded
         if states is not None:  # None: `trace=False`, the outputs recorded alone
-            states = eqx.combine(states, plan.static)
+            states = eqx.combine(states, static)
     # Legacy keys are returned as they were given: raw data.
     keys = jr.key_data(chains.keys) if plan.segment.legacy else chains.keys
-    final, states, outputs, keys = without_copies(
-        (eqx.combine(chains.states, plan.static), states, outputs, keys)
-    )
+    final, states, outputs, keys = without_copies((own, states, outputs, keys))
+    shared = None if copies is None else _shared_rows(copies, plan)
     diagnostics, problems = _diagnostics(chains.moments, plan), None
     if plan.problems is not None:
         # What differs between the problems has a field of its own: the rest is
@@ -68,8 +70,9 @@ def result(
             stopped=stopped,
             draws_made=plan.draws.before(steps_done),
             diagnostics=diagnostics,
+            shared=shared,
         )
-        stopped, diagnostics = None, None
+        stopped, diagnostics, shared = None, None, None
     return assembled(
         Chains,
         final=final,
@@ -86,7 +89,18 @@ def result(
         steps_done=last,
         stopped=None if stopped is None else stopped[0],
         problems=problems,
+        shared=shared,
     )
+
+
+def _shared_rows(copies: Any, plan: RunPlan) -> Any:
+    """The shared state of each problem (its first chain's copy, one row per
+    problem with `data`), whole in every process, from every chain's copies."""
+    each = plan.layout.chains_each
+    rows = whole_here(copies)  # small: a few numbers per chain
+    if plan.problems is None:
+        return jtu.tree_map(lambda x: x[0] if eqx.is_array(x) else x, rows)
+    return jtu.tree_map(lambda x: x[::each] if eqx.is_array(x) else x, rows)
 
 
 def _recorded(

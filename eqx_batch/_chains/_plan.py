@@ -135,9 +135,15 @@ class RunPlan:
     def identity(self, chains: ChainState) -> RunIdentity:
         """The identity of the run of these chains (at their start)."""
         assert self.program is not None
-        init = eqx.combine(chains.states, self.static)
+        own, shared = self.step.own_and_shared(eqx.combine(chains.states, self.static))
         return RunIdentity.of(
-            self.program, init, chains.keys, self.options, self.data, self.trace.value
+            self.program,
+            own,
+            chains.keys,
+            self.options,
+            self.data,
+            self.trace.value,
+            shared=shared,
         )
 
 

@@ -114,5 +114,6 @@ def prepared_run(
         return found
     if traced is None:
         traced = trace_step(step, states, keys, legacy, with_output)
-    run = PreparedRun(step_layout(states, keys, traced.output))
+    own, _ = step.own_and_shared(states)
+    run = PreparedRun(step_layout(own, keys, traced.output))
     return run if signature is None else _prepared.add(signature, run)

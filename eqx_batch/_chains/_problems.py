@@ -74,19 +74,15 @@ class ProblemStep(eqx.Module):
         `BatchError` if `step` cannot be called as `step(state, key, data)`.
         """
         _check_signature(step)
-        data = jtu.tree_map(
-            lambda x: (
-                np.asarray(x, jax.dtypes.canonicalize_dtype(x.dtype))
-                if isinstance(x, np.ndarray)
-                else x
-            ),
-            data,
-        )
-        return cls(step, data)
+        return cls(step, jax_dtypes(data))
 
     def __call__(self, state: Any, key: Any, problem: Any) -> Any:
         """One chain's step, given its problem's index."""
         return self.step(state, key, _rows(self.data, problem))
+
+    def own_and_shared(self, states: Any) -> tuple[Any, None]:
+        """The states as they are: it carries no shared state."""
+        return states, None
 
     def for_chains(self, problem: jax.Array, block: int) -> tuple[Callable, MapChains]:
         """One chain's step given its row, and how the segment maps it: rows up to
@@ -122,17 +118,8 @@ class ProblemStep(eqx.Module):
         return on_row, _in_blocks(_rows(rows, problem[::block]), block)
 
     def placed(self, sharding: jax.sharding.Sharding) -> "ProblemStep":
-        """This step with `data` on the devices of `sharding` (replicated). In a job of
-        several processes, from the host, so that every process places the same
-        values; in one process, from where it is, with no copy through the host."""
-        job = jax.process_count() > 1
-
-        def place(x: Any) -> Any:
-            if not is_array(x):
-                return x
-            return jax.device_put(host_array(x) if job else x, sharding)
-
-        return ProblemStep(self.step, jtu.tree_map(place, self.data))
+        """This step with `data` on the devices of `sharding` (`placed_data`)."""
+        return ProblemStep(self.step, placed_data(self.data, sharding))
 
     def traced_call(
         self, states: Any, keys: jax.Array, one_key: jax.ShapeDtypeStruct
@@ -151,6 +138,32 @@ class ProblemStep(eqx.Module):
     def with_data(self, data: Any) -> "ProblemStep":
         """Its step given the rows of `data` instead (as `ProblemStep.of`)."""
         return ProblemStep.of(self.step, data)
+
+
+def jax_dtypes(data: Any) -> Any:
+    """`data` with its NumPy leaves of the dtypes JAX gives them, as `init`'s get."""
+    return jtu.tree_map(
+        lambda x: (
+            np.asarray(x, jax.dtypes.canonicalize_dtype(x.dtype))
+            if isinstance(x, np.ndarray)
+            else x
+        ),
+        data,
+    )
+
+
+def placed_data(data: Any, sharding: jax.sharding.Sharding) -> Any:
+    """`data`'s arrays on the devices of `sharding` (replicated). In a job of several
+    processes, from the host, so that every process places the same values; in one
+    process, from where it is, with no copy through the host."""
+    job = jax.process_count() > 1
+
+    def place(x: Any) -> Any:
+        if not is_array(x):
+            return x
+        return jax.device_put(host_array(x) if job else x, sharding)
+
+    return jtu.tree_map(place, data)
 
 
 def _in_blocks(block_rows: Any, block: int) -> MapChains:

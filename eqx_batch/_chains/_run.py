@@ -26,6 +26,7 @@ from ._loop import run_chunks
 from ._plan import plan_run
 from ._problems import problem_step
 from ._results._result import Chains
+from ._shared import carrying, shared_step
 from ._start import chunk_jobs, run_context, start_state
 from ._step import pytree_step
 from ._superchains import expand_superchains
@@ -50,6 +51,7 @@ def run_chains(
     diagnostics: bool = False,
     until: StoppingRule | None = None,
     data: Any = None,
+    shared: Any = None,
 ) -> Chains:
     """Runs many independent Markov chains in parallel, from a step written for one.
 
@@ -100,6 +102,11 @@ def run_chains(
         row; chain `c` is problem `c // (chains // P)`'s, and with `until` each
         problem stops on its own ([Many problems in one
         run](../chains.md#many-problems-in-one-run)).
+    - `shared`: a state the chains of a problem share (an adaptive step size), one
+        pytree with no chain axis (with `data`, one row per problem), carried through
+        the loop for an [`eb.all_chains`][] step `fn(states, keys, count, shared[,
+        data]) -> (states, shared)`; its final value is `Chains.shared` ([A state the
+        chains share](../chains.md#a-state-the-chains-share)).
 
     **Returns:**
 
@@ -160,15 +167,18 @@ def run_chains(
         diagnostics = diagnostics or until is not None  # the rule reads them
         # The loop runs on after the call returns (`Chains` waits on its fields),
         # so it reads copies of the caller's NumPy arrays, never the arrays.
-        init, key, data = owned(init), owned(key), owned(data)
+        init, key, data, shared = owned(init), owned(key), owned(data), owned(shared)
         whole, superchain_ids = split_init(init), None
         if superchains is not None:
             whole, superchain_ids = expand_superchains(whole, key, superchains)
             superchains = int(superchains)
         keys, legacy = chain_keys(key, whole.num_chains)
         step, num_problems = owned(pytree_step(step)), None
+        step = shared_step(step, shared, with_output, with_data=data is not None)
         if data is not None:
             step, num_problems = problem_step(step, data, whole.num_chains, superchains)
+        if shared is not None:
+            step, whole = carrying(step, whole, shared, num_problems)
         plan = plan_run(
             step,
             whole,

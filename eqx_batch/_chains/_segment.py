@@ -112,9 +112,11 @@ def segment(
         # XLA does not repeat the step's arithmetic to check them.
         first_bad = _with_first_bad(first_bad, states, t)
         keys, states, output = move(states, keys, t)
-        moments = add_draw(moments, states, t, draws)
+        # A shared state carried beside the chains is neither diagnosed nor recorded.
+        own, _ = step.own_and_shared(states)
+        moments = add_draw(moments, own, t, draws)
         if records:
-            recorded = plan.recorded(states, output)
+            recorded = plan.recorded(own, output)
             buffer = _written(plan, buffer, recorded, t, offset, live)
         chains = ChainState(states, keys, first_bad, moments, problem)
         return (chains, buffer, t + 1), None
@@ -186,7 +188,7 @@ def _mover(
     def move(states: Any, keys: jax.Array, t: jax.Array) -> tuple:
         if step.sees_every_chain:
             keys, step_keys = jax.vmap(next_key)(keys)
-            return keys, *advance(step, states, step_keys, t)
+            return keys, *advance(chain_step, states, step_keys, t)
         return map_chains(one_chain, states, keys)
 
     return move

@@ -42,6 +42,10 @@ class PerChain:
     def __call__(self, state: Any, key: Any) -> Any:
         return self.step(state, key)
 
+    def own_and_shared(self, states: Any) -> tuple[Any, None]:
+        """The states as they are: it carries no shared state."""
+        return states, None
+
     @property
     def data(self) -> None:
         """None: it reads no `data`."""
@@ -133,7 +137,7 @@ def trace_step(
     new, output = _new_state_and_output(result, with_output)
     if whole and with_output:
         output = _output_per_chain(output, key.shape[0])
-    _check_new_state(like, new, whole)
+    check_new_state(like, new, whole)
     return TracedStep(program, output)
 
 
@@ -171,7 +175,7 @@ def _new_state_and_output(result: Any, with_output: bool) -> tuple[Any, Any]:
     return new, output
 
 
-def _check_new_state(like: Any, new: Any, whole: bool) -> None:
+def check_new_state(like: Any, new: Any, whole: bool) -> None:
     """Checks that `step` returned the state it was given, `like`, in structure,
     shapes and dtypes (`whole`: of every chain at once).
 

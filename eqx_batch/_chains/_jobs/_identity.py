@@ -230,6 +230,7 @@ _EXPLAINED = {
     ),
     "init values": "`init` holds other values",
     "data values": "`data` holds other values",
+    "shared values": "`shared` holds other values",
     "keys": "the chains' keys differ (another `key`)",
     "step callbacks": (
         "the code or data of a host callback of `step` differs (an edited function)"
@@ -260,6 +261,7 @@ def identity_fields(
     options: RunOptions,
     data: Any = None,
     program: jax.extend.core.ClosedJaxpr | None = None,
+    shared: Any = None,
 ) -> dict[str, str]:
     """`RunIdentity.fields` of a run from `init` and `keys` with `options` (and
     `data`); those of `step` only given `program`, its traced program (a run without
@@ -285,6 +287,11 @@ def identity_fields(
         # For messages: the other fields give no count of problems.
         rows = next(x for x in jtu.tree_leaves(data) if is_array(x))
         fields["data problems"] = str(np.shape(rows)[0])
+    if shared is not None:
+        # Every chain's copy of its problem's shared state: the values of the
+        # problems' shared states, as the chains' layout is fixed by the other fields.
+        fields["shared structure"] = _without_addresses(str(jtu.tree_structure(shared)))
+        fields["shared values"] = _values_digest(shared)
     return fields
 
 
@@ -308,11 +315,15 @@ class RunIdentity:
         options: RunOptions,
         data: Any = None,
         trace_mode: bool | Literal["disk"] | None = None,
+        shared: Any = None,
     ) -> "RunIdentity":
         """The identity of a run of the traced step `program` from `init` (the whole
         state, non-array leaves included) and `keys`, with `options` (and `data`, of
-        many problems; `trace_mode`, `trace` as given, names it in messages)."""
-        return cls(identity_fields(init, keys, options, data, program), trace_mode)
+        many problems; `trace_mode`, `trace` as given, names it in messages; `shared`,
+        every chain's copy of the shared state, with `shared=`)."""
+        return cls(
+            identity_fields(init, keys, options, data, program, shared), trace_mode
+        )
 
     @property
     def run_id(self) -> str:

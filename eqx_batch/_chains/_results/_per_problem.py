@@ -2,6 +2,8 @@
 (`run_chains(..., data=data)`), held apart so that `Chains` keeps one problem's
 shape."""
 
+from typing import Any
+
 import equinox as eqx
 import numpy as np
 
@@ -30,6 +32,8 @@ class Problems(eqx.Module):
     - `diagnostics`: with `diagnostics=True` (or `until`), each problem's
         [`eb.Diagnostics`][]: every statistic with a leading axis of P, one entry
         per problem. `None` without.
+    - `shared`: with `shared=`, each problem's final shared state: every array
+        leaf with a leading axis of P. `None` without.
 
     !!! Example
 
@@ -52,3 +56,4 @@ class Problems(eqx.Module):
     stopped: tuple[Stopped, ...] | None
     draws_made: np.ndarray
     diagnostics: Diagnostics | None
+    shared: Any = None

@@ -64,6 +64,8 @@ class Chains(eqx.Module):
     - `stopped`: with `until`, an [`eb.Stopped`][]: when the run stopped and why,
         and the checks made; `None` without `until`, and with many problems (each
         stops on its own: their stops are in `problems`).
+    - `shared`: with `shared=`, the final shared state of the chains' problem (with
+        `data`, `None`: each problem's is in `problems.shared`); `None` without.
     - `problems`: with `data`, an [`eb.Problems`][]: how many problems the chains
         ran, and each problem's steps, stop, draws and diagnostics, one entry per
         problem; `None` without `data`. [`problem(p)`][eqx_batch.Chains.problem] is
@@ -97,6 +99,7 @@ class Chains(eqx.Module):
     steps_done: int = 0
     stopped: Stopped | None = None
     problems: Problems | None = None
+    shared: Any = None
 
     def problem(self, p: int) -> "Chains":
         """Problem `p`'s chains alone, from a run of many problems (`data=`).
@@ -179,6 +182,9 @@ class Chains(eqx.Module):
             steps_done=int(problems.steps_done[p]),
             stopped=None if problems.stopped is None else problems.stopped[p],
             problems=None,
+            shared=jtu.tree_map(
+                lambda x: x[p] if eqx.is_array(x) else x, problems.shared
+            ),
         )
 
     def gathered(self) -> "Chains":

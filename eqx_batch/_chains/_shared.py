@@ -1,0 +1,283 @@
+"""A state the chains of a problem share: `run_chains(eb.all_chains(fn), ..., shared=S)`
+with `fn(states, keys, count, shared[, data]) -> (states, shared[, outputs])`.
+
+Adaptive samplers that pool a problem's chains (ChEES, MEADS) tune one step size or
+trajectory length from all of them. The run carries the shared state as a copy beside
+each chain's own state (`WithShared`): a row per chain moves with its chain through
+everything that already moves chains (chunks, devices, padding, compaction's pieces,
+checkpoints and resume on another layout, a job's agreement), so none of them learns
+a new kind of row. Each step reads the copy of a problem's first chain and writes the
+new shared state back to every chain of the problem; only the chains' own states are
+recorded, diagnosed and returned as `final`. The copies cost a broadcast per step and
+the shared state's size once per chain in memory and in the checkpoint: adaptation
+states are a few numbers.
+
+With `data`, the chains are grouped by problem (`M` consecutive chains each) and `fn`
+is mapped over the problems, each given its chains, its row of `shared` and its row of
+`data`, as a loop written by hand as a `vmap` over problems would.
+"""
+
+import dataclasses
+import functools as ft
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from .._errors import BatchError, bullet_list, call_mismatch, describe, leaf_name
+from .._tree import is_array, structs
+from ._all_chains import AllChains, each_chain, MapChains, RunStep
+from ._arguments import Init
+from ._problems import jax_dtypes, placed_data
+from ._step import check_new_state
+
+
+_SHARED_IS = "(see docs/chains.md#a-state-the-chains-share)"
+
+
+class WithShared(NamedTuple):
+    """One chain's state as a run with `shared` carries it."""
+
+    state: Any  # the chain's own state, as `init` gives it
+    shared: Any  # a copy of its problem's shared state
+
+
+class SharedStep(eqx.Module):
+    """`fn(states, keys, count, shared[, data])` as a run calls it (`RunStep`): on
+    every chain of each problem at once, its shared state carried beside them."""
+
+    step: Callable
+    data: Any  # one row per problem, or None
+    chains_each: int = eqx.field(static=True)  # M, the chains of a problem
+    with_output: bool = eqx.field(static=True)
+    sees_every_chain: ClassVar[bool] = True  # (`RunStep`)
+
+    def own_and_shared(self, states: Any) -> tuple[Any, Any]:
+        """The chains' own states, and the copies of the shared state."""
+        return states.state, states.shared
+
+    def placed(self, sharding: jax.sharding.Sharding) -> "SharedStep":
+        """This step with `data` (if any) on the devices of `sharding`."""
+        if self.data is None:
+            return self
+        return dataclasses.replace(self, data=placed_data(self.data, sharding))
+
+    def for_chains(self, problem: Any, block: int) -> tuple[Callable, MapChains]:
+        """The step on a segment's chains, whole problems of `chains_each` in
+        order, each problem's row of `data` taken once, before the loop."""
+        rows = None
+        if self.data is not None:
+            first_chains = problem[:: self.chains_each]
+            rows = jtu.tree_map(
+                lambda x: x[first_chains] if is_array(x) else x, self.data
+            )
+        return ft.partial(self._on_problems, rows), each_chain
+
+    def traced_call(
+        self, states: Any, keys: jax.Array, one_key: jax.ShapeDtypeStruct
+    ) -> tuple[Callable, tuple]:
+        """Every chain's state, one key per chain, an `int32` count, and `data`
+        (an argument, not a constant: the run's identity names it on its own)."""
+        num_chains = keys.shape[0]
+
+        def call(s: Any, k: Any, count: Any, *data: Any) -> Any:
+            problem = jnp.arange(num_chains, dtype=jnp.int32) // self.chains_each
+            given = dataclasses.replace(self, data=data[0]) if data else self
+            return given.for_chains(problem, 1)[0](s, k, count)
+
+        keys_like = jax.ShapeDtypeStruct((num_chains, *one_key.shape), one_key.dtype)
+        count_like = jax.ShapeDtypeStruct((), jnp.int32)
+        given = (structs(states), keys_like, count_like)
+        if self.data is not None:
+            given += (structs(self.data),)
+        return call, given
+
+    def with_data(self, data: Any) -> "SharedStep":
+        """This step given each problem's row of `data`.
+
+        **Raises:**
+
+        `BatchError` if `fn` cannot be called as `fn(states, keys, count, shared,
+        data)`.
+        """
+        _check_signature(self.step, 5)
+        return dataclasses.replace(self, data=jax_dtypes(data))
+
+    def _on_problems(self, rows: Any, states: WithShared, keys: Any, count: Any):
+        """`fn` on each problem's chains, the new shared state copied to them all."""
+        own, copies = states
+        num_chains = keys.shape[0]
+        num_problems = num_chains // self.chains_each
+
+        def grouped(x: Any) -> Any:
+            return x.reshape(num_problems, self.chains_each, *x.shape[1:])
+
+        shared = jtu.tree_map(lambda x: grouped(x)[:, 0], copies)
+        if rows is None:
+            # One problem: `fn` on the stack as it is, with no map over problems.
+            result = self.step(own, keys, count, jtu.tree_map(lambda x: x[0], shared))
+            new, new_shared, output = self._parts(result, own, shared, one=True)
+            new_shared = jtu.tree_map(lambda x: x[None], new_shared)
+        else:
+            result = jax.vmap(lambda s, k, sh, row: self.step(s, k, count, sh, row))(
+                jtu.tree_map(grouped, own), grouped(keys), shared, rows
+            )
+            new, new_shared, output = self._parts(result, own, shared, one=False)
+            new, output = jtu.tree_map(
+                lambda x: x.reshape(num_chains, *x.shape[2:]), (new, output)
+            )
+        new_copies = jtu.tree_map(
+            lambda x: jnp.repeat(
+                x, self.chains_each, axis=0, total_repeat_length=num_chains
+            ),
+            new_shared,
+        )
+        carried = WithShared(new, new_copies)
+        return (carried, output) if self.with_output else carried
+
+    def _parts(self, result: Any, own: Any, shared: Any, one: bool) -> tuple:
+        """`fn`'s result as the new states, shared state and outputs (None without
+        `with_output`), checked against what it was given, at trace time.
+
+        **Raises:**
+
+        `BatchError` if `fn` returned another number of parts, or changed the
+        structure, shapes or dtypes of the states or of the shared state.
+        """
+        size = 3 if self.with_output else 2
+        if not isinstance(result, tuple) or len(result) != size:
+            parts = (
+                "(states, shared, outputs)" if self.with_output else "(states, shared)"
+            )
+            raise BatchError(
+                f"`step` with `shared` returns `{parts}`, but returned "
+                f"{jtu.tree_structure(result)} {_SHARED_IS}."
+            )
+        new, new_shared = result[:2]
+        check_new_state(structs(own), new if one else _ungrouped(new), whole=True)
+        given = structs(shared if not one else jtu.tree_map(lambda x: x[0], shared))
+        _check_new_shared(given, new_shared)
+        return new, new_shared, result[2] if self.with_output else None
+
+
+def _ungrouped(tree: Any) -> Any:
+    return jtu.tree_map(lambda x: x.reshape(-1, *x.shape[2:]), tree)
+
+
+def _check_new_shared(given: Any, new: Any) -> None:
+    """Refuses a new shared state whose structure, shapes or dtypes differ from
+    `given`'s (the shared state of one problem), naming the leaves."""
+    before = jtu.tree_flatten_with_path(given)
+    after = jtu.tree_flatten_with_path(new)
+    if before[1] != after[1]:
+        raise BatchError(
+            f"`step` changed the structure of `shared`: it was given {before[1]} and "
+            f"returned {after[1]}."
+        )
+    changed = [
+        f"`{leaf_name('shared', path)}` is {describe(old)}, but `step` returned "
+        f"{describe(got)}"
+        for (path, old), (_, got) in zip(before[0], after[0], strict=True)
+        if describe(old) != describe(got)
+    ]
+    if changed:
+        raise BatchError(
+            "`step` changed the shape or dtype of `shared`:\n"
+            + bullet_list(changed)
+            + "\nReturn each leaf as it was given (cast with `.astype`)."
+        )
+
+
+def _check_signature(fn: Callable, num_args: int) -> None:
+    mismatch = call_mismatch(fn, num_args)
+    if mismatch is not None:
+        shown, reason = mismatch
+        called = ("fn(states, keys, count", ", shared", ", data")[: num_args - 2]
+        raise BatchError(
+            f"`step` is {shown}, but {'with' if num_args > 3 else 'without'} `shared` "
+            f"it is called as `{''.join(called)})`: {reason}."
+        )
+
+
+def shared_step(
+    step: RunStep, shared: Any, with_output: bool, with_data: bool
+) -> RunStep:
+    """`step`, an `eb.all_chains` step, as a step carrying a `shared` state; without
+    one, `step` itself.
+
+    **Raises:**
+
+    `BatchError` if `step` is not an `eb.all_chains` step, or cannot be called with
+    the shared state (and `data`); without one, if an `eb.all_chains` step cannot be
+    called as `fn(states, keys, count)`.
+    """
+    if shared is None:
+        if isinstance(step, AllChains):
+            _check_signature(step.step, 3)
+        return step
+    if not isinstance(step, AllChains):
+        raise BatchError(
+            "`shared` is given, but `step` is a step of one chain: mark "
+            f"`fn(states, keys, count, shared)` with `eb.all_chains` {_SHARED_IS}."
+        )
+    if not with_data:
+        _check_signature(step.step, 4)
+    return SharedStep(step.step, None, 0, with_output)
+
+
+def carrying(
+    step: SharedStep, init: Init, shared: Any, num_problems: int | None
+) -> tuple[SharedStep, Init]:
+    """`step` and `init` with a copy of `shared` (of one problem, or one row per
+    problem with `data`) beside each chain's state.
+
+    `shared`'s Python numbers become arrays of the dtypes JAX gives them, as its
+    NumPy arrays do: the loop carries them.
+
+    **Raises:**
+
+    `BatchError` if `shared` holds no array, or with `data` an array leaf without
+    one row per problem.
+    """
+    shared = jtu.tree_map(_as_array, shared)
+    arrays, static = eqx.partition(shared, is_array)
+    leaves = jtu.tree_leaves_with_path(arrays)
+    if not leaves:
+        raise BatchError(
+            f"`shared` is {describe(shared)}, with no array to carry {_SHARED_IS}."
+        )
+    problems = num_problems or 1
+    if num_problems is not None:
+        wrong = [
+            f"`{leaf_name('shared', path)}` is {describe(x)}"
+            for path, x in leaves
+            if np.ndim(x) == 0 or np.shape(x)[0] != num_problems
+        ]
+        if wrong:
+            raise BatchError(
+                f"With `data`, `shared` holds one row per problem ({num_problems}) "
+                "on axis 0, but:\n" + bullet_list(wrong)
+            )
+    else:
+        arrays = jtu.tree_map(lambda x: jnp.asarray(x)[None], arrays)
+    each = init.num_chains // problems
+    copies = jtu.tree_map(lambda x: jnp.repeat(jnp.asarray(x), each, axis=0), arrays)
+    carried = Init(
+        WithShared(init.whole, eqx.combine(copies, static)),
+        WithShared(init.arrays, copies),
+        WithShared(init.static, static),
+        init.num_chains,
+    )
+    return dataclasses.replace(step, chains_each=each), carried
+
+
+def _as_array(x: Any) -> Any:
+    """A Python number or NumPy array as a NumPy array of the dtype JAX gives it."""
+    if isinstance(x, (bool, int, float, complex, np.ndarray, np.generic)):
+        x = np.asarray(x)
+        return x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
+    return x
