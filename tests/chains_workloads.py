@@ -5,12 +5,14 @@ of them, for a test to run here and a worker script (`run_worker.py`,
 The workloads of `run` (`WORKLOADS`) are random-walk Metropolis on a dict of weights
 (`metropolis`), a state that carries its own typed PRNG keys (`keys`), an Equinox MLP
 whose activation is a function (`mlp`), and the emcee stretch move, a step that sees
-every chain (`stretch`), whose state records the step count it was given. A job's
+every chain (`stretch`), whose state records the step count it was given, and a
+random walk whose chains share an adapted scale (`adapting`, with `shared=`). A job's
 processes import this module before they initialise JAX: nothing here touches it at
 import.
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -142,12 +144,49 @@ def make_stretch_init(num_chains: int) -> dict:
     return {"x": start, "count": jnp.full(num_chains, -1, jnp.int32)}
 
 
+def adapting(
+    states: dict, keys: jax.Array, count: jax.Array, shared: dict, centre: Any = 0.0
+) -> tuple:
+    """Random-walk Metropolis on a normal around `centre` whose chains share one
+    proposal scale, tuned towards an acceptance of 0.44 by Robbins-Monro steps on its
+    log from the mean acceptance of the chains (the kind of step `shared=` is for)."""
+    scale = jnp.exp(shared["log_scale"])
+
+    def one(x: jax.Array, key: jax.Array) -> tuple:
+        move_key, accept_key = jr.split(key)
+        proposal = x + scale * jr.normal(move_key, x.shape, x.dtype)
+        log_ratio = 0.5 * (
+            jnp.sum((x - centre) ** 2) - jnp.sum((proposal - centre) ** 2)
+        )
+        accept = jnp.log(jr.uniform(accept_key)) < log_ratio
+        return jnp.where(accept, proposal, x), accept
+
+    x, accepted = jax.vmap(one)(states["x"], keys)
+    rate = jnp.mean(accepted.astype(jnp.float32))
+    gain = (count.astype(jnp.float32) + 1.0) ** -0.6
+    new_shared = {
+        "log_scale": shared["log_scale"] + gain * (rate - 0.44),
+        "accepted": shared["accepted"] + jnp.sum(accepted.astype(jnp.int32)),
+    }
+    return {"x": x}, new_shared
+
+
+def make_adapting_init(num_chains: int) -> dict:
+    return {"x": jnp.linspace(-3.0, 3.0, num_chains * 3).reshape(num_chains, 3)}
+
+
+ADAPTING_SHARED = {"log_scale": np.float32(0.0), "accepted": np.int32(0)}
+
+
 WORKLOADS: dict[str, tuple[Callable, Callable]] = {
     "metropolis": (metropolis, make_init),
     "keys": (key_step, make_key_init),
     "mlp": (mlp_step, make_mlp_init),
     "stretch": (counted_stretch, make_stretch_init),
+    "adapting": (eb.all_chains(adapting), make_adapting_init),
 }
+# The shared state each workload starts from, for those that carry one.
+SHARED = {"adapting": ADAPTING_SHARED}
 
 
 def run(
@@ -169,11 +208,13 @@ def run(
         thin=thin,
         checkpoint=checkpoint,
         checkpoint_every=checkpoint_every,
+        shared=SHARED.get(workload),
     )
 
 
 def outputs(result: eb.Chains) -> dict:
-    return {"final": result.final, "trace": result.trace, "keys": result.keys}
+    kept = {"final": result.final, "trace": result.trace, "keys": result.keys}
+    return kept if result.shared is None else {**kept, "shared": result.shared}
 
 
 def everything(result: eb.Chains) -> dict:

@@ -22,6 +22,8 @@ never the driver. Every file, from the top down:
 - `_segment.py`, `_segment_plan.py`: the compiled segment, which knows nothing about
     files, and `SegmentPlan`, what it fixes when it is traced;
 - `_step.py`: the user's step, traced on one chain and checked;
+- `_shared.py`: a state the chains of a problem share (`shared=`), carried as a copy
+    beside each chain's state;
 - `_problems.py`: many problems in one run (`data=`), each chain with its problem's row;
 - `_results/`: what a run returns:
     - `_result.py`, `_per_problem.py`, `_nonfinite.py`, `_arviz.py`: `Chains`,

@@ -167,7 +167,11 @@ def all_chains(step: Callable) -> AllChains:
     **Arguments:**
 
     - `step`: `step(states, keys, count) -> new_states`, or `(new_states, outputs)`
-        with `with_output=True`. `states` is every chain's state stacked on axis 0
+        with `with_output=True`; with `run_chains(..., shared=S)`, `step(states,
+        keys, count, shared) -> (new_states, new_shared)` (and `data` after
+        `shared`, called per problem: [A state the chains
+        share](../chains.md#a-state-the-chains-share)). `states` is every chain's
+        state stacked on axis 0
         (the shape of `init`, after `superchains` expands it); `keys` one key per
         chain (typed `[chains]`, or legacy `uint32[chains, 2]` if `run_chains` was
         given legacy keys); `count` the step's number, counted from 0 over the whole
@@ -182,7 +186,7 @@ def all_chains(step: Callable) -> AllChains:
     **Raises:**
 
     `eb.BatchError` if `step` is not callable, or cannot be called with three
-    arguments.
+    arguments (nor four or five, for a shared state).
 
     The chains of an all-chains step are never padded: `run_chains` places them on
     the most devices that they divide over evenly (in a job of several processes, as

@@ -173,14 +173,16 @@ def run_chains(
             whole, superchain_ids = expand_superchains(whole, key, superchains)
             superchains = int(superchains)
         keys, legacy = chain_keys(key, whole.num_chains)
-        step, num_problems = owned(pytree_step(step)), None
-        step = shared_step(step, shared, with_output, with_data=data is not None)
+        run_step, num_problems = owned(pytree_step(step)), None
+        run_step = shared_step(run_step, shared, with_output, data is not None)
         if data is not None:
-            step, num_problems = problem_step(step, data, whole.num_chains, superchains)
+            run_step, num_problems = problem_step(
+                run_step, data, whole.num_chains, superchains
+            )
         if shared is not None:
-            step, whole = carrying(step, whole, shared, num_problems)
+            run_step, whole = carrying(run_step, whole, shared, num_problems)
         plan = plan_run(
-            step,
+            run_step,
             whole,
             keys,
             legacy,

@@ -56,6 +56,12 @@ class SharedStep(eqx.Module):
     with_output: bool = eqx.field(static=True)
     sees_every_chain: ClassVar[bool] = True  # (`RunStep`)
 
+    def __call__(self, states: WithShared, keys: Any, count: Any) -> Any:
+        """`fn` on every chain, of problems of `chains_each` chains in order."""
+        num_chains = keys.shape[0]
+        problem = jnp.arange(num_chains, dtype=jnp.int32) // self.chains_each
+        return self.for_chains(problem, 1)[0](states, keys, count)
+
     def own_and_shared(self, states: Any) -> tuple[Any, Any]:
         """The chains' own states, and the copies of the shared state."""
         return states.state, states.shared
@@ -85,9 +91,8 @@ class SharedStep(eqx.Module):
         num_chains = keys.shape[0]
 
         def call(s: Any, k: Any, count: Any, *data: Any) -> Any:
-            problem = jnp.arange(num_chains, dtype=jnp.int32) // self.chains_each
             given = dataclasses.replace(self, data=data[0]) if data else self
-            return given.for_chains(problem, 1)[0](s, k, count)
+            return given(s, k, count)
 
         keys_like = jax.ShapeDtypeStruct((num_chains, *one_key.shape), one_key.dtype)
         count_like = jax.ShapeDtypeStruct((), jnp.int32)
@@ -230,7 +235,7 @@ def shared_step(
 
 
 def carrying(
-    step: SharedStep, init: Init, shared: Any, num_problems: int | None
+    step: RunStep, init: Init, shared: Any, num_problems: int | None
 ) -> tuple[SharedStep, Init]:
     """`step` and `init` with a copy of `shared` (of one problem, or one row per
     problem with `data`) beside each chain's state.
@@ -243,6 +248,7 @@ def carrying(
     `BatchError` if `shared` holds no array, or with `data` an array leaf without
     one row per problem.
     """
+    assert isinstance(step, SharedStep)
     shared = jtu.tree_map(_as_array, shared)
     arrays, static = eqx.partition(shared, is_array)
     leaves = jtu.tree_leaves_with_path(arrays)
