@@ -102,7 +102,8 @@ def halton(index: jax.Array) -> jax.Array:
     cover their range with less variance than uniform draws."""
     bits = jnp.arange(31, dtype=jnp.int32)
     digits = ((index + 1) >> bits) & 1
-    return jnp.sum(digits.astype(jnp.float32) * jnp.exp2(-(bits + 1.0)))
+    weights = jnp.exp2(-(bits + 1).astype(jnp.float32))
+    return jnp.sum(digits.astype(jnp.float32) * weights)
 
 
 class Proposal(NamedTuple):
@@ -190,11 +191,12 @@ def adapt(
     """
     t = (state.iteration + 1).astype(jnp.float32)
     kept = ~proposal.divergent
+    num_kept = jnp.sum(kept.astype(jnp.float32))
     # Dual averaging on the harmonic mean of the acceptance probabilities: unlike
     # the arithmetic mean it is dragged down by the chains that hardly move, which
     # for ChEES's shared step size are the ones that matter.
     inverse = jnp.sum(jnp.where(kept, 1.0 / proposal.acceptance, 0.0))
-    harmonic = jnp.where(kept.any(), jnp.sum(kept) / inverse, 0.0)
+    harmonic = jnp.where(kept.any(), num_kept / inverse, 0.0)
     error = (1.0 - 1.0 / (t + DA_T0)) * state.error_average + (
         TARGET_ACCEPTANCE - harmonic
     ) / (t + DA_T0)
@@ -205,10 +207,8 @@ def adapt(
     # change in the squared distance from the chains' mean, times the speed at which
     # the proposal moves away from it, times d(trajectory)/d(log T) = u T.
     def centred(x):
-        mean = jnp.sum(jnp.where(kept[:, None], x, 0.0), 0) / jnp.maximum(
-            jnp.sum(kept), 1
-        )
-        return x - mean
+        total = jnp.sum(jnp.where(kept[:, None], x, 0.0), axis=0, keepdims=True)
+        return x - total / jnp.maximum(num_kept, 1.0)
 
     end, begin = centred(proposal.proposed), centred(start)
     change = jnp.sum(end**2, axis=1) - jnp.sum(begin**2, axis=1)
