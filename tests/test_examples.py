@@ -30,6 +30,7 @@ EXAMPLES = ROOT / "examples"
 TIMEOUT = 300
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SCRIPTS = [
+    "chees",
     "deep_scan",
     "ensemble_regression",
     "many_short_chains",
