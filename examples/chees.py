@@ -17,8 +17,11 @@ pytree without a chain axis, carried through the loop beside the chains.
 
     python examples/chees.py [--out DIR]
 
-It prints the adapted step size and trajectory length and the posterior means and
-variances against the reference moments, and ends with one line `RESULT {...}` in
+It runs eight schools (non-centred, `examples/posteriors.py`) as one problem of 128
+chains and as 8 problems (simulated data) of 64 chains, each warmed up until nested
+R-hat passes and then sampled with its adapted values frozen. It prints the adapted
+step sizes and trajectory lengths and the posterior means against the reference
+moments, and ends with one line `RESULT {...}` in
 JSON, for scripts and tests to read. It writes nothing (`--out` is accepted for
 uniformity).
 """
@@ -36,6 +39,8 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import posteriors
+
+import eqx_batch as eb
 
 
 TARGET_ACCEPTANCE = 0.651  # optimal for HMC as the dimension grows (Beskos et al.)
@@ -336,45 +341,160 @@ def run_loop(fn: Callable, states, key, num_steps: int, shared) -> tuple:
     return run(states, key, shared)
 
 
+def warm_then_sample(posterior, data, starts, keys, shared, superchains: int):
+    """The two phases with `eb.run_chains`: the warmup, stopped per problem by
+    nested R-hat, then a fresh sample from where it stopped with the adapted values
+    frozen. Two calls, because a kernel that still adapts is not a fixed Markov
+    kernel (its draws need not have the posterior as their law), and the draws of
+    the window that passed a stopping rule are biased towards passing it.
+
+    **Arguments:**
+
+    - `posterior`: an `examples/posteriors.py` model; `data`: its data, one row
+        per problem (`None` for one problem, then given by closure).
+    - `starts`: one start per superchain; `keys`: one key per chain.
+    - `shared`: the initial `ChEESState` (one row per problem with `data`).
+    - `superchains`: superchains of every problem together.
+
+    **Returns:**
+
+    `(warmup, sample)`: the two `eb.Chains`.
+    """
+    many = data is not None
+    warmup_fn, sample_fn = (
+        f(posterior.log_density) for f in (warmup_step, sample_step)
+    )
+    if not many:
+        row = jax.tree.map(jnp.asarray, posterior.reference_data)
+        warmup_fn = ft.partial(warmup_fn, data=row)
+        sample_fn = ft.partial(sample_fn, data=row)
+    warmup = eb.run_chains(
+        eb.all_chains(warmup_fn),
+        starts,
+        keys,
+        1000,  # the cap
+        shared=shared,
+        data=data,
+        superchains=superchains,
+        # Ends the warmup when the chains have forgotten their starts, which is
+        # what a warmup is for and what nested R-hat over superchains measures. A
+        # rule on the adaptation alone (the step size settled) could stop chains
+        # that still carry their starts. 200 steps a window give Adam time to
+        # move T from one leapfrog step to its optimum before the first check.
+        until=eb.converged(every=200),
+        trace=False,
+        with_output=True,
+    )
+    adapted = warmup.problems.shared if many else warmup.shared
+    sample = eb.run_chains(
+        eb.all_chains(sample_fn),
+        warmup.final,
+        warmup.keys,
+        500,
+        shared=adapted,
+        data=data,
+        with_output=True,
+    )
+    return warmup, sample
+
+
+def moment_errors(draws, moments) -> tuple[float, float]:
+    """The largest |mean error| in posterior sds, and |variance ratio - 1|, over
+    the coordinates of `draws` `[chains, draws, D]`."""
+    draws = np.asarray(draws, np.float64).reshape(-1, draws.shape[-1])
+    sd = np.sqrt(moments.variance)
+    mean_error = np.abs(draws.mean(0) - moments.mean) / sd
+    return float(mean_error.max()), float(
+        np.abs(draws.var(0) / moments.variance - 1.0).max()
+    )
+
+
 def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.parse_args()
-
     posterior = posteriors.EIGHT_SCHOOLS_NON_CENTRED
-    data = jax.tree.map(jnp.asarray, posterior.reference_data)
-    num_chains = 128
-    starts = posterior.initial(jr.key(0), num_chains)
+    result: dict[str, Any] = {}
+
+    # One problem: the classic data, 8 superchains of 16 chains.
     begin = time.perf_counter()
-    warm, shared, _, warm_outputs = run_loop(
-        ft.partial(warmup_step(posterior.log_density), data=data),
-        starts,
-        jr.key(1),
-        500,
+    warmup, sample = warm_then_sample(
+        posterior,
+        None,
+        posterior.initial(jr.key(0), 8),
+        jr.split(jr.key(1), 128),
         chees_init(0.1),
+        superchains=8,
     )
-    final, _, trace, outputs = run_loop(
-        ft.partial(sample_step(posterior.log_density), data=data),
-        warm,
-        jr.key(2),
-        500,
-        shared,
+    moments = posterior.moments(posterior.reference_data)
+    mean_error, variance_error = moment_errors(sample.trace, moments)
+    draws = np.asarray(sample.trace, np.float64).reshape(-1, posterior.dimension)
+    print(f"{posterior.name}, classic data, 128 chains:")
+    print(f"  warmup stopped after {warmup.steps_done} steps ({warmup.stopped.reason})")
+    print(
+        f"  step size {float(sample.shared.step_size):.3f}, trajectory length "
+        f"{float(sample.shared.trajectory_length):.2f}"
     )
-    draws = np.asarray(trace, np.float64).reshape(-1, posterior.dimension)
-    moments = posterior.moments(data)
-    sd = np.sqrt(moments.variance)
-    result = {
+    print(f"  {'':14} {'mean':>8} {'reference':>10} {'sd':>8} {'reference':>10}")
+    for i, name in enumerate(posterior.coordinates):
+        print(
+            f"  {name:14} {draws[:, i].mean():8.3f} {moments.mean[i]:10.3f}"
+            f" {draws[:, i].std():8.3f} {np.sqrt(moments.variance[i]):10.3f}"
+        )
+    result["one"] = {
+        "warmup_steps": warmup.steps_done,
+        "converged": bool(warmup.stopped.converged),
+        "step_size": float(sample.shared.step_size),
+        "trajectory_length": float(sample.shared.trajectory_length),
+        "acceptance": float(np.mean(sample.outputs["acceptance"])),
+        "divergent": int(np.sum(sample.outputs["divergent"])),
+        "mean_error_sd": mean_error,
+        "variance_error": variance_error,
         "seconds": time.perf_counter() - begin,
-        "step_size": float(shared.step_size),
-        "trajectory_length": float(shared.trajectory_length),
-        "acceptance": float(outputs["acceptance"].mean()),
-        "divergent": int(outputs["divergent"].sum()),
-        "mean_error_sd": float(np.max(np.abs(draws.mean(0) - moments.mean) / sd)),
-        "variance_error": float(np.max(np.abs(draws.var(0) / moments.variance - 1.0))),
     }
-    print(result)
+
+    # Many problems: 8 datasets from the model, each with its own 4 superchains of
+    # 16 chains, its own adaptation (a row of `shared`) and its own stop.
+    begin = time.perf_counter()
+    num_problems = 8
+    data = posteriors.simulate_problems(posterior, jr.key(2), num_problems)
+    shared = jax.tree.map(
+        lambda x: jnp.broadcast_to(x, (num_problems,)), chees_init(0.1)
+    )
+    warmup, sample = warm_then_sample(
+        posterior,
+        data,
+        posterior.initial(jr.key(3), num_problems * 4),
+        jr.split(jr.key(4), num_problems * 64),
+        shared,
+        superchains=num_problems * 4,
+    )
+    adapted = sample.problems.shared
+    errors = [
+        moment_errors(
+            sample.problem(p).trace,
+            posterior.moments(jax.tree.map(lambda x, p=p: x[p], data)),
+        )
+        for p in range(num_problems)
+    ]
+    print(f"\n{num_problems} problems (simulated data), 64 chains each:")
+    print(f"  {'problem':>7} {'warmup':>6} {'step':>6} {'length':>6} {'mean err':>8}")
+    for p in range(num_problems):
+        print(
+            f"  {p:7} {warmup.problems.steps_done[p]:6}"
+            f" {float(adapted.step_size[p]):6.3f}"
+            f" {float(adapted.trajectory_length[p]):6.2f} {errors[p][0]:8.3f}"
+        )
+    result["many"] = {
+        "warmup_steps": warmup.problems.steps_done.tolist(),
+        "step_size": np.asarray(adapted.step_size).tolist(),
+        "trajectory_length": np.asarray(adapted.trajectory_length).tolist(),
+        "mean_error_sd": [e[0] for e in errors],
+        "variance_error": [e[1] for e in errors],
+        "seconds": time.perf_counter() - begin,
+    }
     return result
 
 
