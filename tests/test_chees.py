@@ -16,7 +16,10 @@ The kernel runs in a plain `lax.scan` (`chees.run_loop`), apart from `eb.run_cha
 """
 
 import functools as ft
+import json
+import os
 import pathlib
+import subprocess
 import sys
 
 import jax
@@ -172,3 +175,30 @@ def test_agrees_with_blackjax(dimension):
     # average at every step, which slows T's climb from one leapfrog step (D = 100:
     # 1.06 after 1000 steps, 1.26 after 3000; ours 1.9). Within a factor of 2.
     assert 1 / 2 < float(shared.trajectory_length) / length < 2
+
+
+@pytest.mark.examples
+def test_example_script(tmp_path):
+    # `python examples/chees.py`, run with eb.run_chains(shared=...), as a user would.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    script = pathlib.Path(__file__).parents[1] / "examples" / "chees.py"
+    completed = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path)],
+        cwd=tmp_path,
+        env=dict(env, PYTHONWARNINGS="error"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    result = json.loads(completed.stdout.splitlines()[-1].removeprefix("RESULT "))
+    one, many = result["one"], result["many"]
+    # This run: stopped at 400 steps, step size 0.29, T 7.2, errors 0.009 sd, 1.9%.
+    assert one["converged"] and one["warmup_steps"] % 200 == 0
+    assert 0.1 < one["step_size"] < 0.6 and one["divergent"] == 0
+    assert one["mean_error_sd"] < 0.05 and one["variance_error"] < 0.1
+    # Each of 8 problems adapted and stopped on its own (this run: 400 or 600
+    # steps, step sizes 0.08 to 0.33, mean errors at most 0.014 sd).
+    assert len(many["step_size"]) == 8
+    assert all(0 < steps <= 1000 for steps in many["warmup_steps"])
+    assert max(many["mean_error_sd"]) < 0.05 and max(many["variance_error"]) < 0.1
