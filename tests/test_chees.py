@@ -22,10 +22,12 @@ import pathlib
 import subprocess
 import sys
 
+import blackjax
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+import optax
 import pytest
 
 
@@ -157,8 +159,6 @@ def test_frozen_sampling_eight_schools():
 
 @pytest.mark.parametrize("dimension", [10, 100])
 def test_agrees_with_blackjax(dimension):
-    blackjax = pytest.importorskip("blackjax", minversion="1.3.0")
-    optax = pytest.importorskip("optax")
     _, shared, _, _ = warmed_normal(dimension)
     starts = 2.0 * jr.normal(jr.key(dimension), (CHAINS, dimension))
     # BlackJAX's internals mix dtypes and ranks as JAX's defaults allow.
