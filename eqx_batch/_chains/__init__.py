@@ -41,6 +41,7 @@ never the driver. Every file, from the top down:
         checked when read;
     - `_lock.py`: the lock;
     - `_disk_trace.py`: `DiskArray`, a `trace="disk"` trace read lazily from its files;
+    - `_draw_buffers.py`: the device buffers of a `trace="disk"` chunk's new draws;
     - `_checkpoint_files.py`: the names of a checkpoint's files, and which of them make
         its newest complete step;
 - `_until/`: `until`, below the checkpoints that keep its records:

@@ -1,13 +1,15 @@
 """One chunk of chains: placed on the devices, resumed from its checkpoint if there is
 one, advanced one segment at a time and checkpointed after each (`_loop.py` decides
-where segments end and in which order chunks move)."""
+where segments end and in which order chunks move).
+
+The buffers of a `trace="disk"` segment's draws are
+`_checkpoints/_draw_buffers.py`'s."""
 
 import contextlib
 import pathlib
 from typing import Any, NamedTuple
 
 import jax
-import jax.tree_util as jtu
 import numpy as np
 
 from .._progress import ProgressBar
@@ -15,6 +17,7 @@ from .._tree import structs
 from ._checkpoints._checkpoint import Checkpoint
 from ._checkpoints._checkpoint_reader import Expected, Restored
 from ._checkpoints._checkpoint_writer import segment_files, SegmentFiles, Snapshot
+from ._checkpoints._draw_buffers import DrawBuffers
 from ._checkpoints._lock import WriteAccess
 from ._common import ChainState
 from ._compaction import (
@@ -141,8 +144,7 @@ class ChunkRun:
             # The last pieces placed on the devices, and what they run (`_pieces`).
             self._placed_pieces: tuple[Any, list[tuple[Any, Any]]] = (None, [])
             # With `trace="disk"`: the draws being written, and those written.
-            self._writing: Any = None
-            self._spare: Any = None
+            self._buffers = DrawBuffers(self.placement)
             self._stack = stack.pop_all()
 
     def _lay_out(self, problem: Any, num_chains: int) -> None:
@@ -219,16 +221,8 @@ class ChunkRun:
         trace = self.trace
         if plan.trace is TraceMode.DISK and files is not None:
             # The segment's own draws, from its first, written over a buffer whose
-            # draws are in their file: memory reused rather than allocated for each
-            # segment, which the allocator fragments until resident memory grows
-            # with the steps. Slots past the segment's draws are not written out.
-            like = plan.draws_like(self.placement.num_chains, emit)
-            spare, self._spare = self._spare, None
-            if spare is None or _shapes(spare) != _shapes(
-                self.placement.zeros_to_make(like)
-            ):
-                spare = self.placement.zeros(like)
-            trace = spare
+            # draws are in their file (`DrawBuffers`).
+            trace = self._buffers.take(plan.draws_like(self.placement.num_chains, emit))
         # The first step is traced, also in a run of one segment: as a constant, it
         # made the TPU's loop 7% faster with a trace and no `data`, and 12% slower
         # with `data` (issue 34). One program serves every segment of a length.
@@ -371,9 +365,7 @@ class ChunkRun:
             Snapshot(done.steps_done, done.chains, done.new_draws, done.files, record)
         )
         if self.plan.trace is TraceMode.DISK and done.new_draws is not None:
-            # `Checkpoint.write` waited for the write before this one: the draws it
-            # wrote are free for a later segment to write over.
-            self._spare, self._writing = self._writing, done.new_draws
+            self._buffers.handed_over(done.new_draws)
 
     def moments(self, chains: ChainState | None = None) -> Any:
         """The running moments of the real chains (of `chains`, by default the
@@ -431,7 +423,3 @@ def _start(
     if trace_like is not None:
         trace = restored.rows.trace(placement, trace_like)
     return restored.steps_done, restored.rows.chains(placement, chains), trace
-
-
-def _shapes(tree: Any) -> list[tuple[int, ...]]:
-    return [x.shape for x in jtu.tree_leaves(tree)]
