@@ -17,7 +17,7 @@ from hlo import loop_body_ops
 from problems_workloads import problems_run, stopping_problems_run
 
 import eqx_batch as eb
-from eqx_batch._chains import _chunk, _problems
+from eqx_batch._chains import _chunk, _chunk_pieces, _problems
 
 
 @pytest.fixture
@@ -33,8 +33,8 @@ def loop_programs(monkeypatch):
 
         return recorded
 
-    for name in ("run_segment", "run_piece"):
-        monkeypatch.setattr(_chunk, name, recording(getattr(_chunk, name)))
+    for module, name in ((_chunk, "run_segment"), (_chunk_pieces, "run_piece")):
+        monkeypatch.setattr(module, name, recording(getattr(module, name)))
     return programs
 
 

@@ -12,6 +12,7 @@ never the driver. Every file, from the top down:
 - `_loop.py`: the chunks through their steps, one after another or, with `until`,
     boundary by boundary;
 - `_chunk.py`: one chunk: placed, resumed, advanced a segment at a time, checkpointed;
+- `_chunk_pieces.py`: a chunk's rows by problem, and its running chains run in pieces;
 - `_compaction.py`: once some problems have stopped, a segment of the chains of those
     still running only, gathered into a smaller batch and written back;
 - `_agreement.py`: the processes of a job agreeing on the call before any step;

@@ -2,8 +2,8 @@
 one, advanced one segment at a time and checkpointed after each (`_loop.py` decides
 where segments end and in which order chunks move).
 
-The buffers of a `trace="disk"` segment's draws are
-`_checkpoints/_draw_buffers.py`'s."""
+Its rows by problem and its running chains in pieces are `_chunk_pieces.py`'s; the
+buffers of a `trace="disk"` segment's draws, `_checkpoints/_draw_buffers.py`'s."""
 
 import contextlib
 import pathlib
@@ -19,15 +19,9 @@ from ._checkpoints._checkpoint_reader import Expected, Restored
 from ._checkpoints._checkpoint_writer import segment_files, SegmentFiles, Snapshot
 from ._checkpoints._draw_buffers import DrawBuffers
 from ._checkpoints._lock import WriteAccess
+from ._chunk_pieces import ChunkPieces
 from ._common import ChainState
-from ._compaction import (
-    batch_slots,
-    piece_rows,
-    pieces,
-    run_piece,
-    sliced_draws,
-    zeroed_problems,
-)
+from ._compaction import zeroed_problems
 from ._placement import Placement
 from ._plan import RunPlan
 from ._segment import run_segment
@@ -123,7 +117,9 @@ class ChunkRun:
             # The checks of `until` as this chunk's checkpoint has them.
             self.record = None if restored is None else restored.record
             self.placement = plan.placement(num_chains)
-            self._lay_out(job.chains.problem, num_chains)
+            self._pieces = ChunkPieces(
+                plan, self.placement, job.chains.problem, num_chains
+            )
             self.step = plan.step
             if plan.data is not None:
                 # Asked only of a step with `data`: asking an `eqx.Module` costs a
@@ -141,32 +137,9 @@ class ChunkRun:
             # The segments run and not yet checkpointed (the loop writes one while
             # the next runs), oldest first.
             self._unwritten: list[Advanced] = []
-            # The last pieces placed on the devices, and what they run (`_pieces`).
-            self._placed_pieces: tuple[Any, list[tuple[Any, Any]]] = (None, [])
             # With `trace="disk"`: the draws being written, and those written.
             self._buffers = DrawBuffers(self.placement)
             self._stack = stack.pop_all()
-
-    def _lay_out(self, problem: Any, num_chains: int) -> None:
-        """Each chain's problem on the host (a run without `data` is one problem),
-        the blocks of a problem's chains, and what a piece of them holds."""
-        if problem is None:
-            self.problem_of_row = np.zeros(num_chains, np.intp)
-        else:
-            self.problem_of_row = np.asarray(problem)
-        # The chains that share a problem, in blocks of this many on a device.
-        self.block = self.placement.block_size(self.problem_of_row)
-        # A piece of the running chains holds whole blocks on every device: of a
-        # step that sees a problem's chains at once, only whole problems.
-        self._unit = self.block * self.placement.mesh.size
-        self._in_pieces = (
-            not self.plan.step.sees_every_chain
-            or self.block == self.plan.layout.chains_each
-        )
-        # Whether a step's time grows with the chains it runs (`piece_rows`).
-        self._per_chain = all(
-            d.platform == "cpu" for d in self.placement.mesh.devices.flat
-        )
 
     def __enter__(self) -> "ChunkRun":
         return self
@@ -207,16 +180,22 @@ class ChunkRun:
         With `until`, `live` says on the devices whether each problem still runs
         (the segment freezes the chains of the others), and `running`
         (`bool[problems]`, on the host) which problems may: if their chains are few,
-        they run in pieces (`_compaction.py`)."""
-        if running is not None and self._in_pieces:
-            rows = np.flatnonzero(running[self.problem_of_row])
-            size = piece_rows(
-                len(rows), self.placement.num_rows, self._unit, self._per_chain
-            )
-            if size is not None:
-                return self._advance_in_pieces(stop, rows, size, live)
-        plan = self.plan
+        they run in pieces (`_chunk_pieces.py`)."""
         files = self._files(self.steps_done, stop)
+        rows = self._pieces.running_rows(running)
+        if rows is not None:
+            self.chains, self.trace, new_draws = self._pieces.advance(
+                self.step,
+                self.chains,
+                self.trace,
+                self.steps_done,
+                stop,
+                rows,
+                live,
+                files,
+            )
+            return self._advanced(stop, new_draws, files)
+        plan = self.plan
         emit = 0 if files is None else files.emit
         trace = self.trace
         if plan.trace is TraceMode.DISK and files is not None:
@@ -228,7 +207,7 @@ class ChunkRun:
         # with `data` (issue 34). One program serves every segment of a length.
         result = run_segment(
             plan.prepared.segment(
-                plan.segment, stop - self.steps_done, emit, self.block
+                plan.segment, stop - self.steps_done, emit, self._pieces.block
             ),
             self.step,
             plan.static,
@@ -239,73 +218,6 @@ class ChunkRun:
         )
         self.chains, self.trace = result.chains, result.trace
         self._advanced(stop, result.new_draws, files)
-
-    def _advance_in_pieces(
-        self, stop: int, rows: np.ndarray, size: int, live: Any
-    ) -> None:
-        """`advance` for the chains of `rows` only, in pieces of `size` rows: the
-        others' problems have stopped, and their rows stay as they are."""
-        plan, start = self.plan, self.steps_done
-        split = self.placement.split
-        files = self._files(start, stop)
-        first, end = plan.draws.before(start), plan.draws.before(stop)
-        # Where the pieces' draws go: the trace buffer, or the segment's own draws
-        # of every chain, for the files (a stopped chain's are zeros, as in a trace
-        # buffer); None if the segment records none.
-        target = self.trace
-        offset = first
-        if target is None and plan.trace is TraceMode.DISK and files is not None:
-            target = self.placement.zeros(
-                plan.draws_like(self.placement.num_chains, files.emit)
-            )
-            offset = 0
-        batch = plan.prepared.placement(size, 0, pad=True)
-        emit = plan.draws.most_in(stop - start) if plan.records and end > first else 0
-        own = None
-        if emit:
-            own = batch.zeros_to_make(plan.draws_like(batch.num_chains, emit))
-        segment = plan.prepared.segment(
-            plan.own_draws_segment, stop - start, emit, self.block
-        )
-        for rows_placed, slots_placed in self._pieces(rows, size):
-            self.chains, written = run_piece(
-                segment,
-                self.step,
-                plan.static,
-                self.chains,
-                target if emit else None,
-                rows_placed,
-                slots_placed,
-                np.int32(start),
-                live,
-                np.int32(offset),
-                np.int32(end - first),
-                own,
-                (batch.split, split),
-            )
-            if emit:
-                target = written
-        new_draws = None
-        if self.trace is not None:
-            self.trace = target
-            if files is not None:
-                new_draws = sliced_draws(self.trace, np.int32(first), files.emit)
-        elif files is not None:
-            new_draws = target
-        self._advanced(stop, new_draws, files)
-
-    def _pieces(self, rows: np.ndarray, size: int) -> list[tuple[Any, Any]]:
-        """The pieces of `size` rows that run `rows`, each its rows and where each of
-        the chunk's rows is in it (for the write-backs), on the devices: kept while
-        the running rows stay the same (placing them costs at every segment)."""
-        key = (size, rows.tobytes())
-        if self._placed_pieces[0] != key:
-            placed = []
-            for piece in pieces(rows, size, self.block) if len(rows) else []:
-                slots = batch_slots(piece, self.placement.num_rows)
-                placed.append(jax.device_put((piece, slots), self.placement.everywhere))
-            self._placed_pieces = (key, placed)
-        return self._placed_pieces[1]
 
     def _advanced(self, stop: int, new_draws: Any, files: SegmentFiles | None) -> None:
         self.steps_done = stop
