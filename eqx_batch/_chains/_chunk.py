@@ -111,8 +111,8 @@ class ChunkRun:
                 # The whole trace's structs, with `trace="disk"` too: the files
                 # listed are checked to hold every draw so far (only their metadata
                 # is read here; the files are the trace).
-                restored = self._restore(
-                    structs(job.chains), plan.draws_like(num_chains)
+                restored = _restored(
+                    self.store, plan, structs(job.chains), plan.draws_like(num_chains)
                 )
             # The checks of `until` as this chunk's checkpoint has them.
             self.record = None if restored is None else restored.record
@@ -147,31 +147,6 @@ class ChunkRun:
     def __exit__(self, *error: Any) -> None:
         self._stack.__exit__(*error)
 
-    def _restore(self, chains_like: ChainState, trace_like: Any) -> Restored | None:
-        """The chunk as checkpointed, if it was; writing starts unless it is done."""
-        assert self.store is not None
-        plan = self.plan
-        restored = self.store.restore(
-            Expected(
-                chains_like,
-                trace_like,
-                plan.num_steps,
-                plan.draws,
-                checks=plan.until is not None,
-                one_problem=plan.problems is None,
-            )
-        )
-        done = restored is not None and (
-            restored.steps_done == plan.num_steps
-            or (
-                restored.record is not None
-                and restored.steps_done >= restored.record.end(plan.num_steps)
-            )
-        )
-        if not done:
-            self.store.start_writing()
-        return restored
-
     def advance(
         self, stop: int, running: np.ndarray | None = None, live: Any = None
     ) -> None:
@@ -181,7 +156,7 @@ class ChunkRun:
         (the segment freezes the chains of the others), and `running`
         (`bool[problems]`, on the host) which problems may: if their chains are few,
         they run in pieces (`_chunk_pieces.py`)."""
-        files = self._files(self.steps_done, stop)
+        files = _files(self.plan, self.store is not None, self.steps_done, stop)
         rows = self._pieces.running_rows(running)
         if rows is not None:
             self.chains, self.trace, new_draws = self._pieces.advance(
@@ -253,19 +228,6 @@ class ChunkRun:
         self.chains = self.chains._replace(moments=moments)
         self._unwritten[-1] = self._unwritten[-1]._replace(chains=self.chains)
 
-    def _files(self, start: int, stop: int) -> SegmentFiles | None:
-        """Where the draws of the segment from step `start` to `stop` go: None if the
-        chunk is not checkpointed, or the segment records no draw. With the trace on
-        disk, the segment returns its own draws, the first at offset 0; else the
-        draws around the segment's, sliced from the trace buffer."""
-        plan = self.plan
-        if self.store is None or not plan.records:
-            return None
-        files = segment_files(plan.draws, start, stop)
-        if files is not None and plan.trace is TraceMode.DISK:
-            files = files._replace(offset=0)
-        return files
-
     def write(self, record: ProblemRecords | None = None) -> None:
         """Checkpoints the chains after the oldest segment not yet written (in the
         background), with `until`'s `record`."""
@@ -301,6 +263,48 @@ class ChunkRun:
             assert self.store is not None
             trace = self.store.draw_listing()
         return self.placement.real_chains(self.chains), trace
+
+
+def _restored(
+    store: Checkpoint, plan: RunPlan, chains_like: ChainState, trace_like: Any
+) -> Restored | None:
+    """The chunk as checkpointed in `store`, if it was; writing starts unless it is
+    done."""
+    restored = store.restore(
+        Expected(
+            chains_like,
+            trace_like,
+            plan.num_steps,
+            plan.draws,
+            checks=plan.until is not None,
+            one_problem=plan.problems is None,
+        )
+    )
+    done = restored is not None and (
+        restored.steps_done == plan.num_steps
+        or (
+            restored.record is not None
+            and restored.steps_done >= restored.record.end(plan.num_steps)
+        )
+    )
+    if not done:
+        store.start_writing()
+    return restored
+
+
+def _files(
+    plan: RunPlan, checkpointed: bool, start: int, stop: int
+) -> SegmentFiles | None:
+    """Where the draws of the segment from step `start` to `stop` go: None if the
+    chunk is not `checkpointed`, or the segment records no draw. With the trace on
+    disk, the segment returns its own draws, the first at offset 0; else the draws
+    around the segment's, sliced from the trace buffer."""
+    if not checkpointed or not plan.records:
+        return None
+    files = segment_files(plan.draws, start, stop)
+    if files is not None and plan.trace is TraceMode.DISK:
+        files = files._replace(offset=0)
+    return files
 
 
 def _start(
