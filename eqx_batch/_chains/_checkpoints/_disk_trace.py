@@ -150,9 +150,9 @@ class DrawFiles:
         draw_bytes = int(np.prod(like.shape[2:], dtype=np.int64)) * like.dtype.itemsize
         file_draws = entry.draws[1] - entry.draws[0]
         row_bytes = file_draws * draw_bytes
-        descriptor = self._open(entry)
+        file = _DrawFile(self.checkpoint, entry).opened()
         try:
-            checked = self._check(entry, descriptor)
+            checked = self._check(file)
             start = checked.data_start + checked.offsets[path]
             first_row = rows[0] - entry.rows[0]
             first_draw = draws[0] - entry.draws[0]
@@ -160,131 +160,139 @@ class DrawFiles:
             if draws[1] - draws[0] == file_draws:
                 # Whole rows of the file: one read.
                 count = (rows[1] - rows[0]) * row_bytes
-                data = self._pread(
-                    entry, descriptor, start + first_row * row_bytes, count
-                )
+                data = file.pread(start + first_row * row_bytes, count)
             else:
                 count = (draws[1] - draws[0]) * draw_bytes
                 data = b"".join(
-                    self._pread(
-                        entry,
-                        descriptor,
+                    file.pread(
                         start + (first_row + i) * row_bytes + first_draw * draw_bytes,
                         count,
                     )
                     for i in range(rows[1] - rows[0])
                 )
         finally:
-            os.close(descriptor)
+            os.close(file.descriptor)
         return np.frombuffer(data, like.dtype.newbyteorder("<")).reshape(shape)
 
-    def _open(self, entry: ListedFile) -> int:
-        try:
-            return os.open(entry.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        except FileNotFoundError:
-            raise self._error(entry, "is missing") from None
-        except OSError as e:
-            raise self._error(entry, f"cannot be opened ({e})") from None
+    def _check(self, file: "_DrawFile") -> _Checked:
+        """The file's checks, made now if it is new or changed since."""
+        info = os.fstat(file.descriptor)
+        signature = (info.st_ino, info.st_size, info.st_mtime_ns)
+        checked = self._checked.get(file.entry.path)
+        if checked is None or checked.signature != signature:
+            checked = self._checked[file.entry.path] = _checks(
+                file, self.leaves, signature
+            )
+        return checked
 
-    def _pread(
-        self, entry: ListedFile, descriptor: int, offset: int, count: int
-    ) -> bytes:
+
+class _DrawFile(NamedTuple):
+    """A draw file of a trace, read once `opened`, and what names it in messages."""
+
+    checkpoint: pathlib.Path  # the run's
+    entry: ListedFile
+    descriptor: int = -1  # once opened
+
+    def opened(self) -> "_DrawFile":
+        """The file open for reading (closed by the caller)."""
+        flags = os.O_RDONLY | getattr(os, "O_BINARY", 0)
+        try:
+            return self._replace(descriptor=os.open(self.entry.path, flags))
+        except FileNotFoundError:
+            raise self.error("is missing") from None
+        except OSError as e:
+            raise self.error(f"cannot be opened ({e})") from None
+
+    def pread(self, offset: int, count: int) -> bytes:
+        """The `count` bytes from `offset`; a file cut shorter is a `BatchError`."""
         chunks = []
         while count > 0:
-            chunk = os.pread(descriptor, min(count, 1 << 30), offset)
+            chunk = os.pread(self.descriptor, min(count, 1 << 30), offset)
             if not chunk:
-                raise self._error(entry, "was cut short after it was checked")
+                raise self.error("was cut short after it was checked")
             chunks.append(chunk)
             offset += len(chunk)
             count -= len(chunk)
         return b"".join(chunks)
 
-    def _check(self, entry: ListedFile, descriptor: int) -> _Checked:
-        """The file's checks, made now if it is new or changed since."""
-        info = os.fstat(descriptor)
-        signature = (info.st_ino, info.st_size, info.st_mtime_ns)
-        checked = self._checked.get(entry.path)
-        if checked is None or checked.signature != signature:
-            checked = self._checked[entry.path] = self._checks(
-                entry, descriptor, signature
-            )
-        return checked
-
-    def _checks(
-        self, entry: ListedFile, descriptor: int, signature: tuple[int, int, int]
-    ) -> _Checked:
-        # The header as `eb.load` checks it: sizes, the header's CRC-32, the version;
-        # of the very file open here, if the system can name it by its descriptor.
-        by_descriptor = f"/dev/fd/{descriptor}"
-        name = by_descriptor if os.path.exists(by_descriptor) else str(entry.path)
-        try:
-            with open_checked(name) as file:
-                records = {record["path"]: record for record in file.records}
-                metadata = file.caller_metadata
-        except BadFileError as e:
-            problem = str(e).replace(f"`{name}`", "it").rstrip(".")
-            raise self._error(entry, f"is damaged: {problem}") from None
-        self._check_metadata(entry, metadata)
-        rows = entry.rows[1] - entry.rows[0]
-        draws = entry.draws[1] - entry.draws[0]
-        for path, like in self.leaves.items():
-            record = records.get(path)
-            expected = [rows, draws, *like.shape[2:]]
-            if record is None or record["kind"] != "array":
-                raise self._error(entry, f"holds no array for the leaf {path!r}")
-            if record["shape"] != expected or record["numpy_dtype"] != like.dtype:
-                raise self._error(
-                    entry,
-                    f"holds {record['dtype']}{record['shape']} for the leaf {path!r}, "
-                    f"where {like.dtype.name}{expected} is expected",
-                )
-        header_nbytes = LENGTH.unpack(self._pread(entry, descriptor, 0, LENGTH.size))[0]
-        # Parsed again here for the tensors' offsets, which `open_checked` checked.
-        header = json.loads(self._pread(entry, descriptor, LENGTH.size, header_nbytes))
-        data_start = LENGTH.size + header_nbytes
-        crc = 0
-        for at in range(data_start, signature[1], _CHUNK):
-            size = min(_CHUNK, signature[1] - at)
-            crc = zlib.crc32(self._pread(entry, descriptor, at, size), crc)
-        if f"{crc:08x}" != header["__metadata__"][f"{NAMESPACE}data_crc32"]:
-            raise self._error(
-                entry,
-                "is damaged: the CRC-32 checksum of its tensor data does not match it",
-            )
-        offsets = {path: header[path]["data_offsets"][0] for path in self.leaves}
-        return _Checked(signature, data_start, offsets)
-
-    def _check_metadata(self, entry: ListedFile, metadata: Mapping[str, str]) -> None:
-        """Refuses a file of another run, or of other draws than its listing's: each
-        file is internally sound, so only its own metadata tell a swap apart."""
-        for key, value in entry.metadata.items():
-            if metadata.get(key) != value:
-                raise self._error(
-                    entry,
-                    f"was written by another run (its {key!r} is "
-                    f"{metadata.get(key)!r}, this run's {value!r})",
-                )
-        differ = [
-            key for key, value in entry.holds.items() if metadata.get(key) != value
-        ]
-        if differ:
-            raise self._error(
-                entry,
-                "is not the file its name says: its metadata give "
-                + ", ".join(f"{key}={metadata.get(key)!r}" for key in differ)
-                + ", where the checkpoint lists it for "
-                + ", ".join(f"{key}={entry.holds[key]!r}" for key in differ)
-                + ". The checkpoint's files were mixed up (renamed, or copied over "
-                "one another)",
-            )
-
-    def _error(self, entry: ListedFile, problem: str) -> BatchError:
+    def error(self, problem: str) -> BatchError:
+        """The error of this file, whose `problem` makes it unreadable."""
+        entry = self.entry
         return BatchError(
             f"the draw file {entry.path} of `checkpoint` ({self.checkpoint}), which "
             f"holds draws {entry.draws[0]}-{entry.draws[1]} of chains "
             f"{entry.rows[0]}-{entry.rows[1]} of the trace, {problem}. The trace "
             "cannot be read: put the file back as the run wrote it, or delete the "
             "checkpoint's files and call `run_chains` again to run it afresh."
+        )
+
+
+def _checks(
+    file: _DrawFile,
+    leaves: dict[str, jax.ShapeDtypeStruct],
+    signature: tuple[int, int, int],
+) -> _Checked:
+    """The checks of a draw file on its first read (see the module's notes) against
+    the trace's `leaves`; `signature` is its inode, size and modification time."""
+    entry = file.entry
+    # The header as `eb.load` checks it: sizes, the header's CRC-32, the version;
+    # of the very file open here, if the system can name it by its descriptor.
+    by_descriptor = f"/dev/fd/{file.descriptor}"
+    name = by_descriptor if os.path.exists(by_descriptor) else str(entry.path)
+    try:
+        with open_checked(name) as opened:
+            records = {record["path"]: record for record in opened.records}
+            metadata = opened.caller_metadata
+    except BadFileError as e:
+        problem = str(e).replace(f"`{name}`", "it").rstrip(".")
+        raise file.error(f"is damaged: {problem}") from None
+    _check_metadata(file, metadata)
+    rows = entry.rows[1] - entry.rows[0]
+    draws = entry.draws[1] - entry.draws[0]
+    for path, like in leaves.items():
+        record = records.get(path)
+        expected = [rows, draws, *like.shape[2:]]
+        if record is None or record["kind"] != "array":
+            raise file.error(f"holds no array for the leaf {path!r}")
+        if record["shape"] != expected or record["numpy_dtype"] != like.dtype:
+            raise file.error(
+                f"holds {record['dtype']}{record['shape']} for the leaf {path!r}, "
+                f"where {like.dtype.name}{expected} is expected",
+            )
+    header_nbytes = LENGTH.unpack(file.pread(0, LENGTH.size))[0]
+    # Parsed again here for the tensors' offsets, which `open_checked` checked.
+    header = json.loads(file.pread(LENGTH.size, header_nbytes))
+    data_start = LENGTH.size + header_nbytes
+    crc = 0
+    for at in range(data_start, signature[1], _CHUNK):
+        crc = zlib.crc32(file.pread(at, min(_CHUNK, signature[1] - at)), crc)
+    if f"{crc:08x}" != header["__metadata__"][f"{NAMESPACE}data_crc32"]:
+        raise file.error(
+            "is damaged: the CRC-32 checksum of its tensor data does not match it"
+        )
+    offsets = {path: header[path]["data_offsets"][0] for path in leaves}
+    return _Checked(signature, data_start, offsets)
+
+
+def _check_metadata(file: _DrawFile, metadata: Mapping[str, str]) -> None:
+    """Refuses a file of another run, or of other draws than its listing's: each
+    file is internally sound, so only its own metadata tell a swap apart."""
+    entry = file.entry
+    for key, value in entry.metadata.items():
+        if metadata.get(key) != value:
+            raise file.error(
+                f"was written by another run (its {key!r} is "
+                f"{metadata.get(key)!r}, this run's {value!r})",
+            )
+    differ = [key for key, value in entry.holds.items() if metadata.get(key) != value]
+    if differ:
+        raise file.error(
+            "is not the file its name says: its metadata give "
+            + ", ".join(f"{key}={metadata.get(key)!r}" for key in differ)
+            + ", where the checkpoint lists it for "
+            + ", ".join(f"{key}={entry.holds[key]!r}" for key in differ)
+            + ". The checkpoint's files were mixed up (renamed, or copied over "
+            "one another)",
         )
 
 
