@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
+import pytest
 from chains_workloads import (
     adapting,
     ADAPTING_SHARED,
@@ -87,7 +88,14 @@ def by_hand(
 
 
 def _host(tree):
-    return jtu.tree_map(np.asarray, tree)
+    """`tree` on the host, typed keys as their data: compared whatever the devices."""
+
+    def host(x):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jr.key_data(x)
+        return np.asarray(x)
+
+    return jtu.tree_map(host, tree)
 
 
 # ------------------------------------------------------------------------------------
@@ -414,7 +422,56 @@ def test_a_shared_state_with_no_array_is_refused():
     )
 
 
-def test_chunk_size_is_refused():
+@pytest.mark.parametrize("until", [None, eb.converged(every=50)])
+def test_chunks_of_whole_problems_are_the_unchunked_run(until, tmp_path):
+    data = jnp.array([-2.0, 0.0, 5.0, 1.0])
+    shared = {
+        "log_scale": jnp.array([-1.0, 0.0, 1.0, 0.5]),
+        "accepted": jnp.zeros(4, jnp.int32),
+    }
+    starts = {"x": jnp.linspace(-3.0, 3.0, 8 * 3).reshape(8, 3)}
+
+    def run(**options):
+        return eb.run_chains(
+            eb.all_chains(adapting_on),
+            starts,
+            jr.split(jr.key(1), 16),  # 4 problems x 2 superchains x 2 chains
+            400,
+            shared=shared,
+            data=data,
+            superchains=8,
+            until=until,
+            **options,
+        )
+
+    whole = run()
+    assert whole.problems is not None
+    for chunk_size in (8, 12):
+        chunked = run(chunk_size=chunk_size, checkpoint=tmp_path / f"{chunk_size}.ckpt")
+        assert chunked.problems is not None
+        assert_trees_identical(_host(outputs(chunked)), _host(outputs(whole)))
+        assert_trees_identical(
+            _host(chunked.problems.shared), _host(whole.problems.shared)
+        )
+        np.testing.assert_array_equal(
+            chunked.problems.steps_done, whole.problems.steps_done
+        )
+
+
+def test_chunks_that_split_a_problem_are_refused():
+    raises(
+        "chunk_size=6",
+        lambda: eb.run_chains(
+            eb.all_chains(adapting_on),
+            make_adapting_init(16),
+            jr.key(0),
+            3,
+            shared={"log_scale": jnp.zeros(4), "accepted": jnp.zeros(4, jnp.int32)},
+            data=jnp.zeros(4),
+            chunk_size=6,
+        ),
+        "pass a multiple of 4",
+    )
     raises(
         "chunk_size=2",
         lambda: eb.run_chains(
@@ -425,4 +482,5 @@ def test_chunk_size_is_refused():
             shared=ADAPTING_SHARED,
             chunk_size=2,
         ),
+        "pass None",
     )

@@ -55,6 +55,11 @@ class RunStep(Protocol):
         the copies of a shared state carried beside them (None: none is)."""
         ...
 
+    def chunk_unit(self, num_chains: int) -> int:
+        """The chains a chunk of `num_chains` holds a multiple of: those it sees at
+        once."""
+        ...
+
     def placed(self, sharding: jax.sharding.Sharding) -> "RunStep":
         """This step with what it holds of `data` on the devices of `sharding`."""
         ...
@@ -112,6 +117,10 @@ class AllChains(eqx.Module):
     def own_and_shared(self, states: Any) -> tuple[Any, None]:
         """The states as they are: it carries no shared state."""
         return states, None
+
+    def chunk_unit(self, num_chains: int) -> int:
+        """Every chain: it sees them all at once."""
+        return num_chains
 
     @property
     def data(self) -> None:

@@ -3,6 +3,7 @@ step runs."""
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import equinox as eqx
@@ -175,7 +176,7 @@ def plan_run(
     num_chains = init.num_chains
     all_chains = step.sees_every_chain
     if all_chains:
-        _check_all_chains_run(num_chains, counts.chunk_size)
+        _check_all_chains_run(num_chains, counts.chunk_size, step.chunk_unit)
     traced = None
     if checkpointed:
         traced = trace_step(step, init.whole, keys, legacy, with_output)
@@ -210,20 +211,30 @@ def plan_run(
     )
 
 
-def _check_all_chains_run(num_chains: int, chunk_size: int | None) -> None:
+def _check_all_chains_run(
+    num_chains: int, chunk_size: int | None, chunk_unit: Callable[[int], int]
+) -> None:
     """Refuses, before any work, a run that an all-chains step cannot take.
 
     **Raises:**
 
-    `BatchError` if `chunk_size` is given, or if the chains cannot be split evenly
-    over the processes of a job.
+    `BatchError` if a chunk of `chunk_size` would hold only some of the chains the
+    step sees at once (`chunk_unit`: every chain, or a problem's with `shared`), or
+    if the chains of a chunk cannot be split evenly over the processes of a job.
     """
-    if chunk_size is not None:
+    unit = chunk_unit(num_chains)
+    if chunk_size is not None and chunk_size < num_chains and chunk_size % unit:
+        if unit == num_chains:
+            fix = "pass None"
+        else:
+            fix = f"pass a multiple of {unit}, a problem's chains, or None"
         raise BatchError(
-            f"`chunk_size={chunk_size}` with an `eb.all_chains` step: pass None "
+            f"`chunk_size={chunk_size}` with an `eb.all_chains` step: {fix} "
             "(see docs/chains.md#what-is-refused)."
         )
-    chain_devices(num_chains)
+    size = min(chunk_size or num_chains, num_chains)
+    for chunk in {size, num_chains % size or size}:
+        chain_devices(chunk)
 
 
 def _run_options(

@@ -84,6 +84,10 @@ class ProblemStep(eqx.Module):
         """The states as they are: it carries no shared state."""
         return states, None
 
+    def chunk_unit(self, num_chains: int) -> int:
+        """One chain: it sees no other."""
+        return 1
+
     def for_chains(self, problem: jax.Array, block: int) -> tuple[Callable, MapChains]:
         """One chain's step given its row, and how the segment maps it: rows up to
         `ROW_COPIED` bytes copied once per chain, larger rows in two levels, over

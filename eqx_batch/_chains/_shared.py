@@ -66,6 +66,10 @@ class SharedStep(eqx.Module):
         """The chains' own states, and the copies of the shared state."""
         return states.state, states.shared
 
+    def chunk_unit(self, num_chains: int) -> int:
+        """A problem's chains: it sees them at once."""
+        return self.chains_each
+
     def placed(self, sharding: jax.sharding.Sharding) -> "SharedStep":
         """This step with `data` (if any) on the devices of `sharding`."""
         if self.data is None:

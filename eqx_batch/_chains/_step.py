@@ -46,6 +46,10 @@ class PerChain:
         """The states as they are: it carries no shared state."""
         return states, None
 
+    def chunk_unit(self, num_chains: int) -> int:
+        """One chain: it sees no other."""
+        return 1
+
     @property
     def data(self) -> None:
         """None: it reads no `data`."""
