@@ -21,6 +21,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from typing import Any
 
 import blackjax
 import jax
@@ -152,6 +153,7 @@ def test_frozen_sampling_eight_schools():
     )
     # The quadrature's moments; this run's errors: 0.010 sd and 1.2%. log tau's
     # posterior is skewed with a long left tail, the hardest coordinate to mix.
+    assert posterior.moments is not None
     mean_error, variance_error = moment_errors(trace, *posterior.moments(data))
     assert mean_error < 0.05 and variance_error < 0.1
     assert not bool(outputs["divergent"].any())
@@ -164,7 +166,9 @@ def test_agrees_with_blackjax(dimension):
     # BlackJAX's internals mix dtypes and ranks as JAX's defaults allow.
     with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
         warmup = blackjax.chees_adaptation(lambda x: standard_normal(x), CHAINS)
-        _, info = warmup.run(jr.key(1), starts, 0.1, optax.adam(chees.ADAM_RATE), 1000)
+        # BlackJAX types `run` as its base protocol's, of two arguments.
+        run: Any = warmup.run
+        _, info = run(jr.key(1), starts, 0.1, optax.adam(chees.ADAM_RATE), 1000)
     # Its adapted values are the moving averages our `ChEESState` keeps too.
     adapted = info.adaptation_state
     step_size = float(jnp.exp(adapted.log_step_size_moving_average[-1]))
