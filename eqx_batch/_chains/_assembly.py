@@ -39,22 +39,11 @@ def result(
     stopped, steps_done = _stops(plan, record)
     # The trace holds the draws made by the problem that ran longest.
     last = plan.num_steps if plan.until is None else int(np.max(steps_done))
-    recorded = _recorded(plan, results, last, chains, checkpoint)
+    states, outputs = _states_and_outputs(
+        plan, _recorded(plan, results, last, chains, checkpoint)
+    )
     # The chains' own states, and the copies of a shared state carried beside them.
     own, copies = plan.step.own_and_shared(eqx.combine(chains.states, plan.static))
-    static, _ = plan.step.own_and_shared(plan.static)
-    states = outputs = None
-    if recorded is not None:
-        # The leaves of a draw that are the same in every draw (an MLP's activation)
-        # are the caller's own: the state's as `init` holds them.
-        layout = plan.prepared.layout
-        if plan.segment.with_output:
-            states, outputs = recorded
-            outputs = eqx.combine(outputs, layout.output_static)
-        else:
-            states = recorded
-        if states is not None:  # None: `trace=False`, the outputs recorded alone
-            states = eqx.combine(states, static)
     # Legacy keys are returned as they were given: raw data.
     keys = jr.key_data(chains.keys) if plan.segment.legacy else chains.keys
     final, states, outputs, keys = without_copies((own, states, outputs, keys))
@@ -91,6 +80,21 @@ def result(
         problems=problems,
         shared=shared,
     )
+
+
+def _states_and_outputs(plan: RunPlan, recorded: Any) -> tuple[Any, Any]:
+    """The recorded states and outputs, each None if not recorded, with the leaves
+    that are the same in every draw (an MLP's activation) as the caller gave them:
+    the state's as `init` holds them."""
+    if recorded is None:
+        return None, None
+    states, outputs = recorded if plan.segment.with_output else (recorded, None)
+    if outputs is not None:
+        outputs = eqx.combine(outputs, plan.prepared.layout.output_static)
+    if states is not None:  # None: `trace=False`, the outputs recorded alone
+        static, _ = plan.step.own_and_shared(plan.static)
+        states = eqx.combine(states, static)
+    return states, outputs
 
 
 def _shared_rows(copies: Any, plan: RunPlan) -> Any:

@@ -96,9 +96,8 @@ def segment(
     chains = chains._replace(
         first_bad=made_zeros(chains.first_bad), moments=made_zeros(chains.moments)
     )
-    draws = plan.draws
     # The slot of the segment's first draw in `trace`: 0 when it holds only its own.
-    first = draws.before(start)
+    first = plan.draws.before(start)
     offset = first if plan.returns_own_draws else 0
     records = plan.writes_trace or (plan.returns_own_draws and plan.emit > 0)
 
@@ -114,7 +113,7 @@ def segment(
         keys, states, output = move(states, keys, t)
         # A shared state carried beside the chains is neither diagnosed nor recorded.
         own, _ = step.own_and_shared(states)
-        moments = add_draw(moments, own, t, draws)
+        moments = add_draw(moments, own, t, plan.draws)
         if records:
             recorded = plan.recorded(own, output)
             buffer = _written(plan, buffer, recorded, t, offset, live)
