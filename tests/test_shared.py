@@ -208,6 +208,26 @@ def test_with_output_records_the_outputs_and_not_the_shared_state():
     assert float(result.outputs["scale"][0, -1]) != 0.0
 
 
+def test_a_shared_state_gone_nan_marks_every_chain_of_its_problem_only():
+    @eb.all_chains
+    def fn(states, keys, count, shared, data):
+        bad = (count == 3) & (data == 1.0)
+        return states + 1.0, {"s": jnp.where(bad, jnp.nan, shared["s"])}
+
+    result = eb.run_chains(
+        fn,
+        jnp.zeros((6, 2)),
+        jr.key(0),
+        6,
+        shared={"s": jnp.ones(3)},
+        data=jnp.array([0.0, 1.0, 2.0]),
+    )
+    np.testing.assert_array_equal(result.nonfinite.first_step, [0, 0, 4, 4, 0, 0])
+    assert result.problems is not None
+    assert np.isnan(result.problems.shared["s"][1])
+    np.testing.assert_array_equal(np.asarray(result.problems.shared["s"])[[0, 2]], 1.0)
+
+
 # ------------------------------------------------------------------------------------
 # With the other options.
 

@@ -55,13 +55,11 @@ def run_chains(
 ) -> Chains:
     """Runs many independent Markov chains in parallel, from a step written for one.
 
-    `step` advances one chain's state, a pytree such as a model's weights; `init`
-    stacks many such states along axis 0. All chains run in one compiled loop, spread
-    over every device of every process. Each step's key is split from the chain's own
-    carried key, so chain `i` gets the same result (bit for bit, when its step is
-    elementwise) as running it alone, whatever the number of chains, devices,
-    processes, chunks or checkpoints. A chain gone NaN or infinite disturbs no other,
-    and is reported in `nonfinite`.
+    `step` advances one chain's state (a pytree); `init` stacks many along axis 0.
+    All chains run in one compiled loop over every device of every process. Each
+    step's key is split from the chain's own, so chain `i` gets its result alone (bit
+    for bit, for an elementwise step) whatever the chains, devices, processes, chunks
+    or checkpoints. A chain gone NaN or infinite disturbs no other (`nonfinite`).
 
     The guide, [Markov chains](../chains.md), has a section for each argument.
 
@@ -72,7 +70,7 @@ def run_chains(
         data through `functools.partial`. Or [`eb.all_chains`][]`(step)`, for a step
         that takes every chain at once.
     - `init`: the chains' initial states, stacked along axis 0 of every array leaf
-        (non-array leaves are shared).
+        (non-array leaves are the same for every chain).
     - `key`: one PRNG key, split into one per chain, or an array of one key per
         chain; typed (`jr.key`) or legacy (`jr.PRNGKey`), and `step` gets the same kind.
     - `num_steps`: how many steps each chain takes; with `until`, the most.
@@ -86,8 +84,7 @@ def run_chains(
     - `checkpoint`: a file path: the run is checkpointed there, and a call of the same
         run resumes from it bit for bit, or reads a finished run back ([Checkpoint and
         resume](../chains.md#checkpoint-and-resume)).
-    - `checkpoint_every`: write the checkpoint every this many steps (`None`: at the
-        end).
+    - `checkpoint_every`: checkpoint every this many steps (`None`: at the end).
     - `chunk_size`: run this many chains at a time, bit for bit the unchunked run
         ([More chains than fit in memory](../chains.md#more-chains-than-fit-in-memory)).
     - `superchains`: `K` superchains started from one point each: `init` holds K
@@ -102,29 +99,25 @@ def run_chains(
         row; chain `c` is problem `c // (chains // P)`'s, and with `until` each
         problem stops on its own ([Many problems in one
         run](../chains.md#many-problems-in-one-run)).
-    - `shared`: a state the chains of a problem share (an adaptive step size), one
-        pytree with no chain axis (with `data`, one row per problem), carried through
-        the loop for an [`eb.all_chains`][] step `fn(states, keys, count, shared[,
-        data]) -> (states, shared)`; its final value is `Chains.shared` ([A state the
-        chains share](../chains.md#a-state-the-chains-share)).
+    - `shared`: a state the chains of a problem share (a tuned step size), with no
+        chain axis (with `data`, a row per problem), for an [`eb.all_chains`][] step
+        `fn(states, keys, count, shared[, data]) -> (states, shared)`; its final
+        value is `Chains.shared` ([A state the chains
+        share](../chains.md#a-state-the-chains-share)).
 
     **Returns:**
 
-    A [`eb.Chains`][] ([The result](../chains.md#the-result)): `final`, `trace`
-    (`[chains, draws, ...]` per leaf), `outputs`, `keys` (to continue the run
-    exactly), `nonfinite`, `superchain`, `diagnostics`, `steps_done` and `stopped`,
-    and with `data` the [`eb.Problems`][] of each problem. Its arrays stay split over
-    the devices; in a job each process holds its own chains' rows ([What each process
-    holds](../multi.md#what-each-process-holds)).
+    A [`eb.Chains`][] ([The result](../chains.md#the-result)), its arrays split over
+    the devices; in a job each process holds its own chains' rows ([What each
+    process holds](../multi.md#what-each-process-holds)).
 
     **Raises:**
 
     `eb.BatchError`, naming the argument, the leaf and the fix, before any step: if
-    `step` changes the state's structure, shapes or dtypes; if the arguments disagree
-    on the chains, problems or superchains, or a count or a flag is out of range; if
-    `checkpoint` cannot be used; in a job, if the processes' calls differ or one does
-    not answer. During the run, if a checkpoint cannot be written (the last good one
-    is kept). Each case: [What is refused](../chains.md#what-is-refused).
+    `step` changes the state, the arguments disagree or are out of range,
+    `checkpoint` cannot be used, or in a job the processes' calls differ. During the
+    run, if a checkpoint cannot be written (the last good one is kept). Each case:
+    [What is refused](../chains.md#what-is-refused).
 
     !!! Example
 

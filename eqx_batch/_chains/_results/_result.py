@@ -34,30 +34,20 @@ class Chains(eqx.Module):
 
     - `final`: the chains' states after the last step (`steps_done`), stacked like
         `init`.
-    - `trace`: the recorded states, each array leaf shaped `[chains, draws, ...]`
-        (only the draws made, with `until`), the same with or without
-        `with_output`; non-array leaves of the state (an MLP's activation) are kept
-        as in `init`. `None` with `trace=False`; a run that makes no draw
-        (`num_steps=0`, or `burn_in=num_steps`) has an empty trace, `[chains, 0,
-        ...]`, and `outputs` likewise.
-    - `outputs`: with `with_output=True`, the step's recorded outputs (its
-        acceptance, divergence, energy...), each array leaf shaped as `trace`'s
-        (`[chains, draws, ...]`, the same draws); non-array leaves of the output are
-        kept as the step returned them. `None` without `with_output`; with
-        `trace=False`, the outputs alone are recorded (`trace` is then `None`).
-    - `keys`: each chain's PRNG key after the run, in the form it was given (typed or
-        legacy). Passing `final` and `keys` to `run_chains` continues the chains
-        exactly where they stopped.
+    - `trace`: the recorded states, each array leaf `[chains, draws, ...]` (the
+        draws made), non-array leaves as in `init`; `None` with `trace=False`, and
+        `[chains, 0, ...]` for a run that makes no draw.
+    - `outputs`: with `with_output=True`, the step's recorded outputs, shaped as
+        `trace`; `None` without (with `trace=False`, they are recorded alone).
+    - `keys`: each chain's PRNG key after the run, as it was given (typed or
+        legacy): `final` and `keys` continue the chains exactly.
     - `nonfinite`: an [`eb.NonFinite`][] report of the chains whose state went NaN or
         infinite.
     - `superchain`: with `superchains=K`, each chain's superchain, `c // M` for chain
         `c` (NumPy `int64[chains]`); `None` without superchains.
-    - `diagnostics`: with `diagnostics=True`, an [`eb.Diagnostics`][] of the chains
-        (R-hat, split R-hat, nested R-hat with superchains, ESS), computed on the
-        devices from running moments of the recorded draws; `None` without, and
-        with many problems (`data`: each problem's are in `problems`). With `until`,
-        of the last window's draws (a failed check discards its window), and
-        `split_rhat` is `None`.
+    - `diagnostics`: with `diagnostics=True`, an [`eb.Diagnostics`][] (R-hat,
+        nested R-hat, ESS) from running moments of the recorded draws; with `until`,
+        of the last window's (`split_rhat` None). `None` without, and with `data`.
     - `steps_done`: the steps the chains ran: `num_steps`, or fewer when `until`
         stopped the run early. With many problems, the most that any problem ran:
         the trace's extent (each problem's are in `problems`).
@@ -66,11 +56,8 @@ class Chains(eqx.Module):
         stops on its own: their stops are in `problems`).
     - `shared`: with `shared=`, the final shared state of the chains' problem (with
         `data`, `None`: each problem's is in `problems.shared`); `None` without.
-    - `problems`: with `data`, an [`eb.Problems`][]: how many problems the chains
-        ran, and each problem's steps, stop, draws and diagnostics, one entry per
-        problem; `None` without `data`. [`problem(p)`][eqx_batch.Chains.problem] is
-        one problem's result alone. The trace holds the draws of the problem that
-        ran longest.
+    - `problems`: with `data`, an [`eb.Problems`][], each problem's values; `None`
+        without. [`problem(p)`][eqx_batch.Chains.problem] is one problem's result.
 
     !!! Example
 
@@ -78,14 +65,6 @@ class Chains(eqx.Module):
         result = eb.run_chains(lambda x, key: x + 1.0, jnp.zeros(3), jr.key(0), 4)
         result.final  # [4., 4., 4.]
         result.trace.shape  # (3, 4)
-
-        def step(x, key):  # a step that also says how far it moved
-            new = x + jr.normal(key, x.shape)
-            return new, {"jump": jnp.abs(new - x)}
-
-        result = eb.run_chains(step, jnp.zeros(3), jr.key(0), 4, with_output=True)
-        result.trace.shape  # (3, 4): the states, as without `with_output`
-        result.outputs["jump"].shape  # (3, 4)
         ```
     """
 
@@ -104,18 +83,13 @@ class Chains(eqx.Module):
     def problem(self, p: int) -> "Chains":
         """Problem `p`'s chains alone, from a run of many problems (`data=`).
 
-        Its chains are rows `p * M` to `(p + 1) * M` of every array (M chains a
-        problem), laid out as if problem `p` had run alone: its `nonfinite` chains
-        and `superchain` ids counted within it, its own `diagnostics`, and
-        `to_arviz()`; with `until`, its own `steps_done` and `stopped`, and only the
-        draws it made. For a step elementwise over chains, the numbers are bit for
-        bit its run alone with its row given as an argument
-        (`functools.partial(step, data=row)`); a row closed over as a constant may
-        round otherwise (see the guide's "Many problems in one run").
-        In a job of several processes, slicing the global arrays is a program over
-        every process's rows: every process must call it, as for `gathered`. Its
-        arrays come out whole in every process, so its `to_arviz()` needs no
-        gathering.
+        Rows `p * M` to `(p + 1) * M` of every array (M chains a problem), laid out
+        as if problem `p` had run alone: its `nonfinite` chains and `superchain`
+        ids counted within it, its own `diagnostics`, `shared` and `to_arviz()`;
+        with `until`, its own `steps_done`, `stopped` and draws. In a job, every
+        process must call it (a program over every process's rows, as `gathered`);
+        its arrays come out whole in every process. The guide: [Many problems in
+        one run](../chains.md#many-problems-in-one-run).
 
         **Arguments:**
 
@@ -142,72 +116,24 @@ class Chains(eqx.Module):
             result.problem(2).trace.shape  # (4, 100, 2)
             ```
         """
-        problems = self.problems
-        if problems is None:
-            raise BatchError(
-                "these chains ran without `data`, so they are one problem: use them "
-                "as they are, or run many problems with `run_chains(..., data=data)`."
-            )
-        p = check_int(
-            p,
-            "p",
-            maximum=problems.count - 1,
-            hint=f"The chains ran {problems.count} problems.",
-        )
-        rows = ProblemLayout(self.keys.shape[0], problems.count).chains_of(p)
-        start, stop = rows.start, rows.stop
-        # Without `until`, every problem made every draw of the trace.
-        made = None if problems.stopped is None else int(problems.draws_made[p])
-        final, keys, trace, outputs = _problem_rows(
-            (self.final, self.keys, self.trace, self.outputs), start, stop, made
-        )
-        # Whole in every process (also in a job), so sliced apart from the global
-        # arrays above.
-        first_step = self.nonfinite.first_step[start:stop]
-        superchain = None
-        if self.superchain is not None:
-            superchain = self.superchain[start:stop] - self.superchain[start]
-        diagnostics = None
-        if problems.diagnostics is not None:
-            diagnostics = jtu.tree_map(lambda x: x[p], problems.diagnostics)
-        return assembled(
-            Chains,
-            final=final,
-            trace=trace,
-            outputs=outputs,
-            keys=keys,
-            nonfinite=assembled(NonFinite, first_step=first_step),
-            superchain=superchain,
-            diagnostics=diagnostics,
-            steps_done=int(problems.steps_done[p]),
-            stopped=None if problems.stopped is None else problems.stopped[p],
-            problems=None,
-            shared=jtu.tree_map(
-                lambda x: x[p] if eqx.is_array(x) else x, problems.shared
-            ),
-        )
+        return _one_problem(self, p)
 
     def gathered(self) -> "Chains":
-        """The chains with whole copies of their arrays in this process: for a job
-        of several processes, where each process holds only its own chains' rows.
-
-        `run_chains` leaves its results where they were computed, split by chain over
-        the devices of every process (JAX's convention for a compiled program's
-        outputs), so that no host holds more than its share. Where one process needs
-        every chain (to save, plot or convert them with `to_arviz`), this gathers
-        them: a collective, so every process of the job must call it, in the same
-        order. In one process, every array is already whole, and the result itself
-        is returned.
+        """The chains with whole copies of their arrays in this process, for a job of
+        several processes, where each holds only its own chains' rows (JAX's way
+        with a compiled program's outputs: no host holds more than its share). A
+        collective: every process of the job calls it, in the same order. In one
+        process, the result itself ([What each process
+        holds](../multi.md#what-each-process-holds)).
 
         **Returns:**
 
-        A `Chains` whose arrays (`final`, `trace`, `outputs`, `keys`) are whole and
-        fully addressable: each on one of this process's devices, typed PRNG keys
-        still typed. `np.asarray` makes any of them NumPy.
+        A `Chains` whose arrays are whole and fully addressable, each on one of this
+        process's devices (typed keys still typed).
 
         **Raises:**
 
-        Nothing of its own. Called by some processes of a job and not others, it
+        Nothing of its own: called by some processes of a job and not others, it
         waits for them (JAX's collectives have a timeout).
 
         !!! Example
@@ -227,90 +153,40 @@ class Chains(eqx.Module):
         coords: Mapping[str, Any] | None = None,
         dims: Mapping[str, Sequence[str]] | None = None,
     ) -> "xarray.DataTree":
-        """The trace as ArviZ data, for its convergence diagnostics and plots.
-
-        NumPyro prints R-hat and the effective sample size after every run; here ArviZ
-        computes them (`arviz_stats.rhat`, `arviz_stats.ess`, `arviz_stats.summary`)
-        and draws the trace and rank plots (`arviz_plots.plot_trace`,
-        `arviz_plots.plot_rank`) from this conversion. It needs the optional extra:
+        """The trace as ArviZ data, for its convergence diagnostics and plots
+        (`arviz_stats.summary`, `arviz_plots.plot_trace`), with the optional extra
         `pip install 'eqx_batch[arviz]'`.
 
-        The layout is the one BlackJAX and NumPyro users get: the recorded states
-        (`trace`) go in the group `posterior`, where ArviZ's functions look by default,
-        and the step's outputs (`outputs`, with `with_output=True`: its acceptance,
-        divergence, energy...) go in the group `sample_stats`, so
-        `arviz_stats.summary(data)` summarises the posterior alone.
-
-        Every array leaf becomes one variable, named by its path with each entry (dict
-        key, attribute, index) written plainly and joined with dots, as PyTorch's
-        `state_dict` and Flax name parameters, so that `var_names=`, summary tables and
-        plot titles carry names users can type: `{"layer1": {"weights": w}}` gives
-        `layer1.weights`, an MLP's `.layers[0].weight` gives `layers.0.weight`, an
-        output `{"accept": a}` gives `accept`. A state that is one array is named
-        `state`, an output that is one array `output`. The dimensions are `chain`,
-        `draw`, then one per axis of the leaf, named as ArviZ names them
-        (`layer1.weights_dim_0`, ...). A state and an output may share a name: they
-        are in different groups. Outputs named as ArviZ names a sampler's statistics
-        (`diverging`, `energy`, `lp`, `acceptance_rate`) are found where its checks and
-        plots look for them; see [Naming outputs for
-        ArviZ](../chains.md#naming-outputs-for-arviz), which maps BlackJAX's `info`.
-
-        Floats narrower than float32 (bfloat16, float16), which NumPy and ArviZ cannot
-        compute in, become float32, exactly. Non-array leaves and typed PRNG keys
-        (`jr.key`) are left out; legacy keys (`jr.PRNGKey`, `uint32` data) cannot be
-        told from data and become variables: keep keys in the state typed. With
-        `superchains`, the `chain` dimension has a coordinate `superchain` holding each
-        chain's superchain, for `arviz_stats.rhat_nested(data,
-        superchain_ids=data.posterior.superchain.values)`.
-
-        `dims` and `coords` label the axes, as ArviZ's own converters
-        (`arviz_base.from_dict`, `from_numpyro`) take them: `dims={"theta":
-        ["school"]}` names the axis of the variable `theta` after `chain` and `draw`
-        `school` (variables that share a dimension name it alike), and
-        `coords={"school": names}` gives its entries labels, for
-        `data.posterior.theta.sel(school="Choate")` and labelled summary rows and
-        plot titles (`theta[Choate]`).
+        As BlackJAX and NumPyro users get it: the recorded states go in the group
+        `posterior`, the step's outputs (`with_output=True`) in `sample_stats`. Each
+        array leaf is a variable named by its path, entries joined with dots
+        (`layer1.weights`, `layers.0.weight`; one array is `state` or `output`), with
+        dimensions `chain`, `draw` and ArviZ's names for its own axes; with
+        `superchains`, `chain` has the coordinate `superchain`. Floats narrower than
+        float32 become float32, exactly; typed keys and non-array leaves are left out.
+        The guide says how names are made and how to name outputs for ArviZ's
+        checks: [Convergence diagnostics](../chains.md#convergence-diagnostics).
 
         **Arguments:**
 
-        - `coords`: a dimension's labels, one per entry, by the dimension's name: one
-            named in `dims`, one of ArviZ's (`theta_dim_0`), or `chain` or `draw`.
-        - `dims`: the names of a variable's axes after `chain` and `draw`, one per
-            axis, by the variable's name (as above: `layer1.weights`, `state`); a
-            variable it does not name keeps ArviZ's names.
+        - `coords`: a dimension's labels, one per entry, by the dimension's name (one
+            named in `dims`, one of ArviZ's, `chain` or `draw`).
+        - `dims`: the names of a variable's axes after `chain` and `draw`, by the
+            variable's name ([Labelling axes](../chains.md#labelling-axes)).
 
         **Returns:**
 
-        An `xarray.DataTree` with the group `posterior` and, with `outputs`
-        (`with_output=True`), `sample_stats`, each only if it holds an array: the data
-        structure of ArviZ (`arviz-base`), in its 0.8 series (Python 3.11) and 1.x
-        alike.
+        An `xarray.DataTree` (ArviZ's `arviz-base`, its 0.8 series and 1.x alike)
+        with `posterior` and, with outputs, `sample_stats`, each if it holds an array.
 
         **Raises:**
 
-        - `ImportError` if ArviZ is not installed, naming the extra to install.
-        - `eb.BatchError` for the chains of many problems (`data=`): convert each
-            with `result.problem(p).to_arviz()`.
-        - `eb.BatchError` if nothing was recorded (`trace=False` without
-            `with_output`; with it, the outputs alone are `sample_stats`) or it holds
-            no array.
-        - `eb.BatchError` in a job of several processes, for an array this process
-            holds only part of (each process holds only its own chains' rows): it
-            never gathers them silently, and the message says which process holds
-            which rows. Call `result.gathered().to_arviz()` on every process
-            (gathering is a collective). One problem's chains, `problem(p)`, are
-            held whole in every process, and convert as they are.
-        - `eb.BatchError` if two leaves of one group would get one name (`{"a.b": x,
-            "a": {"b": y}}`, or a leaf `a_dim_0` beside a vector `a`, whose axis is
-            named so), or a leaf would take a name ArviZ gives itself (`chain`,
-            `draw`, and `superchain` with superchains) or cannot hold (one with `/`).
-            The message names both paths and the name: rename a dict key or field.
-        - `eb.BatchError` if `dims` names a variable the chains do not have (the
-            message lists theirs), or not one name per axis after `chain` and
-            `draw`, or gives one name to axes of different sizes (or to a variable's
-            name); or if `coords` labels a dimension the data do not have (the
-            message lists theirs), or not one label per entry. Each message names
-            the entry of `dims` or `coords`, and the sizes that disagree.
+        `ImportError` without ArviZ, naming the extra. `eb.BatchError` for the chains
+        of many problems (convert `result.problem(p)`), if nothing was recorded, in a
+        job for an array this process holds only part of (call `gathered()` first),
+        if two leaves would get one name or a leaf a name ArviZ reserves, or if
+        `dims` or `coords` do not fit the data; each message names the entry and
+        the fix.
 
         !!! Example
 
@@ -349,6 +225,52 @@ class Chains(eqx.Module):
             coords=coords,
             dims=dims,
         )
+
+
+def _one_problem(chains: Chains, p: int) -> Chains:
+    """`Chains.problem(p)`: problem `p`'s rows of `chains`, as its run alone."""
+    problems = chains.problems
+    if problems is None:
+        raise BatchError(
+            "these chains ran without `data`, so they are one problem: use them "
+            "as they are, or run many problems with `run_chains(..., data=data)`."
+        )
+    p = check_int(
+        p,
+        "p",
+        maximum=problems.count - 1,
+        hint=f"The chains ran {problems.count} problems.",
+    )
+    rows = ProblemLayout(chains.keys.shape[0], problems.count).chains_of(p)
+    start, stop = rows.start, rows.stop
+    # Without `until`, every problem made every draw of the trace.
+    made = None if problems.stopped is None else int(problems.draws_made[p])
+    final, keys, trace, outputs = _problem_rows(
+        (chains.final, chains.keys, chains.trace, chains.outputs), start, stop, made
+    )
+    # Whole in every process (also in a job), so sliced apart from the global
+    # arrays above.
+    first_step = chains.nonfinite.first_step[start:stop]
+    superchain = None
+    if chains.superchain is not None:
+        superchain = chains.superchain[start:stop] - chains.superchain[start]
+    diagnostics = None
+    if problems.diagnostics is not None:
+        diagnostics = jtu.tree_map(lambda x: x[p], problems.diagnostics)
+    return assembled(
+        Chains,
+        final=final,
+        trace=trace,
+        outputs=outputs,
+        keys=keys,
+        nonfinite=assembled(NonFinite, first_step=first_step),
+        superchain=superchain,
+        diagnostics=diagnostics,
+        steps_done=int(problems.steps_done[p]),
+        stopped=None if problems.stopped is None else problems.stopped[p],
+        problems=None,
+        shared=jtu.tree_map(lambda x: x[p] if eqx.is_array(x) else x, problems.shared),
+    )
 
 
 def _problem_rows(
