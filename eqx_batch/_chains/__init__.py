@@ -18,7 +18,7 @@ never the driver. Every file, from the top down:
 - `_agreement.py`: the processes of a job agreeing on the call before any step;
 - `_plan.py`: `RunPlan`, what the chunks of one call share;
 - `_prepared.py`: the memo of a run prepared once per step and kind of state;
-- `_arguments.py`, `_superchains.py`: the counts, the chains `init` holds and one key
+- `_arguments.py`: the counts, the chains `init` holds and one key
     for each, checked; and superchains, the chains started from one point;
 - `_segment.py`, `_segment_plan.py`: the compiled segment, which knows nothing about
     files, and `SegmentPlan`, what it fixes when it is traced;

@@ -19,6 +19,7 @@ from ._arguments import (
     checked_counts,
     checked_flags,
     checked_trace,
+    expand_superchains,
     split_init,
 )
 from ._assembly import result
@@ -29,7 +30,6 @@ from ._results._result import Chains
 from ._shared import carrying, shared_step
 from ._start import chunk_jobs, run_context, start_state
 from ._step import pytree_step
-from ._superchains import expand_superchains
 from ._until._stopping import checked_until, StoppingRule
 
 
