@@ -4,6 +4,8 @@ import contextlib
 import os
 import pathlib
 import subprocess
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -218,3 +220,19 @@ def compilations(run: Callable[[], Any]) -> int:
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     return len(seen)
+
+
+def kill_once_checkpointed(
+    worker_args: list[str], checkpoint: Any, out: Any, env: Any = None
+) -> None:
+    """Starts `python *worker_args` (a worker that writes `out` when its run ends),
+    SIGKILLs it as soon as `checkpoint` exists, and checks that it had not ended."""
+    worker = subprocess.Popen([sys.executable, *worker_args], env=env)
+    try:
+        while not pathlib.Path(checkpoint).exists():
+            assert worker.poll() is None, "the worker exited before its checkpoint"
+            time.sleep(0.001)
+    finally:
+        worker.kill()
+        worker.wait()
+    assert not pathlib.Path(out).exists(), "the run ended before the kill"

@@ -4,7 +4,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,12 @@ from chains_workloads import (
     run as run_workload,
     stretch_move,
 )
-from helpers import assert_trees_identical, raises, tree_allclose
+from helpers import (
+    assert_trees_identical,
+    kill_once_checkpointed,
+    raises,
+    tree_allclose,
+)
 from multiprocess_launch import launch
 
 import eqx_batch as eb
@@ -173,18 +177,8 @@ def test_a_run_killed_mid_way_resumes_counting_bit_for_bit(tmp_path):
     # resumed here: the same bits as an uninterrupted run, and the count goes on.
     run = ("stretch", 64, 4_000)
     path, out = tmp_path / "run.ckpt", tmp_path / "out.eqx"
-    worker = subprocess.Popen(
-        [sys.executable, str(RUN_WORKER), str(out), "stretch"]
-        + [str(a) for a in (*run[1:], path, 100, 10)]
-    )
-    try:
-        while not path.exists():
-            assert worker.poll() is None, "the worker exited before its checkpoint"
-            time.sleep(0.001)
-    finally:
-        worker.kill()
-        worker.wait()
-    assert not out.exists(), "the run ended before the kill"
+    args = [str(RUN_WORKER), str(out), *map(str, (*run, path, 100, 10))]
+    kill_once_checkpointed(args, path, out)
 
     resumed = run_workload(*run, checkpoint=path, checkpoint_every=100, thin=10)
     plain = run_workload(*run, thin=10)

@@ -3,9 +3,6 @@ loop for an `eb.all_chains` step `fn(states, keys, count, shared[, data])`."""
 
 import os
 import pathlib
-import subprocess
-import sys
-import time
 
 import jax
 import jax.lax as lax
@@ -21,7 +18,7 @@ from chains_workloads import (
     outputs,
     run as run_workload,
 )
-from helpers import assert_trees_identical, raises
+from helpers import assert_trees_identical, kill_once_checkpointed, raises
 from hypothesis import given, settings, strategies as st
 from multiprocess_launch import launch
 
@@ -301,18 +298,8 @@ def test_a_run_killed_mid_way_resumes_on_another_layout_bit_for_bit(tmp_path):
     path, out = tmp_path / "run.ckpt", tmp_path / "out.eqx"
     run = ("adapting", 8, 3000)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    worker = subprocess.Popen(
-        [sys.executable, str(RUN_WORKER), str(out), *map(str, run), str(path), "100"],
-        env=env,
-    )
-    try:
-        while not path.exists():
-            assert worker.poll() is None, "the worker exited before its checkpoint"
-            time.sleep(0.001)
-    finally:
-        worker.kill()
-        worker.wait()
-    assert not out.exists(), "the run ended before the kill"
+    args = [str(RUN_WORKER), str(out), *map(str, run), str(path), "100"]
+    kill_once_checkpointed(args, path, out, env)
     resumed = run_workload(*run, checkpoint=str(path), checkpoint_every=100)
     plain = run_workload(*run)
     assert_trees_identical(outputs(resumed), outputs(plain))

@@ -33,7 +33,7 @@ from .._tree import is_array, structs
 from ._all_chains import AllChains, each_chain, MapChains, RunStep
 from ._arguments import Init
 from ._problems import jax_dtypes, placed_data
-from ._step import check_new_state
+from ._step import check_new_state, leaf_changes
 
 
 _SHARED_IS = "(see docs/chains.md#a-state-the-chains-share)"
@@ -187,12 +187,7 @@ def _check_new_shared(given: Any, new: Any) -> None:
             f"`step` changed the structure of `shared`: it was given {before[1]} and "
             f"returned {after[1]}."
         )
-    changed = [
-        f"`{leaf_name('shared', path)}` is {describe(old)}, but `step` returned "
-        f"{describe(got)}"
-        for (path, old), (_, got) in zip(before[0], after[0], strict=True)
-        if describe(old) != describe(got)
-    ]
+    changed = leaf_changes("shared", before[0], after[0])
     if changed:
         raise BatchError(
             "`step` changed the shape or dtype of `shared`:\n"

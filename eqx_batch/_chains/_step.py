@@ -191,13 +191,8 @@ def check_new_state(like: Any, new: Any, whole: bool) -> None:
     after = jtu.tree_flatten_with_path(new)
     if before[1] != after[1]:
         raise BatchError(_structure_change(before, after))
-    given = "for every chain" if whole else "per chain"
-    changed = [
-        f"`{leaf_name('init', path)}` is {describe(old)} {given}, but `step` "
-        f"returned {describe(new_leaf)}"
-        for (path, old), (_, new_leaf) in zip(before[0], after[0], strict=True)
-        if describe(old) != describe(new_leaf)
-    ]
+    given = " for every chain" if whole else " per chain"
+    changed = leaf_changes("init", before[0], after[0], given)
     if changed:
         raise BatchError(
             "`step` changed the shape or dtype of the state:\n"
@@ -210,6 +205,17 @@ def check_new_state(like: Any, new: Any, whole: bool) -> None:
                 else "."
             )
         )
+
+
+def leaf_changes(name: str, before: list, after: list, given: str = "") -> list[str]:
+    """One line for each leaf of `before` (`(path, leaf)` pairs) whose shape or dtype
+    `after` (the step's, in the same structure) changed, named `name` and its path."""
+    return [
+        f"`{leaf_name(name, path)}` is {describe(old)}{given}, but `step` returned "
+        f"{describe(new)}"
+        for (path, old), (_, new) in zip(before, after, strict=True)
+        if describe(old) != describe(new)
+    ]
 
 
 def _output_per_chain(output: Any, num_chains: int) -> Any:
