@@ -1,0 +1,420 @@
+"""Shared warmup (issue 44): the ChEES recipe of `examples/chees.py` on `eb.run_chains`
+with `shared=` and `until=`, against BlackJAX's two warmups, side by side in one run.
+
+Every model of `examples/posteriors.py` here runs as 1 problem x many chains and as
+many problems x 16 chains (the same model, its data resimulated per problem), from
+the same over-dispersed starts (one per superchain of 4 chains, every method), by:
+
+- **ours**: `eb.run_chains(eb.all_chains(chees.warmup_step(...)), ..., shared=...,
+    until=eb.converged(every=200))`, each problem adapting its own step size and
+    trajectory length and stopping when nested R-hat passes (a cap of 1000 steps);
+- **window NUTS**: BlackJAX's `window_adaptation(nuts)` of `WARMUP` steps, per chain,
+    `jax.vmap`ped over the chains and the problems, then NUTS;
+- **ChEES dHMC**: BlackJAX's `chees_adaptation` of `WARMUP` steps over the chains of a
+    problem (Adam at the rate of ours), vmapped over the problems, then its dynamic
+    HMC.
+
+Then every method samples the same fixed `DRAWS` steps with its adapted values frozen,
+and a problem reaches the gate when, on those draws, ArviZ's rank-normalised split
+R-hat is below 1.01 and its bulk ESS at least 400 on every coordinate, with no
+divergence. Gradient evaluations are counted over the warmup and the sample: for NUTS
+and dynamic HMC, BlackJAX's `num_integration_steps` (their states cache the gradient
+at the start); for ours, the leapfrog steps plus one (the start's gradient, which
+`chees.hmc` evaluates again each step), times the chains. Wall times are each
+method's one call less the tracing and compiling JAX reports during it.
+
+Rows (issue 44's targets):
+
+- (a) problems at the gate: ours / the better BlackJAX recipe, over every model and
+    problem of both layouts (>= 1);
+- (b) the median over models of gradient evaluations, ours / window NUTS, per
+    layout (<= 0.5);
+- (c) wall time, ours / window NUTS under vmap, per layout: the target, <= 0.2, is
+    for an accelerator; on the CPU the row is reported;
+- (d) `shared=` against the same frozen step with the adapted state closed over (a
+    `functools.partial`), per step, both warm, interleaved (<= 1.02).
+
+On the CPU (2 cores) the run takes about 7 minutes at 1 x 32 and 4 x 16 chains on
+three models: eight schools (non-centred), the ill-conditioned Gaussian and the
+logistic regression. Left out there, for the time: the centred eight schools, the
+funnel, the hierarchical logistic regression and the banana; and more chains, since
+NUTS under `vmap` on the Gaussian takes 1.3 ms a chain and step there (its chains wait
+for the deepest tree of the batch), over half the run at these sizes. `python
+benchmarks/bench_warmup.py full` runs all seven models at issue 44's sizes, 1 x 1024
+and 256 x 16, for an accelerator.
+"""
+
+import functools as ft
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import blackjax
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+from _report import interleaved, report
+from arviz_stats.base import array_stats
+from blackjax.adaptation.base import get_filter_adapt_info_fn
+
+import eqx_batch as eb
+
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+import chees  # noqa: E402
+import posteriors  # noqa: E402
+
+
+FULL = sys.argv[1:] == ["full"]
+if FULL:
+    MODELS = list(posteriors.POSTERIORS.values())
+    LAYOUTS = [(1, 1024), (256, 16)]  # problems x chains per problem
+else:
+    MODELS = [posteriors.EIGHT_SCHOOLS_NON_CENTRED, posteriors.GAUSSIAN]
+    MODELS.append(posteriors.LOGISTIC)
+    LAYOUTS = [(1, 32), (4, 16)]
+CHAINS_PER_SUPERCHAIN = 4
+WARMUP = 1000  # BlackJAX's warmups, and the cap of ours
+DRAWS = 250  # the sample of every method, after its warmup
+INITIAL_STEP_SIZE = 0.1  # both ChEES
+RHAT, ESS = 1.01, 400
+
+
+class Sample(NamedTuple):
+    """One method's run of one model and layout."""
+
+    positions: np.ndarray  # [P, C, DRAWS, D]
+    divergences: np.ndarray  # [P]: in the sample
+    gradients: np.ndarray  # [P]: warmup and sample, every chain
+    seconds: float  # wall, less JAX's tracing and compiling
+
+
+def gate(sample: Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Which problems reach the gate (R-hat, bulk ESS, no divergence), `[P]` bool,
+    and each problem's worst R-hat and least bulk ESS over the coordinates."""
+    draws = sample.positions.astype(np.float64)
+    rhat = array_stats.rhat(draws, chain_axis=1, draw_axis=2).max(-1)
+    ess = array_stats.ess(draws, chain_axis=1, draw_axis=2, method="bulk").min(-1)
+    return (rhat < RHAT) & (ess >= ESS) & (sample.divergences == 0), rhat, ess
+
+
+def mean_error(posterior, data, sample: Sample) -> float:
+    """The largest error of the sample's means, in posterior sds, over the problems and
+    coordinates of a model with reference moments (NaN for one without)."""
+    if posterior.moments is None:
+        return float("nan")
+    errors = []
+    for p, draws in enumerate(sample.positions):
+        moments = posterior.moments(jax.tree.map(lambda rows, p=p: rows[p], data))
+        mean = draws.reshape(-1, draws.shape[-1]).mean(0)
+        errors.append(np.abs(mean - moments.mean) / np.sqrt(moments.variance))
+    return float(np.max(errors))
+
+
+def timed(run: Callable[[], tuple]) -> tuple[tuple, float]:
+    """`run()`'s result and its wall time less the tracing and compiling in it."""
+    compiling = [0.0]
+
+    def listen(event: str, duration: float, **kwargs: object) -> None:
+        if event.startswith("/jax/core/compile/"):
+            compiling[0] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    start = time.perf_counter()
+    result = jax.block_until_ready(run())
+    wall = time.perf_counter() - start
+    jax.monitoring.unregister_event_duration_listener(listen)
+    return result, wall - compiling[0]
+
+
+# -- Ours: ChEES on run_chains, shared= and until= ---------------------------------
+
+
+def counting(step: Callable, lengths: Callable) -> Callable:
+    """The ChEES `step` with each chain's gradient evaluations as an output: its
+    leapfrog steps, from the trajectory length and step size `lengths(shared)`, and
+    the start's gradient."""
+
+    def fn(states, keys, count, shared, data):
+        length, step_size = lengths(shared)
+        leapfrogs = chees.leapfrog_steps(length, step_size, chees.halton(count))
+        states, shared, outputs = step(states, keys, count, shared, data)
+        per_chain = jnp.broadcast_to(leapfrogs + 1, outputs["divergent"].shape)
+        return states, shared, outputs | {"gradients": per_chain}
+
+    return fn
+
+
+def iterates(shared):
+    return jnp.exp(shared.log_trajectory_length), jnp.exp(shared.log_step_size)
+
+
+def averages(shared):
+    return shared.trajectory_length, shared.step_size
+
+
+def ours(posterior, data, starts, key) -> Sample:
+    problems, chains = starts.shape[:2]
+    superchain_starts = starts[:, ::CHAINS_PER_SUPERCHAIN].reshape(-1, starts.shape[-1])
+    keys = jr.split(key, problems * chains)
+    shared = jax.tree.map(
+        lambda x: jnp.broadcast_to(x, (problems,)), chees.chees_init(INITIAL_STEP_SIZE)
+    )
+
+    def run():
+        warmup = eb.run_chains(
+            eb.all_chains(counting(chees.warmup_step(posterior.log_density), iterates)),
+            superchain_starts,
+            keys,
+            WARMUP,
+            shared=shared,
+            data=data,
+            superchains=superchain_starts.shape[0],
+            until=eb.converged(every=200),
+            trace=False,
+            with_output=True,
+        )
+        sample = eb.run_chains(
+            eb.all_chains(counting(chees.sample_step(posterior.log_density), averages)),
+            warmup.final,
+            warmup.keys,
+            DRAWS,
+            shared=warmup.problems.shared,
+            data=data,
+            with_output=True,
+        )
+        return warmup, sample
+
+    (warmup, sample), seconds = timed(run)
+    warmup_gradients = [
+        np.sum(warmup.problem(p).outputs["gradients"], dtype=np.int64)
+        for p in range(problems)
+    ]
+    by_problem = (problems, chains, DRAWS)
+    return Sample(
+        np.asarray(sample.trace).reshape(*by_problem, -1),
+        np.asarray(sample.outputs["divergent"]).reshape(problems, -1).sum(1),
+        np.array(warmup_gradients)
+        + np.asarray(sample.outputs["gradients"], np.int64)
+        .reshape(problems, -1)
+        .sum(1),
+        seconds,
+    )
+
+
+# -- BlackJAX's recipes, vmapped over problems -------------------------------------
+
+STEPS_INFO = get_filter_adapt_info_fn(info_keys={"num_integration_steps"})
+
+
+def sample_chain(kernel, state, key):
+    """`DRAWS` steps of one chain: its positions, divergences and gradient count."""
+
+    def one_step(state, key):
+        state, info = kernel.step(key, state)
+        return state, (state.position, info.is_divergent, info.num_integration_steps)
+
+    _, (positions, divergent, steps) = jax.lax.scan(
+        one_step, state, jr.split(key, DRAWS)
+    )
+    return positions, divergent.sum(), steps.sum()
+
+
+def window_nuts_problem(posterior, starts, key, data):
+    """One problem: every chain warmed up by its own window adaptation, then NUTS."""
+    density = ft.partial(posterior.log_density, data=data)
+
+    def one_chain(start, key):
+        warmup_key, sample_key = jr.split(key)
+        warmup = blackjax.window_adaptation(
+            blackjax.nuts, density, adaptation_info_fn=STEPS_INFO
+        )
+        (state, parameters), info = warmup.run(warmup_key, start, num_steps=WARMUP)
+        kernel = blackjax.nuts(density, **parameters)
+        positions, divergent, steps = sample_chain(kernel, state, sample_key)
+        return positions, divergent, steps + info.info.num_integration_steps.sum()
+
+    positions, divergent, steps = jax.vmap(one_chain)(
+        starts, jr.split(key, len(starts))
+    )
+    return positions, divergent.sum(), steps.sum()
+
+
+def chees_dhmc_problem(posterior, starts, key, data):
+    """One problem: its chains warmed up together by `chees_adaptation`, then dynamic
+    HMC with the adapted values."""
+    density = ft.partial(posterior.log_density, data=data)
+    warmup_key, sample_key = jr.split(key)
+    warmup = blackjax.chees_adaptation(
+        density, len(starts), adaptation_info_fn=STEPS_INFO
+    )
+    (states, parameters), info = warmup.run(
+        warmup_key, starts, INITIAL_STEP_SIZE, optax.adam(chees.ADAM_RATE), WARMUP
+    )
+    kernel = blackjax.dynamic_hmc(density, **parameters)
+    positions, divergent, steps = jax.vmap(ft.partial(sample_chain, kernel))(
+        states, jr.split(sample_key, len(starts))
+    )
+    warmup_steps = info.info.num_integration_steps.sum()
+    return positions, divergent.sum(), steps.sum() + warmup_steps
+
+
+def blackjax_recipe(problem: Callable) -> Callable:
+    def run(posterior, data, starts, key) -> Sample:
+        keys = jr.split(key, starts.shape[0])
+        recipe = jax.jit(jax.vmap(ft.partial(problem, posterior)))
+        (positions, divergent, steps), seconds = timed(
+            lambda: recipe(starts, keys, data)
+        )
+        return Sample(
+            np.asarray(positions), np.asarray(divergent), np.asarray(steps), seconds
+        )
+
+    return run
+
+
+METHODS = {
+    "ours": ours,
+    "window NUTS": blackjax_recipe(window_nuts_problem),
+    "ChEES dHMC": blackjax_recipe(chees_dhmc_problem),
+}
+
+
+# -- The rows ----------------------------------------------------------------------
+
+
+def run_model(posterior, problems: int, chains: int, seed: int) -> dict[str, dict]:
+    """Every method on one model and layout: its problems at the gate, its gradient
+    evaluations (mean over problems), its seconds and its worst mean error."""
+    data_key, start_key, run_key = jr.split(jr.key(seed), 3)
+    data = posteriors.simulate_problems(posterior, data_key, problems)
+    superchains = problems * chains // CHAINS_PER_SUPERCHAIN
+    starts = posterior.initial(start_key, superchains)
+    starts = jnp.repeat(starts, CHAINS_PER_SUPERCHAIN, axis=0)
+    starts = starts.reshape(problems, chains, posterior.dimension)
+    results = {}
+    for name, method in METHODS.items():
+        sample = method(posterior, data, starts, run_key)
+        passed, rhat, ess = gate(sample)
+        results[name] = {
+            "passed": int(passed.sum()),
+            "worst_rhat": float(rhat.max()),
+            "least_ess": float(ess.min()),
+            "divergences": int(sample.divergences.sum()),
+            "gradients": float(sample.gradients.mean()),
+            "seconds": sample.seconds,
+            "mean_error": mean_error(posterior, data, sample),
+        }
+        print(
+            f"  {posterior.name}, {problems} x {chains}, {name}: {results[name]}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return results
+
+
+def shared_against_closed_over() -> None:
+    """(d): the frozen step given `shared=adapted` against the same step with
+    `adapted` closed over, same chains and steps, both warm."""
+    posterior = posteriors.EIGHT_SCHOOLS_NON_CENTRED
+    chains, steps = 64, 400
+    data = jax.tree.map(jnp.asarray, posterior.reference_data)
+    step = ft.partial(chees.sample_step(posterior.log_density), data=data)
+    adapted = chees.chees_init(0.3, 3.0)
+    starts = posterior.initial(jr.key(0), chains)
+    keys = jr.split(jr.key(1), chains)
+
+    def closed(states, keys, count):
+        states, _, outputs = step(states, keys, count, adapted)
+        return states, outputs
+
+    def with_shared():
+        run = eb.run_chains(
+            eb.all_chains(step), starts, keys, steps, shared=adapted, with_output=True
+        )
+        return jax.block_until_ready(run.trace)
+
+    def closed_over():
+        run = eb.run_chains(
+            eb.all_chains(closed), starts, keys, steps, with_output=True
+        )
+        return jax.block_until_ready(run.trace)
+
+    # Not bit for bit: XLA folds the closed-over constants into the step, which
+    # rounds differently; a flipped accept would show as a jump far above this.
+    difference = float(np.max(np.abs(with_shared() - closed_over())))
+    assert difference < 1e-3, difference
+    t_shared, t_closed = interleaved(with_shared, closed_over, repeat=9)
+    ratio = t_shared / t_closed
+    per_step = 1e3 / steps
+    report(
+        f"ChEES frozen step, {chains} chains x {steps}: shared= / closed over",
+        ratio,
+        "<= 1.02",
+        ratio <= 1.02,
+        f"{t_shared * per_step:.3f} ms vs {t_closed * per_step:.3f} ms per step, "
+        f"draws within {difference:.1e}",
+    )
+
+
+def main() -> None:
+    shared_against_closed_over()
+    names = list(METHODS)
+    passed = dict.fromkeys(names, 0)
+    total_problems = 0
+    for problems, chains in LAYOUTS:
+        layout = f"{problems} x {chains}"
+        by_model = {
+            posterior.name: run_model(posterior, problems, chains, seed)
+            for seed, posterior in enumerate(MODELS)
+        }
+        total_problems += problems * len(MODELS)
+        for name in names:
+            passed[name] += sum(r[name]["passed"] for r in by_model.values())
+        gradients = {
+            model: r["ours"]["gradients"] / r["window NUTS"]["gradients"]
+            for model, r in by_model.items()
+        }
+        median = float(np.median(list(gradients.values())))
+        report(
+            f"warmup {layout}: gradient evaluations, ours / window NUTS (median)",
+            median,
+            "<= 0.5",
+            median <= 0.5,
+            ", ".join(
+                f"{model} {gradients[model]:.2f} ({r['ours']['gradients']:.3g} vs "
+                f"{r['window NUTS']['gradients']:.3g})"
+                for model, r in by_model.items()
+            ),
+        )
+        seconds = {n: sum(r[n]["seconds"] for r in by_model.values()) for n in names}
+        ratio = seconds["ours"] / seconds["window NUTS"]
+        report(
+            f"warmup {layout}: wall to the gate, ours / window NUTS under vmap",
+            ratio,
+            "<= 0.2" if FULL else "report",
+            ratio <= 0.2 or not FULL,
+            ", ".join(f"{n} {s:.1f}s" for n, s in seconds.items())
+            + "; mean errors (sd): "
+            + "; ".join(
+                f"{model} " + " / ".join(f"{r[n]['mean_error']:.2f}" for n in names)
+                for model, r in by_model.items()
+                if posteriors.POSTERIORS[model].moments is not None
+            ),
+        )
+    better = max(passed["window NUTS"], passed["ChEES dHMC"])
+    report(
+        f"warmup: problems at the gate, ours / better BlackJAX, of {total_problems}",
+        passed["ours"] / max(better, 1),
+        ">= 1",
+        passed["ours"] >= better,
+        ", ".join(f"{n} {k}" for n, k in passed.items()),
+    )
+
+
+if __name__ == "__main__":
+    main()
