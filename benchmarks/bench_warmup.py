@@ -34,7 +34,7 @@ Rows (issue 44's targets):
 - (d) `shared=` against the same frozen step with the adapted state closed over (a
     `functools.partial`), per step, both warm, interleaved (<= 1.02).
 
-On the CPU (2 cores) the run takes about 7 minutes at 1 x 32 and 4 x 16 chains on
+On the CPU (2 cores) the run takes about 9 minutes at 1 x 32 and 4 x 16 chains on
 three models: eight schools (non-centred), the ill-conditioned Gaussian and the
 logistic regression. Left out there, for the time: the centred eight schools, the
 funnel, the hierarchical logistic regression and the banana; and more chains, since
