@@ -422,10 +422,17 @@ def test_shared_rows_that_do_not_match_the_problems_are_refused():
     )
 
 
-def test_a_shared_state_with_no_array_is_refused():
+def test_a_shared_state_with_no_array_or_another_leaf_is_refused():
     raises(
         "with no array",
-        lambda: eb.run_chains(STEP, make_adapting_init(4), jr.key(0), 3, shared="a"),
+        lambda: eb.run_chains(STEP, make_adapting_init(4), jr.key(0), 3, shared={}),
+    )
+    raises(
+        "arrays and numbers only",
+        lambda: eb.run_chains(
+            STEP, make_adapting_init(4), jr.key(0), 3, shared={"a": 1.0, "b": "x"}
+        ),
+        "`shared['b']` is 'x'",
     )
 
 

@@ -42,7 +42,7 @@ def result(
     states, outputs = _states_and_outputs(
         plan, _recorded(plan, results, last, chains, checkpoint)
     )
-    # The chains' own states, and the copies of a shared state carried beside them.
+    # The chains' own states, and each problem's shared state carried beside them.
     own, copies = plan.step.own_and_shared(eqx.combine(chains.states, plan.static))
     # Legacy keys are returned as they were given: raw data.
     keys = jr.key_data(chains.keys) if plan.segment.legacy else chains.keys
@@ -97,14 +97,15 @@ def _states_and_outputs(plan: RunPlan, recorded: Any) -> tuple[Any, Any]:
     return states, outputs
 
 
-def _shared_rows(copies: Any, plan: RunPlan) -> Any:
-    """The shared state of each problem (its first chain's copy, one row per
-    problem with `data`), whole in every process, from every chain's copies."""
-    each = plan.layout.chains_each
-    rows = whole_here(copies)  # small: a few numbers per chain
-    if plan.problems is None:
-        return jtu.tree_map(lambda x: x[0] if eqx.is_array(x) else x, rows)
-    return jtu.tree_map(lambda x: x[::each] if eqx.is_array(x) else x, rows)
+def _shared_rows(rows: Any, plan: RunPlan) -> Any:
+    """The shared state of each problem (a row each with `data`; else the one
+    problem's), whole in every process."""
+    rows = whole_here(rows)  # small: a few numbers per problem
+    return _first_row(rows) if plan.problems is None else rows
+
+
+# One program: sliced eagerly, each leaf would be a dispatch of its own.
+_first_row = jax.jit(ft.partial(jtu.tree_map, lambda x: x[0]))
 
 
 def _recorded(

@@ -19,6 +19,7 @@ is mapped over the problems, each given its chains, its row of `shared` and its 
 
 import dataclasses
 import functools as ft
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
@@ -46,6 +47,53 @@ class WithShared(NamedTuple):
     shared: Any  # a copy of its problem's shared state
 
 
+class Packing(NamedTuple):
+    """How a shared state is packed: one array per dtype, `[rows, K]`, each leaf
+    flattened into its columns. A loop carries one buffer per dtype rather than one
+    per leaf: on a CPU, nine leaves of an adaptation state cost its loop a third."""
+
+    treedef: Any
+    leaves: tuple  # (shape, dtype) of each leaf of one problem's shared state
+    dtypes: tuple  # the dtype of each packed array, in order
+
+    @classmethod
+    def of(cls, one: Any) -> "Packing":
+        """The packing of `one`, a problem's shared state (arrays or structs)."""
+        leaves, treedef = jtu.tree_flatten(one)
+        kinds = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves)
+        dtypes = tuple(dict.fromkeys(dtype for _, dtype in kinds))
+        return cls(treedef, kinds, dtypes)
+
+    def pack(self, tree: Any) -> tuple:
+        """`tree`'s leaves (each `[rows, *shape]`) as one `[rows, K]` per dtype."""
+        leaves = jtu.tree_leaves(tree)
+        rows = leaves[0].shape[0]
+        return tuple(
+            jnp.concatenate(
+                [
+                    x.reshape(rows, -1)
+                    for x, (_, kind) in zip(leaves, self.leaves, strict=True)
+                    if kind == dtype
+                ],
+                axis=1,
+            )
+            for dtype in self.dtypes
+        )
+
+    def unpack(self, packed: tuple) -> Any:
+        """The tree of `packed`, each leaf `[rows, *shape]`."""
+        start = dict.fromkeys(self.dtypes, 0)
+        leaves = []
+        for shape, dtype in self.leaves:
+            size, first = math.prod(shape), start[dtype]
+            array = packed[self.dtypes.index(dtype)]
+            leaves.append(
+                array[:, first : first + size].reshape(array.shape[0], *shape)
+            )
+            start[dtype] = first + size
+        return self.treedef.unflatten(leaves)
+
+
 class SharedStep(eqx.Module):
     """`fn(states, keys, count, shared[, data])` as a run calls it (`RunStep`): on
     every chain of each problem at once, its shared state carried beside them."""
@@ -54,6 +102,7 @@ class SharedStep(eqx.Module):
     data: Any  # one row per problem, or None
     chains_each: int = eqx.field(static=True)  # M, the chains of a problem
     with_output: bool = eqx.field(static=True)
+    packing: Packing | None = eqx.field(static=True, default=None)
     sees_every_chain: ClassVar[bool] = True  # (`RunStep`)
 
     def __call__(self, states: WithShared, keys: Any, count: Any) -> Any:
@@ -63,8 +112,12 @@ class SharedStep(eqx.Module):
         return self.for_chains(problem, 1)[0](states, keys, count)
 
     def own_and_shared(self, states: Any) -> tuple[Any, Any]:
-        """The chains' own states, and the copies of the shared state."""
-        return states.state, states.shared
+        """The chains' own states, and each problem's shared state (a row per
+        problem), read from its first chain's copy."""
+        assert self.packing is not None
+        if states.shared[0] is None:  # the static leaves: the shared state has none
+            return states.state, None
+        return states.state, _first_rows(self.packing, self.chains_each, states.shared)
 
     def chunk_unit(self, num_chains: int) -> int:
         """A problem's chains: it sees them at once."""
@@ -119,31 +172,42 @@ class SharedStep(eqx.Module):
     def _on_problems(self, rows: Any, states: WithShared, keys: Any, count: Any):
         """`fn` on each problem's chains, the new shared state copied to them all."""
         own, copies = states
+        assert self.packing is not None
         num_chains = keys.shape[0]
         num_problems = num_chains // self.chains_each
 
         def grouped(x: Any) -> Any:
             return x.reshape(num_problems, self.chains_each, *x.shape[1:])
 
-        shared = jtu.tree_map(lambda x: grouped(x)[:, 0], copies)
+        shared = self.packing.unpack(tuple(grouped(x)[:, 0] for x in copies))
         if rows is None:
             # One problem: `fn` on the stack as it is, with no map over problems.
-            result = self.step(own, keys, count, jtu.tree_map(lambda x: x[0], shared))
+            given = jtu.tree_map(lambda x: x[0], shared)
+            result = self.step(own, keys, count, given)
             new, new_shared, output = self._parts(result, own, shared, one=True)
+            unchanged = _same_values(new_shared, given)
             new_shared = jtu.tree_map(lambda x: x[None], new_shared)
         else:
             result = jax.vmap(lambda s, k, sh, row: self.step(s, k, count, sh, row))(
                 jtu.tree_map(grouped, own), grouped(keys), shared, rows
             )
             new, new_shared, output = self._parts(result, own, shared, one=False)
+            unchanged = _same_values(new_shared, shared)
             new, output = jtu.tree_map(
                 lambda x: x.reshape(num_chains, *x.shape[2:]), (new, output)
             )
-        new_copies = jtu.tree_map(
-            lambda x: jnp.repeat(
-                x, self.chains_each, axis=0, total_repeat_length=num_chains
-            ),
-            new_shared,
+        # A shared state returned as it was given (a sampler's frozen values) is
+        # carried through as it is, so that XLA sees it constant over the loop and
+        # hoists what the step computes of it out of the loop.
+        new_copies = (
+            copies
+            if unchanged
+            else tuple(
+                jnp.broadcast_to(
+                    x[:, None], (num_problems, self.chains_each, x.shape[1])
+                ).reshape(num_chains, x.shape[1])
+                for x in self.packing.pack(new_shared)
+            )
         )
         carried = WithShared(new, new_copies)
         return (carried, output) if self.with_output else carried
@@ -171,6 +235,30 @@ class SharedStep(eqx.Module):
         given = structs(shared if not one else jtu.tree_map(lambda x: x[0], shared))
         _check_new_shared(given, new_shared)
         return new, new_shared, result[2] if self.with_output else None
+
+
+# Each in one program: made eagerly, leaf by leaf, they cost a short run a millisecond
+# or two of dispatches on every call.
+@ft.partial(jax.jit, static_argnums=(0, 1, 2))
+def _copied(packing: Packing, each: int, one: bool, shared: Any) -> tuple:
+    """`shared` (one problem's, if `one`, else a row per problem), packed and copied
+    for each of a problem's `each` chains."""
+    rows = jtu.tree_map(lambda x: jnp.asarray(x)[None], shared) if one else shared
+    return tuple(jnp.repeat(x, each, axis=0) for x in packing.pack(rows))
+
+
+@ft.partial(jax.jit, static_argnums=(0, 1))
+def _first_rows(packing: Packing, each: int, copies: tuple) -> Any:
+    """Each problem's shared state, its first chain's copy of `copies`."""
+    return packing.unpack(tuple(x[::each] for x in copies))
+
+
+def _same_values(new: Any, given: Any) -> bool:
+    """Whether `new` is `given` itself, leaf for leaf (the same traced values)."""
+    return all(
+        a is b
+        for a, b in zip(jtu.tree_leaves(new), jtu.tree_leaves(given), strict=True)
+    )
 
 
 def _ungrouped(tree: Any) -> Any:
@@ -249,11 +337,20 @@ def carrying(
     """
     assert isinstance(step, SharedStep)
     shared = jtu.tree_map(_as_array, shared)
-    arrays, static = eqx.partition(shared, is_array)
-    leaves = jtu.tree_leaves_with_path(arrays)
+    leaves = jtu.tree_leaves_with_path(shared)
     if not leaves:
         raise BatchError(
             f"`shared` is {describe(shared)}, with no array to carry {_SHARED_IS}."
+        )
+    others = [
+        f"`{leaf_name('shared', path)}` is {describe(x)}"
+        for path, x in leaves
+        if not is_array(x)
+    ]
+    if others:
+        raise BatchError(
+            "`shared` holds arrays and numbers only (static values go in a "
+            f"Module's static fields), but:\n{bullet_list(others)}"
         )
     problems = num_problems or 1
     if num_problems is not None:
@@ -267,17 +364,20 @@ def carrying(
                 f"With `data`, `shared` holds one row per problem ({num_problems}) "
                 "on axis 0, but:\n" + bullet_list(wrong)
             )
+        packing = Packing.of(
+            jtu.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), shared)
+        )
     else:
-        arrays = jtu.tree_map(lambda x: jnp.asarray(x)[None], arrays)
+        packing = Packing.of(shared)
     each = init.num_chains // problems
-    copies = jtu.tree_map(lambda x: jnp.repeat(jnp.asarray(x), each, axis=0), arrays)
+    copies = _copied(packing, each, num_problems is None, shared)
     carried = Init(
-        WithShared(init.whole, eqx.combine(copies, static)),
+        WithShared(init.whole, copies),
         WithShared(init.arrays, copies),
-        WithShared(init.static, static),
+        WithShared(init.static, (None,) * len(copies)),
         init.num_chains,
     )
-    return dataclasses.replace(step, chains_each=each), carried
+    return dataclasses.replace(step, chains_each=each, packing=packing), carried
 
 
 def _as_array(x: Any) -> Any:

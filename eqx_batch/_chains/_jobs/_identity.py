@@ -288,8 +288,7 @@ def identity_fields(
         rows = next(x for x in jtu.tree_leaves(data) if is_array(x))
         fields["data problems"] = str(np.shape(rows)[0])
     if shared is not None:
-        # Every chain's copy of its problem's shared state: the values of the
-        # problems' shared states, as the chains' layout is fixed by the other fields.
+        # Each problem's shared state (`shared=`), as the run was given it.
         fields["shared structure"] = _without_addresses(str(jtu.tree_structure(shared)))
         fields["shared values"] = _values_digest(shared)
     return fields
@@ -320,7 +319,7 @@ class RunIdentity:
         """The identity of a run of the traced step `program` from `init` (the whole
         state, non-array leaves included) and `keys`, with `options` (and `data`, of
         many problems; `trace_mode`, `trace` as given, names it in messages; `shared`,
-        every chain's copy of the shared state, with `shared=`)."""
+        each problem's shared state, with `shared=`)."""
         return cls(
             identity_fields(init, keys, options, data, program, shared), trace_mode
         )
