@@ -292,6 +292,37 @@ def test_a_finished_checkpoint_reads_back_its_shared_state(tmp_path):
     assert_trees_identical(outputs(first), outputs(plain))
 
 
+def test_a_shared_state_of_keys_and_dtypes_is_checkpointed_as_it_is(tmp_path):
+    # Typed keys, two dtypes and a vector: packed apart by dtype, read back whole.
+    @eb.all_chains
+    def fn(states, keys, count, shared):
+        key, sub = jr.split(shared["key"])
+        scale = shared["scale"] * 0.9
+        moved = states + scale[0] * jr.normal(sub, states.shape)
+        return moved, {"key": key, "n": shared["n"] + 1, "scale": scale}
+
+    shared = {"key": jr.key(7), "n": 0, "scale": np.array([1.0, 2.0], np.float32)}
+
+    def run(**options):
+        return eb.run_chains(
+            fn, jnp.zeros((4, 2)), jr.key(0), 12, shared=shared, **options
+        )
+
+    path = tmp_path / "keys.ckpt"
+    first = run(checkpoint=path, checkpoint_every=5)
+    again = run(checkpoint=path, checkpoint_every=5)
+    plain = run()
+    for result in (first, again):
+        assert_trees_identical(outputs(result), outputs(plain))
+    assert plain.shared is not None
+    assert int(plain.shared["n"]) == 12
+    np.testing.assert_allclose(plain.shared["scale"], [0.9**12, 2 * 0.9**12], 1e-5)
+    expected = jr.key(7)
+    for _ in range(12):
+        expected, _ = jr.split(expected)
+    assert_trees_identical(plain.shared["key"], expected)
+
+
 def test_a_run_killed_mid_way_resumes_on_another_layout_bit_for_bit(tmp_path):
     # On one device in another process, SIGKILLed once it has checkpointed; resumed
     # here, on this process's devices.

@@ -52,7 +52,7 @@ class RunStep(Protocol):
 
     def own_and_shared(self, states: Any) -> tuple[Any, Any]:
         """The chains' own states (what is recorded, diagnosed and returned), and
-        the copies of a shared state carried beside them (None: none is)."""
+        each problem's shared state carried beside them (None: none is)."""
         ...
 
     def chunk_unit(self, num_chains: int) -> int:

@@ -60,7 +60,7 @@ class Packing(NamedTuple):
     def of(cls, one: Any) -> "Packing":
         """The packing of `one`, a problem's shared state (arrays or structs)."""
         leaves, treedef = jtu.tree_flatten(one)
-        kinds = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves)
+        kinds = tuple((tuple(x.shape), x.dtype) for x in leaves)
         dtypes = tuple(dict.fromkeys(dtype for _, dtype in kinds))
         return cls(treedef, kinds, dtypes)
 
