@@ -50,12 +50,12 @@ class ChunkPieces:
             self.problem_of_row = np.asarray(problem)
         # The chains that share a problem, in blocks of this many on a device.
         self.block = placement.block_size(self.problem_of_row)
-        # A piece of the running chains holds whole blocks on every device: of a
-        # step that sees a problem's chains at once, only whole problems.
+        # A piece of the running chains holds whole blocks on every device. A step
+        # that sees every chain of a problem runs the whole chunk, its stopped
+        # problems frozen: its chunks sit on the devices that hold whole problems
+        # (`RunPlan.placement`), which pieces, placed on every device, do not.
         self._unit = self.block * placement.mesh.size
-        self._in_pieces = (
-            not plan.step.sees_every_chain or self.block == plan.layout.chains_each
-        )
+        self._in_pieces = not plan.step.sees_every_chain
         # Whether a step's time grows with the chains it runs (`piece_rows`).
         self._per_chain = all(d.platform == "cpu" for d in placement.mesh.devices.flat)
         # The last pieces placed on the devices, and what they run (`_pieces`).

@@ -40,12 +40,15 @@ class Placement:
     compiled program.
 
     With `pad=False` (a step that sees every chain, which would see the padding), the
-    chains are not padded but placed on the devices of `chain_devices`.
+    chains are not padded but placed on the devices of `chain_devices`, whole blocks
+    of `unit` chains on each.
     """
 
-    def __init__(self, num_chains: int, pad_to: int = 0, *, pad: bool = True):
+    def __init__(
+        self, num_chains: int, pad_to: int = 0, *, pad: bool = True, unit: int = 1
+    ):
         self.num_chains = num_chains
-        self.mesh = member_mesh(None if pad else chain_devices(num_chains))
+        self.mesh = member_mesh(None if pad else chain_devices(num_chains, unit))
         size = self.mesh.size
         self.num_rows = -(-max(num_chains, pad_to) // size) * size
         # Every leaf placed here is split along its axis 0, one row per chain.
@@ -167,16 +170,17 @@ def made_zeros(tree: Any) -> Any:
     return jtu.tree_map(make, tree)
 
 
-def chain_devices(num_chains: int) -> list[Device]:
-    """The most devices that `num_chains` chains split over evenly, as many of each
-    process: the first `k` devices of every process, `k` the largest count of devices
-    per process for which the processes' devices divide the chains.
+def chain_devices(num_chains: int, unit: int = 1) -> list[Device]:
+    """The most devices that `num_chains` chains split over evenly, in whole blocks of
+    `unit` chains, as many of each process: the first `k` devices of every process,
+    `k` the largest count of devices per process for which the processes' devices
+    divide the blocks.
 
     **Raises:**
 
-    `BatchError` if the number of processes does not divide the chains.
+    `BatchError` if the number of processes does not divide the blocks.
     """
-    per_process = _devices_per_process(num_chains)
+    per_process = _devices_per_process(num_chains // unit)
     if per_process == 0:
         processes = jax.process_count()
         raise BatchError(

@@ -90,13 +90,21 @@ class RunPlan:
     def placement(self, num_chains: int) -> Placement:
         """Where a chunk of `num_chains` chains lives: padded to the size of the
         others, so that every chunk runs one program; never padded for a step that
-        sees every chain (it would see the padding)."""
+        sees every chain (it would see the padding). A step that sees a problem's
+        chains at once gets each problem on one device, so that what it computes
+        across them does not depend on the chunks or the devices."""
         chunked = len(self.chunks) > 1
         return self.prepared.placement(
             num_chains,
             pad_to=self.chunk_size if chunked else 0,
             pad=not self.options.all_chains,
+            unit=self._device_unit(num_chains),
         )
+
+    def _device_unit(self, num_chains: int) -> int:
+        """The chains of a chunk of `num_chains` that share a device (`device_unit`)."""
+        sizes = [len(chunk) for chunk in self.chunks]
+        return device_unit(num_chains, sizes, self.step.chunk_unit, self.problems)
 
     @property
     def own_draws_segment(self) -> SegmentPlan:
@@ -176,7 +184,9 @@ def plan_run(
     num_chains = init.num_chains
     all_chains = step.sees_every_chain
     if all_chains:
-        _check_all_chains_run(num_chains, counts.chunk_size, step.chunk_unit)
+        _check_all_chains_run(
+            num_chains, counts.chunk_size, step.chunk_unit, problems is not None
+        )
     traced = None
     if checkpointed:
         traced = trace_step(step, init.whole, keys, legacy, with_output)
@@ -212,7 +222,10 @@ def plan_run(
 
 
 def _check_all_chains_run(
-    num_chains: int, chunk_size: int | None, chunk_unit: Callable[[int], int]
+    num_chains: int,
+    chunk_size: int | None,
+    chunk_unit: Callable[[int], int],
+    problems: bool,
 ) -> None:
     """Refuses, before any work, a run that an all-chains step cannot take.
 
@@ -233,8 +246,30 @@ def _check_all_chains_run(
             "(see docs/chains.md#what-is-refused)."
         )
     size = min(chunk_size or num_chains, num_chains)
-    for chunk in {size, num_chains % size or size}:
-        chain_devices(chunk)
+    sizes = [size] * (num_chains // size) + [num_chains % size] * bool(
+        num_chains % size
+    )
+    for chunk in set(sizes):
+        unit = device_unit(chunk, sizes, chunk_unit, 1 if problems else None)
+        chain_devices(chunk, unit)
+
+
+def device_unit(
+    num_chains: int,
+    chunk_sizes: list[int],
+    chunk_unit: Callable[[int], int],
+    problems: int | None,
+) -> int:
+    """The chains of a chunk of `num_chains` that share a device, with `data`, for a
+    step that sees a problem's chains at once (`chunk_unit`): whole problems on each
+    device, so that what it computes across them does not depend on the devices,
+    and as many on each device in every chunk of `chunk_sizes` (the chunks share
+    their devices, as their results are joined). One chain otherwise."""
+    if problems is None:
+        return 1
+    each = chunk_unit(num_chains)
+    common = math.gcd(*(size // each for size in chunk_sizes))
+    return num_chains // common
 
 
 def _run_options(

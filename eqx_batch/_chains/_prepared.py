@@ -48,11 +48,14 @@ class PreparedRun:
             lambda: dataclasses.replace(plan, length=length, emit=emit, block=block),
         )
 
-    def placement(self, num_chains: int, pad_to: int, *, pad: bool) -> Placement:
-        """`Placement(num_chains, pad_to, pad=pad)` on the current devices."""
+    def placement(
+        self, num_chains: int, pad_to: int, *, pad: bool, unit: int = 1
+    ) -> Placement:
+        """`Placement(num_chains, pad_to, pad=pad, unit=unit)` on the current
+        devices."""
         return self._made.get_or_make(
-            ("placement", num_chains, pad_to, pad, *jax.devices()),
-            lambda: Placement(num_chains, pad_to, pad=pad),
+            ("placement", num_chains, pad_to, pad, unit, *jax.devices()),
+            lambda: Placement(num_chains, pad_to, pad=pad, unit=unit),
         )
 
     def trace_like(self, num_chains: int, num_draws: int, states: bool) -> Any:
