@@ -209,6 +209,10 @@ class SharedStep(eqx.Module):
                 for x in self.packing.pack(new_shared)
             )
         )
+        # One value for the loop to carry and the trace to record: without the
+        # barrier XLA computed each in a fusion of its own, and a draw recorded on
+        # a CPU could differ from the state by an ulp (found by tests/test_shared.py).
+        new = jax.lax.optimization_barrier(new)
         carried = WithShared(new, new_copies)
         return (carried, output) if self.with_output else carried
 
