@@ -545,3 +545,19 @@ def test_chunks_that_split_a_problem_are_refused():
         ),
         "pass None",
     )
+
+
+def test_no_chain_runs_without_shared_and_is_refused_with_it():
+    empty = jnp.zeros((0, 2))
+    result = eb.run_chains(eb.all_chains(lambda s, k, c: s), empty, jr.key(0), 3)
+    assert result.final.shape == (0, 2)
+    raises(
+        "holds no chain",
+        lambda: eb.run_chains(
+            eb.all_chains(lambda s, k, c, shared: (s, shared)),
+            empty,
+            jr.key(0),
+            3,
+            shared={"a": 1.0},
+        ),
+    )

@@ -245,7 +245,7 @@ def _check_all_chains_run(
             f"`chunk_size={chunk_size}` with an `eb.all_chains` step: {fix} "
             "(see docs/chains.md#what-is-refused)."
         )
-    size = min(chunk_size or num_chains, num_chains)
+    size = max(min(chunk_size or num_chains, num_chains), 1)
     sizes = [size] * (num_chains // size) + [num_chains % size] * bool(
         num_chains % size
     )

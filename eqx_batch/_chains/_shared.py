@@ -336,10 +336,12 @@ def carrying(
 
     **Raises:**
 
-    `BatchError` if `shared` holds no array, or with `data` an array leaf without
-    one row per problem.
+    `BatchError` if `init` holds no chain, if `shared` holds no array or another
+    leaf, or with `data` an array leaf without one row per problem.
     """
     assert isinstance(step, SharedStep)
+    if init.num_chains == 0:
+        raise BatchError("`init` holds no chain, so none can share `shared`.")
     shared = jtu.tree_map(_as_array, shared)
     leaves = jtu.tree_leaves_with_path(shared)
     if not leaves:
