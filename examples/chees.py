@@ -50,8 +50,12 @@ DA_T0, DA_GAMMA = 10.0, 0.05
 # The values the sampling phase uses are averages of the iterates' logarithms, with
 # weight t^-0.5 on the t-th: the paper's choice, which forgets the first steps fast.
 AVERAGE_DECAY = 0.5
-# Adam on log T (optax.adam's defaults but the rate, which is the paper's).
-ADAM_RATE, ADAM_B1, ADAM_B2, ADAM_EPS = 0.025, 0.9, 0.999, 1e-8
+# Adam on log T as the paper's authors run it (TensorFlow Probability's
+# `GradientBasedTrajectoryLengthAdaptation`): the rate 0.025, no momentum, and a
+# short memory of the squared gradient (0.5). optax's defaults (0.9, 0.999) kept
+# the huge gradients of chains far from their mode in that memory for a thousand
+# steps: on the logistic regression T stayed at one leapfrog step (issue 44 (a)).
+ADAM_RATE, ADAM_B1, ADAM_B2, ADAM_EPS = 0.025, 0.0, 0.5, 1e-8
 MAX_LEAPFROG_STEPS = 1000  # a trajectory is cut there, and T clipped to it
 DIVERGENCE = 1000.0  # an energy error above this is a divergence
 
@@ -379,9 +383,13 @@ def warm_then_sample(posterior, data, starts, keys, shared, superchains: int):
         # Ends the warmup when the chains have forgotten their starts, which is
         # what a warmup is for and what nested R-hat over superchains measures. A
         # rule on the adaptation alone (the step size settled) could stop chains
-        # that still carry their starts. 200 steps a window give Adam time to
-        # move T from one leapfrog step to its optimum before the first check.
+        # that still carry their starts.
         until=eb.converged(every=200),
+        # But not before T has grown: the first 200 steps only adapt (their draws
+        # are not checked), so the first check is at step 400. On an easy posterior
+        # nested R-hat passed at step 200 while T was about one leapfrog step, and
+        # the frozen sample was a random walk (`docs/benchmarks.md`, issue 44 (a)).
+        burn_in=200,
         trace=False,
         with_output=True,
     )

@@ -334,14 +334,16 @@ def test_peak_memory_is_a_few_segments_however_many_the_steps(tmp_path):
     # in-memory trace would hold whole. The disk trace holds a bounded number of
     # segments' draws: one running, one being written, one spare, and the host copy
     # of the one being written. How many of those the allocator has touched by the
-    # end of a short run varies, so the bound is on segments, not a ratio of runs.
+    # end of a short run varies, so the bound is on segments, not a ratio of runs:
+    # eight, a quarter of the longer run's draws (JAX 0.8 on a loaded 2-core machine
+    # touched 6.8 segments' worth once, 5 at most on other runs).
     segment_kib = 16 * 1024
     (tmp_path / "one").mkdir()
     (tmp_path / "eight").mkdir()
     one = _peak_growth_kib(tmp_path / "one", 1024)
     eight = _peak_growth_kib(tmp_path / "eight", 8 * 1024)
-    assert one < 6 * segment_kib, one
-    assert eight < 6 * segment_kib, (one, eight)
+    assert one < 8 * segment_kib, one
+    assert eight < 8 * segment_kib, (one, eight)
 
 
 def test_a_run_stopped_by_until_holds_the_draws_made(tmp_path):
