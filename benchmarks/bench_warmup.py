@@ -14,14 +14,16 @@ the same over-dispersed starts (one per superchain of 4 chains, every method), b
     problem (Adam at the rate of ours), vmapped over the problems, then its dynamic
     HMC.
 
-Then every method samples the same fixed `DRAWS` steps with its adapted values frozen,
-and a problem reaches the gate when, on those draws, ArviZ's rank-normalised split
-R-hat is below 1.01 and its bulk ESS at least 400 on every coordinate, with no
-divergence. Gradient evaluations are counted over the warmup and the sample: for NUTS
+Then every method samples `DRAWS` steps with its adapted values frozen, and a problem
+reaches the gate at the first round of `ROUND` draws (250, 500, 750) after which
+ArviZ's rank-normalised split R-hat is below 1.01 and its bulk ESS at least 400 on
+every coordinate, with no divergence so far: a method whose draws cost fewer
+gradients may take more of them. Gradient evaluations are counted over the warmup and
+the sample up to the gate (all of it for a problem that never reaches it): for NUTS
 and dynamic HMC, BlackJAX's `num_integration_steps` (their states cache the gradient
 at the start); for ours, the leapfrog steps plus one (the start's gradient, which
 `chees.hmc` evaluates again each step), times the chains. Wall times are each
-method's one call less the tracing and compiling JAX reports during it.
+method's one call (every round) less the tracing and compiling JAX reports during it.
 
 Rows (issue 44's targets):
 
@@ -86,7 +88,9 @@ else:
     LAYOUTS = [(1, 32), (4, 16)]
 CHAINS_PER_SUPERCHAIN = 4
 WARMUP = 1000  # BlackJAX's warmups, and the cap of ours
-DRAWS = 250  # the sample of every method, after its warmup
+# Every method's sample after its warmup: `DRAWS` draws, checked at the gate after
+# each `ROUND` of them; a problem reaches the gate at the first round that passes.
+DRAWS, ROUND = 750, 250
 INITIAL_STEP_SIZE = 0.1  # both ChEES
 RHAT, ESS = 1.01, 400
 
@@ -95,18 +99,40 @@ class Sample(NamedTuple):
     """One method's run of one model and layout."""
 
     positions: np.ndarray  # [P, C, DRAWS, D]
-    divergences: np.ndarray  # [P]: in the sample
-    gradients: np.ndarray  # [P]: warmup and sample, every chain
+    divergences: np.ndarray  # [P, DRAWS]: each draw's, over the chains
+    warmup_gradients: np.ndarray  # [P]: every chain's
+    gradients: np.ndarray  # [P, DRAWS]: each draw's, over the chains
     seconds: float  # wall, less JAX's tracing and compiling
 
 
-def gate(sample: Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Which problems reach the gate (R-hat, bulk ESS, no divergence), `[P]` bool,
-    and each problem's worst R-hat and least bulk ESS over the coordinates."""
-    draws = sample.positions.astype(np.float64)
-    rhat = array_stats.rhat(draws, chain_axis=1, draw_axis=2).max(-1)
-    ess = array_stats.ess(draws, chain_axis=1, draw_axis=2, method="bulk").min(-1)
-    return (rhat < RHAT) & (ess >= ESS) & (sample.divergences == 0), rhat, ess
+class Gate(NamedTuple):
+    """Each problem's sample at the gate, `[P]` each."""
+
+    passed: np.ndarray  # reached it, at some round
+    draws: np.ndarray  # the draws it took (all of them if it never passed)
+    rhat: np.ndarray  # the worst R-hat over the coordinates there
+    ess: np.ndarray  # the least bulk ESS
+    gradients: np.ndarray  # the warmup's and the sample's up to there
+
+
+def gate(sample: Sample) -> Gate:
+    """Each problem at the first round of draws that reaches the gate (R-hat, bulk
+    ESS, no divergence so far), or at the last round."""
+    problems = len(sample.positions)
+    at = Gate(*(np.zeros(problems, dtype) for dtype in (bool, int, float, float, int)))
+    for draws in range(ROUND, DRAWS + 1, ROUND):
+        kept = sample.positions[:, :, :draws].astype(np.float64)
+        rhat = array_stats.rhat(kept, chain_axis=1, draw_axis=2).max(-1)
+        ess = array_stats.ess(kept, chain_axis=1, draw_axis=2, method="bulk").min(-1)
+        passed = (rhat < RHAT) & (ess >= ESS)
+        passed &= sample.divergences[:, :draws].sum(1) == 0
+        gradients = sample.warmup_gradients + sample.gradients[:, :draws].sum(1)
+        now = ~at.passed
+        for field, value in zip(
+            Gate._fields, (passed, draws, rhat, ess, gradients), strict=True
+        ):
+            getattr(at, field)[now] = np.broadcast_to(value, now.shape)[now]
+    return at
 
 
 def mean_error(posterior, data, sample: Sample) -> float:
@@ -202,14 +228,15 @@ def ours(posterior, data, starts, key) -> Sample:
         np.sum(warmup.problem(p).outputs["gradients"], dtype=np.int64)
         for p in range(problems)
     ]
-    by_problem = (problems, chains, DRAWS)
+
+    def per_draw(x):  # [P x C, DRAWS] -> [P, DRAWS], summed over the chains
+        return np.asarray(x, np.int64).reshape(problems, chains, DRAWS).sum(1)
+
     return Sample(
-        np.asarray(sample.trace).reshape(*by_problem, -1),
-        np.asarray(sample.outputs["divergent"]).reshape(problems, -1).sum(1),
-        np.array(warmup_gradients)
-        + np.asarray(sample.outputs["gradients"], np.int64)
-        .reshape(problems, -1)
-        .sum(1),
+        np.asarray(sample.trace).reshape(problems, chains, DRAWS, -1),
+        per_draw(sample.outputs["divergent"]),
+        np.array(warmup_gradients),
+        per_draw(sample.outputs["gradients"]),
         seconds,
     )
 
@@ -220,7 +247,7 @@ STEPS_INFO = get_filter_adapt_info_fn(info_keys={"num_integration_steps"})
 
 
 def sample_chain(kernel, state, key):
-    """`DRAWS` steps of one chain: its positions, divergences and gradient count."""
+    """`DRAWS` steps of one chain: its positions, divergences and gradient counts."""
 
     def one_step(state, key):
         state, info = kernel.step(key, state)
@@ -229,7 +256,7 @@ def sample_chain(kernel, state, key):
     _, (positions, divergent, steps) = jax.lax.scan(
         one_step, state, jr.split(key, DRAWS)
     )
-    return positions, divergent.sum(), steps.sum()
+    return positions, divergent, steps
 
 
 def window_nuts_problem(posterior, starts, key, data):
@@ -244,12 +271,12 @@ def window_nuts_problem(posterior, starts, key, data):
         (state, parameters), info = warmup.run(warmup_key, start, num_steps=WARMUP)
         kernel = blackjax.nuts(density, **parameters)
         positions, divergent, steps = sample_chain(kernel, state, sample_key)
-        return positions, divergent, steps + info.info.num_integration_steps.sum()
+        return positions, divergent, info.info.num_integration_steps.sum(), steps
 
-    positions, divergent, steps = jax.vmap(one_chain)(
+    positions, divergent, warmup_steps, steps = jax.vmap(one_chain)(
         starts, jr.split(key, len(starts))
     )
-    return positions, divergent.sum(), steps.sum()
+    return positions, divergent.sum(0), warmup_steps.sum(), steps.sum(0)
 
 
 def chees_dhmc_problem(posterior, starts, key, data):
@@ -272,19 +299,15 @@ def chees_dhmc_problem(posterior, starts, key, data):
         states, jr.split(sample_key, len(starts))
     )
     warmup_steps = info.info.num_integration_steps.sum()
-    return positions, divergent.sum(), steps.sum() + warmup_steps
+    return positions, divergent.sum(0), warmup_steps, steps.sum(0)
 
 
 def blackjax_recipe(problem: Callable) -> Callable:
     def run(posterior, data, starts, key) -> Sample:
         keys = jr.split(key, starts.shape[0])
         recipe = jax.jit(jax.vmap(ft.partial(problem, posterior)))
-        (positions, divergent, steps), seconds = timed(
-            lambda: recipe(starts, keys, data)
-        )
-        return Sample(
-            np.asarray(positions), np.asarray(divergent), np.asarray(steps), seconds
-        )
+        result, seconds = timed(lambda: recipe(starts, keys, data))
+        return Sample(*(np.asarray(x) for x in result), seconds)
 
     return run
 
@@ -311,13 +334,16 @@ def run_model(posterior, problems: int, chains: int, seed: int) -> dict[str, dic
     results = {}
     for name, method in METHODS.items():
         sample = method(posterior, data, starts, run_key)
-        passed, rhat, ess = gate(sample)
+        at = gate(sample)
         results[name] = {
-            "passed": int(passed.sum()),
-            "worst_rhat": float(rhat.max()),
-            "least_ess": float(ess.min()),
+            "passed": int(at.passed.sum()),
+            "draws": np.bincount(at.draws // ROUND, minlength=DRAWS // ROUND + 1)[
+                1:
+            ].tolist(),
+            "worst_rhat": float(at.rhat.max()),
+            "least_ess": float(at.ess.min()),
             "divergences": int(sample.divergences.sum()),
-            "gradients": float(sample.gradients.mean()),
+            "gradients": float(at.gradients.mean()),
             "seconds": sample.seconds,
             "mean_error": mean_error(posterior, data, sample),
         }
