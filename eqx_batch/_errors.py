@@ -153,10 +153,14 @@ def bullet_list(lines: Sequence[str], limit: int = 20) -> str:
     return "\n".join(shown)
 
 
-def call_mismatch(step: Callable, num_args: int) -> tuple[str, str] | None:
+def call_mismatch(step: Callable, num_args: int) -> str | None:
     """Why `step` cannot be called with `num_args` positional arguments, before it is
-    traced: its name and signature, and Python's reason. None if it can, or if it has
-    no signature to read (some builtins: calling it will tell)."""
+    traced: Python's reason. None if it can, or if it has no signature to read (some
+    builtins: calling it will tell).
+
+    Only the reason: a step that fits one of several calls is asked about each, on
+    every run, and `shown_signature` describes it (arrays printed, for a `partial`)
+    only for the message."""
     try:
         signature = inspect.signature(step)
     except (TypeError, ValueError):
@@ -164,5 +168,10 @@ def call_mismatch(step: Callable, num_args: int) -> tuple[str, str] | None:
     try:
         signature.bind(*[None] * num_args)
     except TypeError as e:
-        return f"{qualified_name(step) or describe(step)}{signature}", str(e)
+        return str(e)
     return None
+
+
+def shown_signature(step: Callable) -> str:
+    """`step`'s name and signature, for a message that refuses a call of it."""
+    return f"{qualified_name(step) or describe(step)}{inspect.signature(step)}"

@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._errors import BatchError, call_mismatch, describe
+from .._errors import BatchError, call_mismatch, describe, shown_signature
 from .._tree import structs
 
 
@@ -228,10 +228,9 @@ def _check_signature(step: Callable) -> None:
     """Refuses a step that cannot be called as `step(states, keys, count)`, such as a
     per-chain `step(state, key)` marked by mistake, before it is traced; or with a
     shared state (and `data`) after them: `run_chains` checks which it is given."""
-    mismatch = call_mismatch(step, 3)
-    if mismatch is not None and all(call_mismatch(step, n) for n in (4, 5)):
-        shown, reason = mismatch
+    reason = call_mismatch(step, 3)
+    if reason is not None and all(call_mismatch(step, n) for n in (4, 5)):
         raise BatchError(
-            f"`step` is {shown}, but an `eb.all_chains` step is called as "
-            f"`step(states, keys, count)`: {reason}."
+            f"`step` is {shown_signature(step)}, but an `eb.all_chains` step is "
+            f"called as `step(states, keys, count)`: {reason}."
         )

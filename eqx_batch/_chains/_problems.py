@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError, call_mismatch, describe, leaf_name
+from .._errors import BatchError, call_mismatch, describe, leaf_name, shown_signature
 from .._tree import common_size, host_array, is_array, structs
 from ._all_chains import MapChains, RunStep
 
@@ -263,10 +263,9 @@ def _num_problems(data: Any) -> int:
 def _check_signature(step: Callable) -> None:
     """Refuses, before tracing, a step that cannot be called as `step(state, key,
     data)`: most often a step written for one problem, `step(state, key)`."""
-    mismatch = call_mismatch(step, 3)
-    if mismatch is not None:
-        shown, reason = mismatch
+    reason = call_mismatch(step, 3)
+    if reason is not None:
         raise BatchError(
-            f"`step` is {shown}, but with `data` it is called as "
+            f"`step` is {shown_signature(step)}, but with `data` it is called as "
             f"`step(state, key, data)`: {reason}."
         )

@@ -29,7 +29,14 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .._errors import BatchError, bullet_list, call_mismatch, describe, leaf_name
+from .._errors import (
+    BatchError,
+    bullet_list,
+    call_mismatch,
+    describe,
+    leaf_name,
+    shown_signature,
+)
 from .._tree import is_array, structs
 from ._all_chains import AllChains, each_chain, MapChains, RunStep
 from ._arguments import Init
@@ -289,12 +296,12 @@ def _check_new_shared(given: Any, new: Any) -> None:
 
 
 def _check_signature(fn: Callable, num_args: int) -> None:
-    mismatch = call_mismatch(fn, num_args)
-    if mismatch is not None:
-        shown, reason = mismatch
+    reason = call_mismatch(fn, num_args)
+    if reason is not None:
         called = ("fn(states, keys, count", ", shared", ", data")[: num_args - 2]
         raise BatchError(
-            f"`step` is {shown}, but {'with' if num_args > 3 else 'without'} `shared` "
+            f"`step` is {shown_signature(fn)}, but "
+            f"{'with' if num_args > 3 else 'without'} `shared` "
             f"it is called as `{''.join(called)})`: {reason}."
         )
 
