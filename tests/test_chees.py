@@ -179,12 +179,12 @@ def test_agrees_with_blackjax(dimension):
     adapted = info.adaptation_state
     step_size = float(jnp.exp(adapted.log_step_size_moving_average[-1]))
     length = float(jnp.exp(adapted.log_trajectory_length_moving_average[-1]))
-    # The same dual averaging, target and average: this run, within 7%.
-    assert 1 / 1.5 < float(shared.step_size) / step_size < 1.5
-    # The same criterion, but BlackJAX restarts Adam's iterate from the moving
-    # average at every step, which slows T's climb from one leapfrog step (D = 100:
-    # 1.06 after 1000 steps, 1.26 after 3000; ours 1.9). Within a factor of 2.
-    assert 1 / 2 < float(shared.trajectory_length) / length < 2
+    # The same dual averaging, target and average: this run, within 1%.
+    assert 1 / 1.1 < float(shared.step_size) / step_size < 1.1
+    # The same criterion and Adam, but BlackJAX restarts Adam's iterate from the
+    # moving average at every step: this run, T within 6% (D = 100: 1.89 against
+    # ours 2.00; with optax's default Adam, 1.06 against 1.9).
+    assert 1 / 1.25 < float(shared.trajectory_length) / length < 1.25
 
 
 @pytest.mark.examples
