@@ -225,7 +225,9 @@ def ours(posterior, data, starts, key) -> Sample:
 
     (warmup, sample), seconds = timed(run)
     warmup_gradients = [
-        np.sum(warmup.problem(p).outputs["gradients"], dtype=np.int64)
+        # Summed on the host: `np.sum` of a JAX array sums on its device, where
+        # without x64 (a TPU) int64 is truncated to int32, with a warning.
+        np.asarray(warmup.problem(p).outputs["gradients"], np.int64).sum()
         for p in range(problems)
     ]
 
