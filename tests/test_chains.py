@@ -756,6 +756,17 @@ def test_trace_is_true_false_or_disk():
     assert eb.run_chains(metropolis, init, jr.key(0), 3, trace=no).trace is None  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("checkpoint", [5, b"path", ["a", "b"]])
+def test_a_checkpoint_that_is_not_a_path_is_refused(checkpoint):
+    raises(
+        "pass a path",
+        lambda: eb.run_chains(
+            metropolis, make_init(2), jr.key(0), 3, checkpoint=checkpoint
+        ),
+        "`checkpoint` is",
+    )
+
+
 def test_disk_without_a_checkpoint_is_refused_before_any_step():
     calls = []
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 
 from eqx_batch._chains._until._convergence import Diagnostics
 from eqx_batch._chains._until._decision import _holds
-from eqx_batch._chains._until._stopping import Criterion, worst_each, worst_of
+from eqx_batch._chains._until._schedule import Criterion
+from eqx_batch._chains._until._stopping import worst_each, worst_of
 
 
 _THRESHOLDS = st.floats(0.5, 2000.0, allow_nan=False, allow_infinity=False)

@@ -31,6 +31,10 @@ never the driver. Every file, from the top down:
         `Problems` (each problem's values, in a run of many), `NonFinite`, and the
         trace as ArviZ data;
 - `_checkpoints/`: a run's checkpoint:
+    - `_run_checkpoint.py`: the run's checkpoint, decided once: none, or the files
+        at a path, handed down from the driver;
+    - `_recording.py`: where a chunk's draws go: nowhere, the trace buffer, or the
+        draw files;
     - `_checkpoint.py`: one chunk's checkpoint, read back once, then written;
     - `_checkpoint_reader.py`, `_checkpoint_writer.py`: the checkpoint read back (the
         run as checkpointed, and the draw files of a `trace="disk"` trace), and
@@ -46,7 +50,9 @@ never the driver. Every file, from the top down:
     - `_checkpoint_files.py`: the names of a checkpoint's files, and which of them make
         its newest complete step;
 - `_until/`: `until`, below the checkpoints that keep its records:
+    - `_how_it_stops.py`: how a run stops, decided once: at its cap, or by the rule;
     - `_decision.py`: a check decided on the devices;
+    - `_schedule.py`: the rule planned for one run, its criteria and interval;
     - `_stopping.py`, `_convergence.py`, `_moments.py`: `until`'s rule (checked) and
         checks, the diagnostics, and the running moments they read;
     - `_problem_records.py`, `_records.py`: the records of `until`'s checks, one per
@@ -58,7 +64,8 @@ never the driver. Every file, from the top down:
 - `_all_chains.py`: steps that see every chain;
 - `_placement.py`: chains padded and split over the devices;
 - `_common.py`: the shared vocabulary: `ChainState`, `OneChain`, `Draws` (which steps
-    are draws) and `ProblemLayout` (which problem each chain is in); shape-dtype
+    are draws), `ProblemLayout` (which problem each chain is in) and a run's problems,
+    `OneProblem` or `ManyProblems`; shape-dtype
     `structs` are `eqx_batch/_tree.py`'s.
 """
 

@@ -15,7 +15,6 @@ process shares nothing and computes nothing.
 """
 
 import hashlib
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +23,7 @@ import jax
 import numpy as np
 
 from .._errors import BatchError
+from ._checkpoints._run_checkpoint import RunCheckpoint
 from ._common import ChainState
 from ._jobs._identity import identity_fields, step_values
 from ._jobs._job import failed_elsewhere, gathered_rows
@@ -103,18 +103,24 @@ class CallAgreement:
     In a single process, nothing is shared or computed.
     """
 
-    def __init__(self, *, checkpoint: str | os.PathLike | None) -> None:
-        self._checkpoint = checkpoint  # as the call gives it
+    def __init__(self) -> None:
         self._fields: dict[str, str] | None = None
 
     def __enter__(self) -> "CallAgreement":
         return self
 
-    def on(self, plan: RunPlan, start: ChainState, *, progress: bool) -> None:
+    def on(
+        self,
+        plan: RunPlan,
+        start: ChainState,
+        *,
+        progress: bool,
+        checkpoint: RunCheckpoint,
+    ) -> None:
         """This process's call, its arguments checked: `plan`, from the chains
-        `start`, with a progress bar or not."""
+        `start`, with a progress bar or not, checkpointed at `checkpoint`."""
         if jax.process_count() > 1:
-            self._fields = _call_fields(plan, start, self._checkpoint, progress)
+            self._fields = _call_fields(plan, start, checkpoint, progress)
 
     def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> None:
         """**Raises:** in every process but one that failed (which raises its own
@@ -190,7 +196,7 @@ def _raise_if_any_differs(fields: np.ndarray) -> None:
 def _call_fields(
     plan: RunPlan,
     start: ChainState,
-    checkpoint: str | os.PathLike | None,
+    checkpoint: RunCheckpoint,
     progress: bool,
 ) -> dict[str, str]:
     """The run's identity, with what else decides the collectives each process runs
@@ -206,9 +212,8 @@ def _call_fields(
         "step values": step_values(plan.step.step),
         "trace": repr(plan.trace.value),  # as given: "disk" writes, True does not
         "chunk_size": str(plan.chunk_size),
-        # Where each process would write and lock: a relative path names another
-        # file in a process with another working folder.
-        "checkpoint": str(None if checkpoint is None else os.path.abspath(checkpoint)),
+        # Where each process would write and lock, as an absolute path.
+        "checkpoint": checkpoint.named(),
         "checkpoint_every": str(plan.checkpoint_every),
         "progress": str(progress),
     }

@@ -3,6 +3,7 @@ for each, NumPy leaves read with the dtypes JAX gives them, and superchains expa
 (`until` is checked in `_until/_stopping.py`)."""
 
 import functools as ft
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
@@ -37,7 +38,9 @@ def checked_flags(**flags: Any) -> list[bool]:
     return [check_bool(value, name) for name, value in flags.items()]
 
 
-def checked_trace(trace: Any, *, checkpointed: bool) -> bool | Literal["disk"]:
+def checked_trace(
+    trace: Any, *, require_checkpoint: Callable[[str], None]
+) -> bool | Literal["disk"]:
     """`trace` as `True`, `False` or `"disk"`.
 
     A bool is read as `checked_flags` reads one (NumPy's bools too); the one other
@@ -47,16 +50,16 @@ def checked_trace(trace: Any, *, checkpointed: bool) -> bool | Literal["disk"]:
     **Raises:**
 
     `BatchError` naming `trace`, its value and the choices, for any other value
-    (`"Disk"`, `1`, `"True"`); for `"disk"` without a checkpoint.
+    (`"Disk"`, `1`, `"True"`); for `"disk"` without a checkpoint
+    (`require_checkpoint` refuses it).
     """
     if isinstance(trace, str):
         if trace != "disk":
             raise BatchError(f"`trace` is {trace!r}; it must be True, False or 'disk'.")
-        if not checkpointed:
-            raise BatchError(
-                "`trace='disk'` but `checkpoint` is None: pass a `checkpoint` path, "
-                "or `trace=True`."
-            )
+        require_checkpoint(
+            "`trace='disk'` but `checkpoint` is None: pass a `checkpoint` path, "
+            "or `trace=True`."
+        )
         return "disk"
     if not is_bool(trace) or getattr(trace, "ndim", 0) != 0:
         shown = describe(trace) if getattr(trace, "ndim", 0) else repr(trace)
@@ -71,23 +74,22 @@ def checked_counts(
     checkpoint_every: Any,
     chunk_size: Any,
     *,
-    checkpointed: bool,
+    require_checkpoint: Callable[[str], None],
 ) -> Counts:
     """The counts of a run, each in its range (a bool is no count).
 
     **Raises:**
 
     `BatchError` naming the argument out of range, or `checkpoint_every` without a
-    checkpoint.
+    checkpoint (`require_checkpoint` refuses it).
     """
     num_steps = check_int(num_steps, "num_steps")
     thin = check_int(thin, "thin", minimum=1)
     burn_in = check_int(burn_in, "burn_in", maximum=num_steps)
     if checkpoint_every is not None:
-        if not checkpointed:
-            raise BatchError(
-                "`checkpoint_every` is set but `checkpoint` is None: pass a path."
-            )
+        require_checkpoint(
+            "`checkpoint_every` is set but `checkpoint` is None: pass a path."
+        )
         checkpoint_every = check_int(checkpoint_every, "checkpoint_every", minimum=1)
     if chunk_size is not None:
         chunk_size = check_int(

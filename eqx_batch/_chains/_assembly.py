@@ -1,9 +1,7 @@
 """The result of a run: its chunks' chains, traces and records assembled into
 `eb.Chains` (one problem's fields, and with `data` each problem's in `eb.Problems`)."""
 
-import dataclasses
 import functools as ft
-import pathlib
 from typing import Any
 
 import equinox as eqx
@@ -13,7 +11,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
-from ._checkpoints._disk_trace import disk_trace
+from ._checkpoints._run_checkpoint import RunCheckpoint
 from ._common import ChainState
 from ._placement import joined_chains, whole_here, without_copies
 from ._plan import RunPlan
@@ -23,7 +21,6 @@ from ._results._result import assembled, Chains
 from ._segment_plan import TraceMode
 from ._until._convergence import diagnose, Diagnostics
 from ._until._problem_records import ProblemRecords
-from ._until._records import Stopped
 
 
 def result(
@@ -31,14 +28,14 @@ def result(
     results: list[tuple[ChainState, Any]],
     record: ProblemRecords,
     superchain_ids: np.ndarray | None,
-    checkpoint: pathlib.Path | None,
+    checkpoint: RunCheckpoint,
 ) -> Chains:
     """The chunks' chains and traces joined into `Chains`; with `trace="disk"`, the
     trace read lazily from the chunks' draw files."""
     chains = joined_chains([chains for chains, _ in results])
-    stopped, steps_done = _stops(plan, record)
+    stopped, steps_done = plan.stopping.stops(record)
     # The trace holds the draws made by the problem that ran longest.
-    last = plan.num_steps if plan.until is None else int(np.max(steps_done))
+    last = int(np.max(steps_done))
     states, outputs = _states_and_outputs(
         plan, _recorded(plan, results, last, chains, checkpoint)
     )
@@ -49,12 +46,12 @@ def result(
     final, states, outputs, keys = without_copies((own, states, outputs, keys))
     shared = None if copies is None else _shared_rows(copies, plan)
     diagnostics, problems = _diagnostics(chains.moments, plan), None
-    if plan.problems is not None:
+    if not plan.problems.one_problem:
         # What differs between the problems has a field of its own: the rest is
         # shaped as one problem's result, whatever the options.
         problems = assembled(
             Problems,
-            count=plan.problems,
+            count=plan.layout.num_problems,
             steps_done=steps_done,
             stopped=stopped,
             draws_made=plan.draws.before(steps_done),
@@ -100,12 +97,7 @@ def _states_and_outputs(plan: RunPlan, recorded: Any) -> tuple[Any, Any]:
 def _shared_rows(rows: Any, plan: RunPlan) -> Any:
     """The shared state of each problem (a row each with `data`; else the one
     problem's), whole in every process."""
-    rows = whole_here(rows)  # small: a few numbers per problem
-    return _first_row(rows) if plan.problems is None else rows
-
-
-# One program: sliced eagerly, each leaf would be a dispatch of its own.
-_first_row = jax.jit(ft.partial(jtu.tree_map, lambda x: x[0]))
+    return plan.problems.rows(whole_here(rows))  # small: a few numbers per problem
 
 
 def _recorded(
@@ -113,7 +105,7 @@ def _recorded(
     results: list[tuple[ChainState, Any]],
     last: int,
     chains: ChainState,
-    checkpoint: pathlib.Path | None,
+    checkpoint: RunCheckpoint,
 ) -> Any:
     """The draws of the first `last` steps, `[chains, draws, ...]` per leaf (with
     `with_output`, states and outputs): the chunks' traces joined, or with
@@ -130,7 +122,6 @@ def _recorded(
         plan.num_chains, plan.draws.before(last), plan.segment.records_states
     )
     if plan.trace is TraceMode.DISK:
-        assert checkpoint is not None
         listing = [
             entry._replace(
                 rows=(chunk.start + entry.rows[0], chunk.start + entry.rows[1])
@@ -138,7 +129,7 @@ def _recorded(
             for chunk, (_, files) in zip(plan.chunks, results, strict=True)
             for entry in files or ()
         ]
-        return disk_trace(checkpoint, listing, like)
+        return checkpoint.disk_trace(listing, like)
     if results[0][1] is None:
         # Split by chain as the chains are, as a trace buffer would be.
         split = chains.first_bad.sharding
@@ -158,25 +149,11 @@ def _first_draws(trace: Any, made: int) -> Any:
     return jtu.tree_map(lambda x: x[:, :made], trace)
 
 
-def _stops(
-    plan: RunPlan, record: ProblemRecords
-) -> tuple[tuple[Stopped, ...] | None, np.ndarray]:
-    """Each problem's `Stopped` (one problem without `data`; None without `until`)
-    and steps run (NumPy `int64`), of a run that ended with `record`."""
-    if plan.until is None:
-        return None, np.full(plan.layout.num_problems, plan.num_steps, np.int64)
-    # The cap stops every problem still running: each has its `Stopped`.
-    return record.stops(plan.num_steps)
-
-
 def _diagnostics(moments: Any, plan: RunPlan) -> Diagnostics | None:
     """Every problem's diagnostics (a leading axis of P with `data`); None without
     `diagnostics`."""
     if not plan.options.diagnostics:
         return None
     # Moments are per chain, not per draw: small enough to gather in a job.
-    diagnostics = diagnose(whole_here(moments), plan.superchains, plan.problems)
-    if plan.until is not None:
-        # Its halves are those of the planned draws, which an early stop never makes.
-        diagnostics = dataclasses.replace(diagnostics, split_rhat=None)
-    return diagnostics
+    diagnostics = diagnose(whole_here(moments), plan.superchains, plan.problems.blocks)
+    return plan.stopping.diagnosed(diagnostics)

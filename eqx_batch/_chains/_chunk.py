@@ -6,7 +6,6 @@ Its rows by problem and its running chains in pieces are `_chunk_pieces.py`'s; t
 buffers of a `trace="disk"` segment's draws, `_checkpoints/_draw_buffers.py`'s."""
 
 import contextlib
-import pathlib
 from typing import Any, NamedTuple
 
 import jax
@@ -16,16 +15,16 @@ from .._progress import ProgressBar
 from .._tree import structs
 from ._checkpoints._checkpoint import Checkpoint
 from ._checkpoints._checkpoint_reader import Expected, Restored
-from ._checkpoints._checkpoint_writer import segment_files, SegmentFiles, Snapshot
+from ._checkpoints._checkpoint_writer import Snapshot
 from ._checkpoints._draw_buffers import DrawBuffers
-from ._checkpoints._lock import WriteAccess
+from ._checkpoints._recording import SegmentFiles
+from ._checkpoints._run_checkpoint import NoFiles, RunCheckpoint
 from ._chunk_pieces import ChunkPieces
 from ._common import ChainState
 from ._compaction import zeroed_problems
 from ._placement import Placement
 from ._plan import RunPlan
 from ._segment import run_segment
-from ._segment_plan import TraceMode
 from ._until._problem_records import ProblemRecords
 
 
@@ -38,14 +37,14 @@ class RunContext(NamedTuple):
 
     plan: RunPlan
     bar: ProgressBar | None
-    access: WriteAccess | None  # the right to write the checkpoint, if any
+    checkpoint: RunCheckpoint  # opened: with the right to write it
 
     def next_stop(self, step: int) -> int:
         """The step the segment from `step` ends at: the plan's next boundary, or
         with a progress bar and no checkpoint, the bar's next update if sooner (the
         bar moves between segments; a checkpointed run moves it at each write)."""
         stop = self.plan.next_boundary(step)
-        if self.bar is None or self.access is not None:
+        if self.bar is None or self.checkpoint.bounds_segments:
             return stop
         every = bar_spacing(self.plan.num_steps)
         return min(stop, (step // every + 1) * every)
@@ -75,10 +74,11 @@ class Advanced(NamedTuple):
 
 
 class ChunkJob(NamedTuple):
-    """One chunk's chains at the start, and where it is checkpointed."""
+    """One chunk's chains at the start, and which they are (for its checkpoint's
+    name)."""
 
     chains: ChainState
-    checkpoint: pathlib.Path | None
+    chunk: range | None  # None: every chain, unchunked
     steps_before: int  # the steps of the chunks run before it, for the progress bar
 
 
@@ -96,35 +96,19 @@ class ChunkRun:
         # writer); kept open for the with-block otherwise.
         with contextlib.ExitStack() as stack:
             num_chains = job.chains.keys.shape[0]
-            self.store: Checkpoint | None = None
-            restored = None
-            if job.checkpoint is not None:
-                assert context.access is not None
-                self.store = stack.enter_context(
-                    Checkpoint(
-                        job.checkpoint,
-                        plan.identity(job.chains),
-                        num_chains,
-                        context.access,
-                    )
+            self.store = stack.enter_context(
+                context.checkpoint.chunk_files(
+                    job.chunk, lambda: plan.identity(job.chains), num_chains
                 )
-                # The whole trace's structs, with `trace="disk"` too: the files
-                # listed are checked to hold every draw so far (only their metadata
-                # is read here; the files are the trace).
-                restored = _restored(
-                    self.store, plan, structs(job.chains), plan.draws_like(num_chains)
-                )
+            )
+            restored = _restored(self.store, plan, job.chains)
             # The checks of `until` as this chunk's checkpoint has them.
             self.record = None if restored is None else restored.record
             self.placement = plan.placement(num_chains)
             self._pieces = ChunkPieces(
                 plan, self.placement, job.chains.problem, num_chains
             )
-            self.step = plan.step
-            if plan.data is not None:
-                # Asked only of a step with `data`: asking an `eqx.Module` costs a
-                # bound method made on every call.
-                self.step = plan.step.placed(self.placement.everywhere)
+            self.step = plan.problems.placed(plan.step, self.placement.everywhere)
             self.steps_done, self.chains, self.trace = _start(
                 self.placement,
                 job.chains,
@@ -156,7 +140,9 @@ class ChunkRun:
         (the segment freezes the chains of the others), and `running`
         (`bool[problems]`, on the host) which problems may: if their chains are few,
         they run in pieces (`_chunk_pieces.py`)."""
-        files = _files(self.plan, self.store is not None, self.steps_done, stop)
+        files = self.store.segment_files(
+            self.plan.recording, self.plan.draws, self.steps_done, stop
+        )
         rows = self._pieces.running_rows(running)
         if rows is not None:
             self.chains, self.trace, new_draws = self._pieces.advance(
@@ -172,11 +158,15 @@ class ChunkRun:
             return self._advanced(stop, new_draws, files)
         plan = self.plan
         emit = 0 if files is None else files.emit
-        trace = self.trace
-        if plan.trace is TraceMode.DISK and files is not None:
-            # The segment's own draws, from its first, written over a buffer whose
-            # draws are in their file (`DrawBuffers`).
-            trace = self._buffers.take(plan.draws_like(self.placement.num_chains, emit))
+        # With the trace on disk, the segment's own draws, from its first, written
+        # over a buffer whose draws are in their file (`DrawBuffers`).
+        own = plan.recording.own_draws(
+            files,
+            lambda emit: self._buffers.take(
+                plan.draws_like(self.placement.num_chains, emit)
+            ),
+        )
+        trace = self.trace if own is None else own
         # The first step is traced, also in a run of one segment: as a constant, it
         # made the TPU's loop 7% faster with a trace and no `data`, and 12% slower
         # with `data` (issue 34). One program serves every segment of a length.
@@ -232,14 +222,11 @@ class ChunkRun:
         """Checkpoints the chains after the oldest segment not yet written (in the
         background), with `until`'s `record`."""
         done = self._unwritten.pop(0)
-        if self.store is None:
-            return
         # Every process writes the rows its own devices hold: nothing is gathered.
         self.store.write(
             Snapshot(done.steps_done, done.chains, done.new_draws, done.files, record)
         )
-        if self.plan.trace is TraceMode.DISK and done.new_draws is not None:
-            self._buffers.handed_over(done.new_draws)
+        self.plan.recording.handed_over(self._buffers, done.new_draws)
 
     def moments(self, chains: ChainState | None = None) -> Any:
         """The running moments of the real chains (of `chains`, by default the
@@ -256,28 +243,32 @@ class ChunkRun:
         processes, split by chain: each process holds its own chains' rows), or with
         `trace="disk"` the draw files that hold it (`ListedFile`s, their rows counted
         in the chunk); None without a trace."""
-        trace = None
         if self.trace is not None:
             trace = self.placement.real_chains(self.trace)
-        elif self.plan.trace is TraceMode.DISK and self.plan.records:
-            assert self.store is not None
-            trace = self.store.draw_listing()
+        else:
+            trace = self.plan.recording.listing(self._draw_listing)
         return self.placement.real_chains(self.chains), trace
+
+    def _draw_listing(self) -> Any:
+        return self.store.draw_listing()
 
 
 def _restored(
-    store: Checkpoint, plan: RunPlan, chains_like: ChainState, trace_like: Any
+    store: Checkpoint | NoFiles, plan: RunPlan, chains: ChainState
 ) -> Restored | None:
-    """The chunk as checkpointed in `store`, if it was; writing starts unless it is
-    done."""
+    """The chunk of `chains` as checkpointed in `store`, if it was; writing starts
+    unless it is done."""
+    # What is expected is made only if there are files to check it against. The
+    # whole trace's structs, with `trace="disk"` too: the files listed are checked
+    # to hold every draw so far (only their metadata is read here).
     restored = store.restore(
-        Expected(
-            chains_like,
-            trace_like,
+        lambda: Expected(
+            structs(chains),
+            plan.draws_like(chains.keys.shape[0]),
             plan.num_steps,
             plan.draws,
-            checks=plan.until is not None,
-            one_problem=plan.problems is None,
+            checks=plan.stopping.keeps_record,
+            one_problem=plan.problems.one_problem,
         )
     )
     done = restored is not None and (
@@ -290,21 +281,6 @@ def _restored(
     if not done:
         store.start_writing()
     return restored
-
-
-def _files(
-    plan: RunPlan, checkpointed: bool, start: int, stop: int
-) -> SegmentFiles | None:
-    """Where the draws of the segment from step `start` to `stop` go: None if the
-    chunk is not `checkpointed`, or the segment records no draw. With the trace on
-    disk, the segment returns its own draws, the first at offset 0; else the draws
-    around the segment's, sliced from the trace buffer."""
-    if not checkpointed or not plan.records:
-        return None
-    files = segment_files(plan.draws, start, stop)
-    if files is not None and plan.trace is TraceMode.DISK:
-        files = files._replace(offset=0)
-    return files
 
 
 def _start(

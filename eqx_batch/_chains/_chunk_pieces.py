@@ -12,12 +12,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._checkpoints._checkpoint_writer import SegmentFiles
+from ._checkpoints._recording import SegmentFiles
 from ._common import ChainState
 from ._compaction import batch_slots, piece_rows, pieces, run_piece, sliced_draws
 from ._placement import Placement
 from ._plan import RunPlan
-from ._segment_plan import TraceMode
 
 
 class RunningRows(NamedTuple):
@@ -107,15 +106,17 @@ class ChunkPieces:
         # Where the pieces' draws go: the trace buffer, or the segment's own draws
         # of every chain, for the files (a stopped chain's are zeros, as in a trace
         # buffer); None if the segment records none.
-        target = trace
-        offset = first
-        if target is None and plan.trace is TraceMode.DISK and files is not None:
-            target = self.placement.zeros(
-                plan.draws_like(self.placement.num_chains, files.emit)
-            )
-            offset = 0
+        target, offset = trace, first
+        own = plan.recording.own_draws(
+            files,
+            lambda emit: self.placement.zeros(
+                plan.draws_like(self.placement.num_chains, emit)
+            ),
+        )
+        if own is not None:
+            target, offset = own, 0
         batch = plan.prepared.placement(rows.size, 0, pad=True)
-        emit = plan.draws.most_in(stop - start) if plan.records and end > first else 0
+        emit = plan.recording.most_in(plan.draws, stop - start) if end > first else 0
         own = None
         if emit:
             own = batch.zeros_to_make(plan.draws_like(batch.num_chains, emit))

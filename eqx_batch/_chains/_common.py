@@ -1,14 +1,22 @@
 """The vocabulary every part of `run_chains` shares: the chains between two steps, one
-chain's layout, which steps are draws, and which problem each chain is in.
+chain's layout, which steps are draws, and which problem each chain is in: a run's
+problems are decided once, as one (`OneProblem`, without `data`, its results with no
+axis of problems) or many (`ManyProblems`, with `data`, each result with a leading
+axis of P), and code below the plan asks the one it is given, never `data`.
 
 Nothing here runs or writes anything; the drivers above it do.
 """
 
-from typing import Any, NamedTuple
+import dataclasses
+import functools as ft
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
 
 
@@ -124,3 +132,113 @@ class ProblemLayout(NamedTuple):
         """`x`, one row per chain, as one block per problem: `[problems, chains_each,
         ...]`."""
         return x.reshape(self.num_problems, self.chains_each, *x.shape[1:])
+
+
+class _Placeable(Protocol):
+    """A step that can put its `data` on devices (`RunStep.placed`)."""
+
+    def placed(self, sharding: jax.sharding.Sharding) -> Any: ...
+
+
+_Step = TypeVar("_Step", bound=_Placeable)
+
+# One program: sliced eagerly, each leaf would be a dispatch of its own.
+_first_row = jax.jit(ft.partial(jtu.tree_map, lambda x: x[0]))
+
+
+@dataclasses.dataclass(frozen=True)
+class OneProblem:
+    """The chains of a run without `data`: one problem."""
+
+    num_chains: int
+
+    # A checkpoint keeps one problem's record of checks, as it always has.
+    one_problem = True
+
+    @property
+    def layout(self) -> ProblemLayout:
+        return ProblemLayout(self.num_chains, 1)
+
+    @property
+    def blocks(self) -> ProblemLayout | None:
+        """The problems as a batch axis of the diagnostics and checks: none."""
+        return None
+
+    def chain_ids(self) -> np.ndarray | None:
+        """Each chain's problem, as `ChainState.problem` carries it: not carried."""
+        return None
+
+    def device_unit(
+        self,
+        num_chains: int,
+        chunk_sizes: list[int],
+        chunk_unit: Callable[[int], int],
+    ) -> int:
+        """The chains of a chunk of `num_chains` that must share a device: one."""
+        return 1
+
+    def placed(self, step: _Step, sharding: jax.sharding.Sharding) -> _Step:
+        """`step` with its `data` on the devices of `sharding`: it has none. (Not
+        asked of the step: asking an `eqx.Module` costs a bound method made on
+        every call.)"""
+        return step
+
+    def rows(self, per_problem: Any) -> Any:
+        """A value with a row per problem, as the result shows it: the one row."""
+        return _first_row(per_problem)
+
+    def label(self, text: str) -> str:
+        """`text` of statistics, as the progress bar shows it."""
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class ManyProblems:
+    """The chains of a run with `data`, in `layout`'s blocks, one per problem."""
+
+    layout: ProblemLayout
+
+    one_problem = False
+
+    @property
+    def blocks(self) -> ProblemLayout | None:
+        """The problems as a batch axis of the diagnostics and checks."""
+        return self.layout
+
+    def chain_ids(self) -> np.ndarray | None:
+        return self.layout.ids()
+
+    def device_unit(
+        self,
+        num_chains: int,
+        chunk_sizes: list[int],
+        chunk_unit: Callable[[int], int],
+    ) -> int:
+        """For a step that sees a problem's chains at once (`chunk_unit`): whole
+        problems on each device, so that what it computes across them does not
+        depend on the devices, and as many on each device in every chunk of
+        `chunk_sizes` (the chunks share their devices, as their results are
+        joined)."""
+        each = chunk_unit(num_chains)
+        common = math.gcd(*(size // each for size in chunk_sizes))
+        return num_chains // common
+
+    def placed(self, step: _Step, sharding: jax.sharding.Sharding) -> _Step:
+        return step.placed(sharding)
+
+    def rows(self, per_problem: Any) -> Any:
+        return per_problem
+
+    def label(self, text: str) -> str:
+        return f"{self.layout.num_problems} problems, at [problem, ...]: {text}"
+
+
+ProblemForm = OneProblem | ManyProblems
+
+
+def problem_form(num_chains: int, num_problems: int | None) -> ProblemForm:
+    """The problems of a run of `num_chains` chains: `num_problems` with `data`,
+    else None."""
+    if num_problems is None:
+        return OneProblem(num_chains)
+    return ManyProblems(ProblemLayout(num_chains, num_problems))

@@ -1,9 +1,9 @@
 """The chunks of one run through their steps, in one loop.
 
-Without `until`, the chunks run one after another, each to the end (one chunk's
-memory at a time). With `until`, every chunk is open at once and they move boundary by
-boundary, so that each check sees every chain's moments and every chunk stops at the
-same step: a chunked run stops where the unchunked one does.
+The chunks run in the turns the run's stopping gives (`_until/_how_it_stops.py`): one
+after another, each to the end (one chunk's memory at a time), or, with `until`, all at
+once, boundary by boundary, so that each check sees every chain's moments and every
+chunk stops at the same step: a chunked run stops where the unchunked one does.
 """
 
 import contextlib
@@ -22,6 +22,7 @@ from ._until._convergence import diagnose
 from ._until._decision import decide, Decision, read_details
 from ._until._problem_records import ProblemRecords
 from ._until._records import Check
+from ._until._schedule import Schedule
 from ._until._stopping import check, postfix, worst_each
 
 
@@ -30,9 +31,8 @@ def run_chunks(
 ) -> tuple[list[tuple[ChainState, Any]], ProblemRecords]:
     """Every chunk's chains and trace after the run, and the record of `until`'s
     checks, one per problem (a run without `data` is one; empty without `until`)."""
-    together = context.plan.until is not None
-    groups = [jobs] if together else [[job] for job in jobs]
-    results, record = [], _no_checks(context.plan)
+    groups = context.plan.stopping.turns(jobs)
+    results, record = [], context.plan.stopping.no_checks()
     for group in groups:
         with contextlib.ExitStack() as stack:
             chunks = [stack.enter_context(ChunkRun(context, job)) for job in group]
@@ -43,7 +43,7 @@ def run_chunks(
             # be queued at once and, on a CPU, run side by side, with the working
             # memory of all of them. Each chunk finishes before the next starts.
             jax.block_until_ready(results[-1])
-    if _shows_moments(context) and len(jobs) > 1 and not together:
+    if _shows_moments(context) and len(groups) > 1:
         # Per chain, not per draw: small enough to gather in a job.
         moments, first_bad = whole_here(
             ([c.moments for c, _ in results], [c.first_bad for c, _ in results])
@@ -53,20 +53,13 @@ def run_chunks(
     return results, record
 
 
-def _no_checks(plan: RunPlan) -> ProblemRecords:
-    """The record of `until`'s checks before any, one per problem; without `until`,
-    one, so that a run of many problems does not walk a record per problem at every
-    boundary for checks it never makes."""
-    return ProblemRecords.empty(1 if plan.until is None else plan.layout.num_problems)
-
-
 class _Boundary(NamedTuple):
     """A segment's end, queued: finished (its check read, its chunks checkpointed)
     once the next segment is queued behind it."""
 
     stop: int
     moving: list[ChunkRun]
-    decision: Decision | None  # the check of `until` made there, on the devices
+    checks: "_ProblemChecks | None"  # the check of `until` made there, on the devices
 
 
 def _run_group(
@@ -83,15 +76,14 @@ def _run_group(
     thinks running may have stopped (their chains frozen, `_compaction.py`). A segment
     queued after every problem stopped runs in vain, changes nothing, and is
     forgotten."""
-    plan = context.plan
+    plan, stopping = context.plan, context.plan.stopping
     record = _furthest(plan, chunks)
     live = None  # with `until`, whether each problem still runs, on the devices
     pending: _Boundary | None = None
-    while (here := min(chunk.steps_done for chunk in chunks)) < _end(plan, record):
+    while (here := min(chunk.steps_done for chunk in chunks)) < stopping.end(record):
         stop = context.next_stop(here)
         moving = [chunk for chunk in chunks if chunk.steps_done == here]
-        # Without `until` no problem stops: its record is not walked.
-        running = None if plan.until is None else record.running(here)
+        running = stopping.running(record, here)
         if running is not None and live is None:
             live = chunks[0].everywhere(running)
         for chunk in moving:
@@ -99,39 +91,41 @@ def _run_group(
             if len(chunks) > 1:
                 # As between groups: one chunk's working memory at a time.
                 jax.block_until_ready(chunk.chains)
-        decision = None
-        if plan.until is not None and plan.until.is_check(stop, plan.num_steps):
+        checks, schedule = None, stopping.checked_at(stop)
+        if schedule is not None:
             if record.decided(stop):
                 # Decided by a chunk further on, as its checkpoint says.
                 _discard(moving, record.failed(stop))
                 live = None
             else:
-                decision = _decision(plan, chunks, live, stop)
+                decision = _decision(plan, schedule, chunks, live, stop)
+                checks = _ProblemChecks(plan, schedule, decision)
                 live = chunks[0].everywhere(decision.running)
                 for chunk in moving:
                     chunk.discard(live)
         if pending is not None:
             record = _finish(context, pending, record, separate)
-        pending = _Boundary(stop, moving, decision)
-        if _end(plan, record) < stop:
+        pending = _Boundary(stop, moving, checks)
+        if stopping.end(record) < stop:
             for chunk in moving:
-                chunk.forget_last(_end(plan, record))
+                chunk.forget_last(stopping.end(record))
             pending = None
     if pending is not None:
         record = _finish(context, pending, record, separate)
     return record
 
 
-def _decision(plan: RunPlan, chunks: list[ChunkRun], live: Any, stop: int) -> Decision:
-    """The check at step `stop` (every chunk there) of the problems `live` says
-    still run, queued on a device."""
-    assert plan.until is not None
+def _decision(
+    plan: RunPlan, schedule: Schedule, chunks: list[ChunkRun], live: Any, stop: int
+) -> Decision:
+    """The check of `schedule` at step `stop` (every chunk there) of the problems
+    `live` says still run, queued on a device."""
     return decide(
-        plan.until,
+        schedule,
         joined([chunk.moments() for chunk in chunks]),
         joined([chunk.first_bad() for chunk in chunks]),
         live,
-        None if plan.problems is None else plan.layout,
+        plan.problems.blocks,
         plan.superchains,
         at_cap=stop == plan.num_steps,
     )
@@ -156,23 +150,18 @@ def _finish(
         # Counted over the run: the steps of chunks run before included.
         done = moving[0].steps_before + stop
         context.bar.follow(done, [c.first_bad for c in chains])
-    if plan.until is None:
-        if _shows_moments(context) and not separate:
-            moments = [
-                chunk.moments(c) for chunk, c in zip(moving, chains, strict=True)
-            ]
-            first_bad = [
-                np.asarray(chunk.first_bad(c))
-                for chunk, c in zip(moving, chains, strict=True)
-            ]
-            _show(context, stop, moments, _nonfinite(first_bad))
-    elif boundary.decision is not None:
-        checks = _ProblemChecks(plan, boundary.decision)
-        record = _decide(context, record, stop, checks)
-    # Only a checkpoint keeps the record: it is not copied for nothing.
-    kept = plan.until is not None and any(c.store is not None for c in moving)
+    if boundary.checks is not None:
+        record = _decide(context, record, stop, boundary.checks)
+    elif _shows_moments(context) and not separate:
+        moments = [chunk.moments(c) for chunk, c in zip(moving, chains, strict=True)]
+        first_bad = [
+            np.asarray(chunk.first_bad(c))
+            for chunk, c in zip(moving, chains, strict=True)
+        ]
+        _show(context, stop, moments, _nonfinite(first_bad))
+    kept = plan.stopping.kept(record)
     for chunk in moving:
-        chunk.write(record.as_of(stop) if kept else None)
+        chunk.write(kept)
     return record
 
 
@@ -180,15 +169,8 @@ def _furthest(plan: RunPlan, chunks: list[ChunkRun]) -> ProblemRecords:
     """The record the chunks go on from. Resumed chunks may stand at different steps
     (a kill between two chunks' writes): the one furthest on holds the decisions of
     the others' next checks."""
-    if plan.until is None:
-        return _no_checks(plan)
-    records = [chunk.record or _no_checks(plan) for chunk in chunks]
+    records = [chunk.record or plan.stopping.no_checks() for chunk in chunks]
     return max(records, key=lambda r: r.progress)
-
-
-def _end(plan: RunPlan, record: ProblemRecords) -> int:
-    """The step the run ends at: the cap, or, with `until`, the last problem's stop."""
-    return plan.num_steps if plan.until is None else record.end(plan.num_steps)
 
 
 def _decide(
@@ -237,11 +219,23 @@ class _ProblemChecks:
     """What the checks of every problem at one step read, as the devices decided
     them: which problems pass, with the worst value of each, read at once; their
     diagnostics (each statistic with a leading axis of problems) and the chains gone
-    NaN or infinite, read only for a reason (a problem stops, or the bar shows it)."""
+    NaN or infinite, read only for a reason (a problem stops, or the bar shows it).
+    Nothing is read before it is asked for: the next segment is queued first."""
 
-    def __init__(self, plan: RunPlan, decision: Decision):
-        self.plan, self._decision = plan, decision
-        self.passed, self.worst = jax.device_get((decision.passed, decision.worst))
+    def __init__(self, plan: RunPlan, schedule: Schedule, decision: Decision):
+        self.plan, self.schedule, self._decision = plan, schedule, decision
+
+    @ft.cached_property
+    def _outcome(self) -> tuple[np.ndarray, np.ndarray]:
+        return jax.device_get((self._decision.passed, self._decision.worst))
+
+    @property
+    def passed(self) -> np.ndarray:
+        return self._outcome[0]
+
+    @property
+    def worst(self) -> np.ndarray:
+        return self._outcome[1]
 
     @ft.cached_property
     def _details(self) -> tuple[Any, np.ndarray]:
@@ -263,19 +257,16 @@ class _ProblemChecks:
     def reasons(self, problems: list[int]) -> dict[int, Check]:
         """Each of `problems`' check with its reason, as `check` makes it, their
         worst elements found at once."""
-        until = self.plan.until
-        assert until is not None
         if not problems:
             return {}
         rows = np.asarray(problems, np.intp)
-        worst = [
-            worst_each(self.diagnostics, c.statistic, rows) for c in until.criteria
-        ]
+        criteria = self.schedule.criteria
+        worst = [worst_each(self.diagnostics, c.statistic, rows) for c in criteria]
         nonfinite, layout = self.nonfinite, self.plan.layout
         none = nonfinite[:0]
         return {
             p: check(
-                until,
+                self.schedule,
                 [w[i] for w in worst],
                 layout.own(nonfinite, p) if len(nonfinite) else none,
             )
@@ -294,12 +285,14 @@ def _show_checks(
     there (by `checks`), the worst, with its check's reason; without `data`, the one
     problem's statistics, if it was checked."""
     assert context.bar is not None
-    if context.plan.problems is None:
+    if context.plan.problems.one_problem:
         if checked:
             context.bar.show(stop, postfix(checks.row(0), checks.nonfinite))
         return
     running = records.running(stop)
-    text = f"{int(running.sum())} of {context.plan.problems} problems running"
+    text = (
+        f"{int(running.sum())} of {context.plan.layout.num_problems} problems running"
+    )
     still = [p for p in checked if running[p]]
     if still:
         # The worst by the first criterion, NaN (nothing to compare) last.
@@ -310,8 +303,14 @@ def _show_checks(
 
 
 def _shows_moments(context: RunContext) -> bool:
-    """Whether the bar shows the statistics so far (`progress` and `diagnostics`)."""
-    return context.bar is not None and context.plan.options.diagnostics
+    """Whether the bar shows the statistics so far (`progress` and `diagnostics`):
+    not with `until`, whose moments are a window's, since its last check."""
+    plan = context.plan
+    return (
+        context.bar is not None
+        and plan.options.diagnostics
+        and not plan.stopping.discards_moments
+    )
 
 
 def _show(
@@ -322,11 +321,8 @@ def _show(
     first index of an element being its problem."""
     assert context.bar is not None
     plan = context.plan
-    diagnostics = diagnose(joined(moments), plan.superchains, plan.problems)
-    text = postfix(diagnostics, nonfinite)
-    if plan.problems is not None:
-        text = f"{plan.problems} problems, at [problem, ...]: {text}"
-    context.bar.show(done, text)
+    diagnostics = diagnose(joined(moments), plan.superchains, plan.problems.blocks)
+    context.bar.show(done, plan.problems.label(postfix(diagnostics, nonfinite)))
 
 
 def _nonfinite(first_bad: list[Any]) -> np.ndarray:

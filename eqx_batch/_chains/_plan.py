@@ -13,14 +13,16 @@ import jax.extend
 from .._errors import BatchError
 from ._all_chains import RunStep
 from ._arguments import Counts, Init
-from ._common import ChainState, Draws, ProblemLayout
+from ._checkpoints._recording import DrawsInBuffer, DrawsOnDisk, NoDraws, Recording
+from ._common import ChainState, Draws, problem_form, ProblemForm, ProblemLayout
 from ._jobs._identity import RunIdentity, RunOptions
 from ._placement import chain_devices, Placement
 from ._prepared import prepared_run, PreparedRun
 from ._segment_plan import SegmentPlan, TraceMode
-from ._step import trace_step
+from ._step import TracedStep
+from ._until._how_it_stops import how_it_stops, HowItStops
 from ._until._moments import check_diagnostics
-from ._until._stopping import Schedule, StoppingRule
+from ._until._stopping import StoppingRule
 
 
 # With `trace="disk"`, a segment records at most this many bytes of draws (of a whole
@@ -39,15 +41,16 @@ class RunPlan:
     prepared: PreparedRun  # one chain's structs, and the segments and placements
     segment: SegmentPlan  # with `length` 0: `prepared.segment` sets it per segment
     options: RunOptions  # the arguments that change results, for the identity
-    # Where the draws go, as `trace` chose; `options.trace` records only whether
-    # draws are recorded, which is what makes two calls one run.
+    # `trace` as given, which the result reads (`_assembly.py`); `options.trace`
+    # records only whether draws are recorded, which is what makes two calls one run.
     trace: TraceMode
+    recording: Recording  # where each chunk's draws go, as `trace` chose
     num_chains: int
     chunk_size: int  # chains per chunk: `num_chains` unless chunked
     checkpoint_every: int | None
-    until: Schedule | None  # when to check whether to stop, and what
+    stopping: HowItStops  # at the cap, or where `until` holds
     superchains: int | None
-    problems: int | None  # with `data`, how many problems (P); else None
+    problems: ProblemForm  # one, or with `data` many
     # `step`, traced: for the run's identity (None without a checkpoint).
     program: jax.extend.core.ClosedJaxpr | None
     # With `trace="disk"`: the most steps of a segment, which bound its draws to
@@ -65,7 +68,7 @@ class RunPlan:
     @property
     def layout(self) -> ProblemLayout:
         """Which problem each chain is in (one problem without `data`)."""
-        return ProblemLayout(self.num_chains, self.problems or 1)
+        return self.problems.layout
 
     @property
     def chunks(self) -> list[range]:
@@ -81,8 +84,7 @@ class RunPlan:
         stops = [self.num_steps]
         if self.checkpoint_every is not None:
             stops.append((step // self.checkpoint_every + 1) * self.checkpoint_every)
-        if self.until is not None:
-            stops.append(self.until.next_check(step))
+        stops.append(self.stopping.next_check(step))
         if self.streamed_steps is not None:
             stops.append((step // self.streamed_steps + 1) * self.streamed_steps)
         return min(stops)
@@ -104,7 +106,7 @@ class RunPlan:
     def _device_unit(self, num_chains: int) -> int:
         """The chains of a chunk of `num_chains` that share a device (`device_unit`)."""
         sizes = [len(chunk) for chunk in self.chunks]
-        return device_unit(num_chains, sizes, self.step.chunk_unit, self.problems)
+        return self.problems.device_unit(num_chains, sizes, self.step.chunk_unit)
 
     @property
     def own_draws_segment(self) -> SegmentPlan:
@@ -114,11 +116,6 @@ class RunPlan:
         return dataclasses.replace(
             self.segment, writes_trace=False, returns_own_draws=True
         )
-
-    @property
-    def records(self) -> bool:
-        """Whether the run records draws: in a trace buffer, or streamed to files."""
-        return self.segment.writes_trace or self.segment.returns_own_draws
 
     def trace_like(self, num_chains: int) -> Any:
         """The trace buffer's shape-dtype structs; None without a trace buffer."""
@@ -131,10 +128,12 @@ class RunPlan:
     def draws_like(self, num_chains: int, num_draws: int | None = None) -> Any:
         """The shape-dtype structs of `num_draws` draws (all of the run's by
         default), the trace buffer's or the files'; None if nothing is recorded."""
-        if not self.records:
-            return None
         total = self.draws.total if num_draws is None else num_draws
-        return self.prepared.trace_like(num_chains, total, self.segment.records_states)
+        return self.recording.like(
+            lambda: self.prepared.trace_like(
+                num_chains, total, self.segment.records_states
+            )
+        )
 
     @property
     def data(self) -> Any:
@@ -169,12 +168,13 @@ def plan_run(
     until: StoppingRule | None,
     superchains: int | None,
     problems: int | None,
-    checkpointed: bool,
+    traced: TracedStep | None,
 ) -> RunPlan:
     """The plan of a run of `step` from `init`, one row per chain.
 
-    A checkpointed run traces `step` on every call, for its identity (its constants'
-    values are part of it); any other run only the first time it meets these shapes.
+    `traced` is `step` traced already, for the run's identity (its constants' values
+    are part of it): a checkpointed run traces it on every call; any other run only
+    the first time it meets these shapes (`prepared_run`).
 
     **Raises:**
 
@@ -182,22 +182,17 @@ def plan_run(
     or an all-chains step cannot take the run.
     """
     num_chains = init.num_chains
+    form = problem_form(num_chains, problems)
     all_chains = step.sees_every_chain
     if all_chains:
-        _check_all_chains_run(
-            num_chains, counts.chunk_size, step.chunk_unit, problems is not None
-        )
-    traced = None
-    if checkpointed:
-        traced = trace_step(step, init.whole, keys, legacy, with_output)
+        _check_all_chains_run(num_chains, counts.chunk_size, step.chunk_unit, form)
     prepared = prepared_run(step, init.whole, keys, legacy, with_output, traced)
     draws = Draws.of(counts.num_steps, counts.burn_in, counts.thin)
-    if diagnostics:
-        _check_diagnostics(prepared, draws, until)
-    schedule = _schedule(until, counts.num_steps, superchains, num_chains, problems)
+    stopping = how_it_stops(until, counts.num_steps, form.layout, superchains)
+    diagnostics = _checked_diagnostics(stopping, diagnostics, prepared, draws)
     chunk_size = min(counts.chunk_size or num_chains, num_chains)
     mode = TraceMode(trace)  # decided once: nothing below asks `trace` again
-    segment = _segment_plan(mode, draws, with_output, legacy, until is not None)
+    segment = _segment_plan(mode, draws, with_output, legacy, stopping.freezes)
     streamed_steps = None
     if segment.returns_own_draws:
         streamed_steps = _streamed_steps(prepared, chunk_size, draws.thin)
@@ -207,15 +202,16 @@ def plan_run(
         prepared=prepared,
         segment=segment,
         options=_run_options(
-            counts, with_output, mode, diagnostics, all_chains, superchains, schedule
+            counts, with_output, mode, diagnostics, all_chains, superchains, stopping
         ),
         trace=mode,
+        recording=_recording(segment),
         num_chains=num_chains,
         chunk_size=chunk_size,
         checkpoint_every=counts.checkpoint_every,
-        until=schedule,
+        stopping=stopping,
         superchains=superchains,
-        problems=problems,
+        problems=form,
         program=None if traced is None else traced.program,
         streamed_steps=streamed_steps,
     )
@@ -225,7 +221,7 @@ def _check_all_chains_run(
     num_chains: int,
     chunk_size: int | None,
     chunk_unit: Callable[[int], int],
-    problems: bool,
+    problems: ProblemForm,
 ) -> None:
     """Refuses, before any work, a run that an all-chains step cannot take.
 
@@ -250,26 +246,7 @@ def _check_all_chains_run(
         num_chains % size
     )
     for chunk in set(sizes):
-        unit = device_unit(chunk, sizes, chunk_unit, 1 if problems else None)
-        chain_devices(chunk, unit)
-
-
-def device_unit(
-    num_chains: int,
-    chunk_sizes: list[int],
-    chunk_unit: Callable[[int], int],
-    problems: int | None,
-) -> int:
-    """The chains of a chunk of `num_chains` that share a device, with `data`, for a
-    step that sees a problem's chains at once (`chunk_unit`): whole problems on each
-    device, so that what it computes across them does not depend on the devices,
-    and as many on each device in every chunk of `chunk_sizes` (the chunks share
-    their devices, as their results are joined). One chain otherwise."""
-    if problems is None:
-        return 1
-    each = chunk_unit(num_chains)
-    common = math.gcd(*(size // each for size in chunk_sizes))
-    return num_chains // common
+        chain_devices(chunk, problems.device_unit(chunk, sizes, chunk_unit))
 
 
 def _run_options(
@@ -279,7 +256,7 @@ def _run_options(
     diagnostics: bool,
     all_chains: bool,
     superchains: int | None,
-    schedule: Schedule | None,
+    stopping: HowItStops,
 ) -> RunOptions:
     """The arguments that change the run's results or where it stops, as its identity
     names them."""
@@ -293,19 +270,24 @@ def _run_options(
         diagnostics=diagnostics,
         all_chains=all_chains,
         superchains=superchains,
-        until=None if schedule is None else str(schedule),
+        until=stopping.rule,
     )
 
 
-def _check_diagnostics(
-    prepared: PreparedRun, draws: Draws, until: StoppingRule | None
-) -> None:
-    """Refuses diagnostics for a run with nothing to diagnose, naming what asked for
-    them: `diagnostics=True`, or `until`, which reads them."""
-    asked_by = "`diagnostics=True`"
-    if until is not None:
-        asked_by = "`until` reads the chains' diagnostics"
-    check_diagnostics(prepared.one_chain.state, draws.total, asked_by)
+def _checked_diagnostics(
+    stopping: HowItStops, diagnostics: bool, prepared: PreparedRun, draws: Draws
+) -> bool:
+    """Whether the run keeps diagnostics: asked for by `diagnostics=True`, or by
+    `until`, which reads them.
+
+    **Raises:**
+
+    `BatchError` naming what asked for them, if there is nothing to diagnose.
+    """
+    asked_by = stopping.diagnostics_asked_by(diagnostics)
+    if asked_by is not None:
+        check_diagnostics(prepared.one_chain.state, draws.total, asked_by)
+    return asked_by is not None
 
 
 def _segment_plan(
@@ -330,6 +312,15 @@ def _segment_plan(
     )
 
 
+def _recording(segment: SegmentPlan) -> Recording:
+    """Where the chunks' draws go, as `segment` records them."""
+    if segment.returns_own_draws:
+        return DrawsOnDisk()
+    if segment.writes_trace:
+        return DrawsInBuffer()
+    return NoDraws()
+
+
 def _streamed_steps(prepared: PreparedRun, chunk_size: int, thin: int) -> int:
     """The most steps of a segment whose draws of a chunk of chains fit in
     `STREAMED_BYTES`: as many draws as fit (at least one), `thin` steps each."""
@@ -338,20 +329,3 @@ def _streamed_steps(prepared: PreparedRun, chunk_size: int, thin: int) -> int:
         math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(one_draw)
     )
     return max(1, STREAMED_BYTES // max(draw_bytes, 1)) * thin
-
-
-def _schedule(
-    until: StoppingRule | None,
-    num_steps: int,
-    superchains: int | None,
-    num_chains: int,
-    problems: int | None,
-) -> Schedule | None:
-    """`until` planned for this run; with `data`, for each problem's own superchains
-    and chains, on which it is checked."""
-    if until is None:
-        return None
-    layout = ProblemLayout(num_chains, problems or 1)
-    return until.schedule(
-        num_steps, layout.superchains_each(superchains), layout.chains_each
-    )

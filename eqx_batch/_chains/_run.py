@@ -8,7 +8,6 @@ the result.
 
 import contextlib
 import os
-import pathlib
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -23,13 +22,13 @@ from ._arguments import (
     split_init,
 )
 from ._assembly import result
+from ._checkpoints._run_checkpoint import run_checkpoint
 from ._loop import run_chunks
 from ._plan import plan_run
-from ._problems import problem_step
 from ._results._result import Chains
-from ._shared import carrying, shared_step
+from ._shared import composed_step
 from ._start import chunk_jobs, run_context, start_state
-from ._step import pytree_step
+from ._step import trace_step
 from ._until._stopping import checked_until, StoppingRule
 
 
@@ -143,7 +142,8 @@ def run_chains(
     """
     # In a job, before any collective that the arguments decide (the lock's, the
     # placement's): every process runs this call, or every process raises.
-    with CallAgreement(checkpoint=checkpoint) as agreement:
+    with CallAgreement() as agreement:
+        checkpointing = run_checkpoint(checkpoint)
         until = checked_until(until, num_steps)
         counts = checked_counts(
             num_steps,
@@ -151,13 +151,12 @@ def run_chains(
             burn_in,
             checkpoint_every,
             chunk_size,
-            checkpointed=checkpoint is not None,
+            require_checkpoint=checkpointing.require,
         )
         with_output, progress, diagnostics = checked_flags(
             with_output=with_output, progress=progress, diagnostics=diagnostics
         )
-        trace = checked_trace(trace, checkpointed=checkpoint is not None)
-        diagnostics = diagnostics or until is not None  # the rule reads them
+        trace = checked_trace(trace, require_checkpoint=checkpointing.require)
         # The loop runs on after the call returns (`Chains` waits on its fields),
         # so it reads copies of the caller's NumPy arrays, never the arrays.
         init, key, data, shared = owned(init), owned(key), owned(data), owned(shared)
@@ -166,14 +165,12 @@ def run_chains(
             whole, superchain_ids = expand_superchains(whole, key, superchains)
             superchains = int(superchains)
         keys, legacy = chain_keys(key, whole.num_chains)
-        run_step, num_problems = owned(pytree_step(step)), None
-        run_step = shared_step(run_step, shared, with_output, data is not None)
-        if data is not None:
-            run_step, num_problems = problem_step(
-                run_step, data, whole.num_chains, superchains
-            )
-        if shared is not None:
-            run_step, whole = carrying(run_step, whole, shared, num_problems)
+        run_step, whole, num_problems = composed_step(
+            step, whole, shared, data, with_output=with_output, superchains=superchains
+        )
+        traced = checkpointing.traced(
+            lambda: trace_step(run_step, whole.whole, keys, legacy, with_output)
+        )
         plan = plan_run(
             run_step,
             whole,
@@ -186,17 +183,11 @@ def run_chains(
             until=until,
             superchains=superchains,
             problems=num_problems,
-            checkpointed=checkpoint is not None,
+            traced=traced,
         )
         start = start_state(plan, whole, keys)
-        agreement.on(plan, start, progress=progress)
+        agreement.on(plan, start, progress=progress, checkpoint=checkpointing)
     with contextlib.ExitStack() as stack:
-        context = run_context(stack, plan, progress=progress, checkpoint=checkpoint)
-        results, record = run_chunks(context, chunk_jobs(plan, start, context.access))
-    return result(
-        plan,
-        results,
-        record,
-        superchain_ids,
-        None if checkpoint is None else pathlib.Path(checkpoint),
-    )
+        context = run_context(stack, plan, progress=progress, checkpoint=checkpointing)
+        results, record = run_chunks(context, chunk_jobs(plan, start))
+    return result(plan, results, record, superchain_ids, context.checkpoint)

@@ -37,11 +37,11 @@ from .._errors import (
     leaf_name,
     shown_signature,
 )
-from .._tree import is_array, structs
+from .._tree import is_array, owned, structs
 from ._all_chains import AllChains, each_chain, MapChains, RunStep
 from ._arguments import Init
-from ._problems import jax_dtypes, placed_data
-from ._step import check_new_state, leaf_changes
+from ._problems import jax_dtypes, placed_data, problem_step
+from ._step import check_new_state, leaf_changes, pytree_step
 
 
 _SHARED_IS = "(see docs/chains.md#a-state-the-chains-share)"
@@ -304,6 +304,34 @@ def _check_signature(fn: Callable, num_args: int) -> None:
             f"{'with' if num_args > 3 else 'without'} `shared` "
             f"it is called as `{''.join(called)})`: {reason}."
         )
+
+
+def composed_step(
+    step: Callable,
+    init: Init,
+    shared: Any,
+    data: Any,
+    *,
+    with_output: bool,
+    superchains: int | None,
+) -> tuple[RunStep, Init, int | None]:
+    """The step a run calls, made of the user's `step` (`pytree_step`): carrying
+    `shared` (with a copy beside each chain of `init`), and given each problem's row
+    of `data` (`problem_step`); and the number of problems (None without `data`).
+
+    **Raises:**
+
+    As `pytree_step`, `shared_step`, `problem_step` and `carrying` do.
+    """
+    run_step, num_problems = owned(pytree_step(step)), None
+    run_step = shared_step(run_step, shared, with_output, data is not None)
+    if data is not None:
+        run_step, num_problems = problem_step(
+            run_step, data, init.num_chains, superchains
+        )
+    if shared is not None:
+        run_step, init = carrying(run_step, init, shared, num_problems)
+    return run_step, init, num_problems
 
 
 def shared_step(

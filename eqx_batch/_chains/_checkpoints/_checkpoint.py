@@ -29,14 +29,17 @@ hands the writer what the reader found, and neither calls the other.
 """
 
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
+from .._common import Draws
 from .._jobs._identity import RunIdentity
 from ._checkpoint_metadata import RunMetadata
 from ._checkpoint_reader import CheckpointReader, Expected, Restored
 from ._checkpoint_writer import CheckpointWriter, Snapshot
 from ._disk_trace import ListedFile
 from ._lock import WriteAccess
+from ._recording import Recording, SegmentFiles
 
 
 class Checkpoint:
@@ -69,10 +72,10 @@ class Checkpoint:
         if self.writer is not None:
             self.writer.close(failed=kind is not None)
 
-    def restore(self, expected: Expected) -> Restored | None:
-        """The run as last checkpointed, checked against what the run `expected`;
-        None if there is no checkpoint, or no step whose state files cover every
-        chain.
+    def restore(self, expected: Callable[[], Expected]) -> Restored | None:
+        """The run as last checkpointed, checked against what the run expects
+        (`expected()`); None if there is no checkpoint, or no step whose state files
+        cover every chain.
 
         Only the files' metadata are read here: the arrays are read when placed
         (`RowReader`), each process reading the rows its devices hold. Nothing is
@@ -80,13 +83,14 @@ class Checkpoint:
 
         Raises as `CheckpointReader.read` does.
         """
-        found = self.reader.read(expected)
+        expects = expected()
+        found = self.reader.read(expects)
         self.writer = CheckpointWriter(
             self.metadata,
             self.num_chains,
             self.access,
             found.on_disk,
-            one_problem=expected.one_problem,
+            one_problem=expects.one_problem,
         )
         return found.restored
 
@@ -95,6 +99,13 @@ class Checkpoint:
         process's writer (`CheckpointWriter.start`). Call `restore` first."""
         assert self.writer is not None
         self.writer.start()
+
+    def segment_files(
+        self, recording: Recording, draws: Draws, start: int, stop: int
+    ) -> SegmentFiles | None:
+        """Where the draws of the segment from `start` to `stop` go, as `recording`
+        puts them; None if it makes none."""
+        return recording.segment_files(draws, start, stop)
 
     def write(self, snapshot: Snapshot) -> None:
         """Writes this process's rows of `snapshot` in the background

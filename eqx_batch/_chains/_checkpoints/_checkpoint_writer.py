@@ -19,36 +19,14 @@ import jax.tree_util as jtu
 
 from ..._errors import BatchError
 from ..._files._serialise import write_tree
-from .._common import ChainState, Draws
+from .._common import ChainState
 from .._jobs._job import raise_if_any_failed
 from .._until._problem_records import ProblemRecords
 from ._checkpoint_files import DrawFile, OnDisk, RunFiles
 from ._checkpoint_metadata import RunMetadata
 from ._checkpoint_rows import own_rows, rows_on_host
 from ._lock import is_writer, WriteAccess
-
-
-class SegmentFiles(NamedTuple):
-    """Where a segment's new draws go: draws `first` to `stop`, and where they lie
-    in the `emit` draws the segment returns (see `SegmentPlan.emit`)."""
-
-    first: int
-    stop: int
-    emit: int
-    offset: int  # of the first draw, along axis 1 of what the segment returns
-
-
-def segment_files(draws: Draws, start: int, stop: int) -> SegmentFiles | None:
-    """Where the draws of the segment from step `start` to `stop` go; None if it makes
-    none."""
-    first, end = draws.before(start), draws.before(stop)
-    if first == end:
-        return None
-    emit = draws.most_in(stop - start)
-    # The segment returns the `emit` draws from its first on, or, near the end of the
-    # buffer, the last `emit` of the trace.
-    offset = first - min(first, draws.total - emit)
-    return SegmentFiles(first, end, emit, offset)
+from ._recording import SegmentFiles
 
 
 class Snapshot(NamedTuple):
@@ -236,9 +214,9 @@ class CheckpointWriter:
             ],
         }
         if snapshot.record is not None:
-            progress["stopping"] = snapshot.record.to_json(
-                one_problem=self._one_problem
-            )
+            # As of this step: a chunk further on may have added later checks.
+            record = snapshot.record.as_of(snapshot.steps_done)
+            progress["stopping"] = record.to_json(one_problem=self._one_problem)
         write_tree(
             self.files.state_path(snapshot.steps_done, rows),
             state,

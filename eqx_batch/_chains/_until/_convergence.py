@@ -150,12 +150,12 @@ class Diagnostics(eqx.Module):
 
 
 def diagnose(
-    moments: Moments, num_superchains: int | None, num_problems: int | None = None
+    moments: Moments, num_superchains: int | None, layout: ProblemLayout | None = None
 ) -> Diagnostics:
     """The diagnostics of every chain's `moments` (the real chains only, in order), on
-    a device, in one program: of each of `num_problems` problems (`data=`), stacked,
-    each statistic with a leading axis of problems; of the chains as one problem,
-    with no such axis, if it is None (chain `c` in superchain `c // M`).
+    a device, in one program: of each problem of `layout` (`data=`), stacked, each
+    statistic with a leading axis of problems; of the chains as one problem, with no
+    such axis, if it is None (chain `c` in superchain `c // M`).
 
     As BlackJAX's `rhat` takes batch axes, the problems are a batch axis: the chains
     of one problem are one block (`ProblemLayout`), and one program computes every
@@ -166,9 +166,8 @@ def diagnose(
     would change in their last bits with the chunking or the device count.
     """
     moments = jtu.tree_map(on_one_device, moments)
-    if num_problems is None:
+    if layout is None:
         return _diagnose(moments, num_superchains)
-    layout = ProblemLayout(moments.count.shape[0], num_problems)
     return _diagnose_each(moments, layout, layout.superchains_each(num_superchains))
 
 

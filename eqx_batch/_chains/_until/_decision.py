@@ -19,7 +19,7 @@ import numpy as np
 
 from .._common import ProblemLayout
 from ._convergence import diagnose_traced, Diagnostics, on_one_device
-from ._stopping import Criterion, Schedule
+from ._schedule import Criterion, Schedule
 
 
 class Decision(NamedTuple):

@@ -11,7 +11,7 @@ between segments, in a program of its own, never inside the compiled loop.
 import functools as ft
 import math
 import operator
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax.tree_util as jtu
@@ -20,6 +20,7 @@ import numpy as np
 from ..._errors import BatchError, check_int, describe, is_bool
 from ._convergence import Diagnostics
 from ._records import Check
+from ._schedule import Criterion, NAMES, Schedule
 
 
 # Nested R-hat's default threshold is sqrt(1 + min(K, FULL_K) / (FULL_K * M) + TAU):
@@ -34,8 +35,6 @@ FULL_K = 16
 RHAT_WITHOUT_SUPERCHAINS = 1.01
 # Checks per run when `every` is None: each window is a tenth of the cap.
 CHECKS_PER_RUN = 10
-
-_NAMES = {"nested_rhat": "nested R-hat", "rhat": "R-hat", "ess": "ESS"}
 
 
 def _nested(value: Any, name: str = "nested_rhat") -> float | str | None:
@@ -259,46 +258,6 @@ def converged(
     return StoppingRule(nested_rhat, rhat, ess, every)
 
 
-class Criterion(NamedTuple):
-    """One statistic of `Diagnostics` and its threshold."""
-
-    statistic: str  # "nested_rhat", "rhat" or "ess"
-    threshold: float
-
-    def holds(self, value: Any) -> Any:
-        """Whether `value` (a float, or an array of them) meets the threshold: an ESS
-        at least it, an R-hat at most it. NaN (no element with varying draws) holds
-        nothing."""
-        if self.statistic == "ess":
-            return value >= self.threshold
-        return value <= self.threshold
-
-    def sign(self, holds: bool) -> str:
-        """The comparison a value makes with the threshold, as a reason shows it."""
-        if self.statistic == "ess":
-            return ">=" if holds else "<"
-        return "<=" if holds else ">"
-
-    def __str__(self) -> str:
-        return f"{_NAMES[self.statistic]} {self.sign(True)} {self.threshold:.6g}"
-
-
-class Schedule(NamedTuple):
-    """A rule planned for one run: its criteria, thresholds resolved, and interval."""
-
-    criteria: tuple[Criterion, ...]
-    every: int
-
-    def __str__(self) -> str:
-        return f"{' and '.join(map(str, self.criteria))}, checked every {self.every}"
-
-    def is_check(self, step: int, num_steps: int) -> bool:
-        return step % self.every == 0 or step == num_steps
-
-    def next_check(self, step: int) -> int:
-        return (step // self.every + 1) * self.every
-
-
 def check(
     schedule: Schedule, worst: list[tuple[str, float]], nonfinite: np.ndarray
 ) -> Check:
@@ -322,7 +281,7 @@ def check(
         if index == 0:
             first = value
         text = (
-            f"{_NAMES[criterion.statistic]} {value:.6g} at {path} "
+            f"{NAMES[criterion.statistic]} {value:.6g} at {path} "
             f"{criterion.sign(holds)} "
             f"{criterion.threshold:.6g}"
         )
@@ -385,5 +344,5 @@ def postfix(diagnostics: Diagnostics, nonfinite: np.ndarray) -> str:
     statistic = "rhat" if diagnostics.nested_rhat is None else "nested_rhat"
     rhat_at, rhat = worst_of(diagnostics, statistic)
     ess_at, ess = worst_of(diagnostics, "ess")
-    text = f"{_NAMES[statistic]} {rhat:.4g} at {rhat_at}, ESS {ess:.4g} at {ess_at}"
+    text = f"{NAMES[statistic]} {rhat:.4g} at {rhat_at}, ESS {ess:.4g} at {ess_at}"
     return text if not len(nonfinite) else f"{text}; {_nonfinite_text(nonfinite)}"
