@@ -134,6 +134,10 @@ class ProblemLayout(NamedTuple):
         return x.reshape(self.num_problems, self.chains_each, *x.shape[1:])
 
 
+# The chains a chunk of a given number holds a multiple of (`RunStep.chunk_unit`).
+ChunkUnit = Callable[[int], int]
+
+
 class _Placeable(Protocol):
     """A step that can put its `data` on devices (`RunStep.placed`)."""
 
@@ -168,12 +172,7 @@ class OneProblem:
         """Each chain's problem, as `ChainState.problem` carries it: not carried."""
         return None
 
-    def device_unit(
-        self,
-        num_chains: int,
-        chunk_sizes: list[int],
-        chunk_unit: Callable[[int], int],
-    ) -> int:
+    def device_unit(self, num_chains: int, sizes: list[int], unit: ChunkUnit) -> int:
         """The chains of a chunk of `num_chains` that must share a device: one."""
         return 1
 
@@ -208,19 +207,14 @@ class ManyProblems:
     def chain_ids(self) -> np.ndarray | None:
         return self.layout.ids()
 
-    def device_unit(
-        self,
-        num_chains: int,
-        chunk_sizes: list[int],
-        chunk_unit: Callable[[int], int],
-    ) -> int:
-        """For a step that sees a problem's chains at once (`chunk_unit`): whole
+    def device_unit(self, num_chains: int, sizes: list[int], unit: ChunkUnit) -> int:
+        """The chains of a chunk of `num_chains` that must share a device, for a step
+        that sees `unit(num_chains)` of them at once (`RunStep.chunk_unit`): whole
         problems on each device, so that what it computes across them does not
-        depend on the devices, and as many on each device in every chunk of
-        `chunk_sizes` (the chunks share their devices, as their results are
-        joined)."""
-        each = chunk_unit(num_chains)
-        common = math.gcd(*(size // each for size in chunk_sizes))
+        depend on the devices, and as many on each device in every chunk of `sizes`
+        (the chunks share their devices, as their results are joined)."""
+        each = unit(num_chains)
+        common = math.gcd(*(size // each for size in sizes))
         return num_chains // common
 
     def placed(self, step: _Step, sharding: jax.sharding.Sharding) -> _Step:

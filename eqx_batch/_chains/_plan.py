@@ -72,11 +72,8 @@ class RunPlan:
 
     @property
     def chunks(self) -> list[range]:
-        """The chains of each chunk, in order."""
-        size = max(self.chunk_size, 1)
-        starts = range(0, self.num_chains, size)
-        chunks = [range(a, min(a + size, self.num_chains)) for a in starts]
-        return chunks or [range(0)]
+        """The chains of each chunk, in order (one, empty, without chains)."""
+        return _chunk_ranges(self.num_chains, self.chunk_size) or [range(0)]
 
     def next_boundary(self, step: int) -> int:
         """The step the segment from `step` ends at: the next checkpoint, the next
@@ -202,7 +199,13 @@ def plan_run(
         prepared=prepared,
         segment=segment,
         options=_run_options(
-            counts, with_output, mode, diagnostics, all_chains, superchains, stopping
+            counts,
+            with_output,
+            segment.records_states,
+            diagnostics,
+            all_chains,
+            superchains,
+            stopping,
         ),
         trace=mode,
         recording=_recording(segment),
@@ -241,18 +244,21 @@ def _check_all_chains_run(
             f"`chunk_size={chunk_size}` with an `eb.all_chains` step: {fix} "
             "(see docs/chains.md#what-is-refused)."
         )
-    size = max(min(chunk_size or num_chains, num_chains), 1)
-    sizes = [size] * (num_chains // size) + [num_chains % size] * bool(
-        num_chains % size
-    )
+    sizes = [len(c) for c in _chunk_ranges(num_chains, chunk_size or num_chains)]
     for chunk in set(sizes):
         chain_devices(chunk, problems.device_unit(chunk, sizes, chunk_unit))
+
+
+def _chunk_ranges(num_chains: int, chunk_size: int) -> list[range]:
+    """The chains of each chunk of `chunk_size` (or fewer, the last), in order."""
+    size = max(min(chunk_size, num_chains), 1)
+    return [range(a, min(a + size, num_chains)) for a in range(0, num_chains, size)]
 
 
 def _run_options(
     counts: Counts,
     with_output: bool,
-    trace: TraceMode,
+    records_states: bool,
     diagnostics: bool,
     all_chains: bool,
     superchains: int | None,
@@ -266,7 +272,7 @@ def _run_options(
         burn_in=counts.burn_in,
         with_output=with_output,
         # `"disk"` records the draws that `True` does: one run, read back either way.
-        trace=trace is not TraceMode.NONE,
+        trace=records_states,
         diagnostics=diagnostics,
         all_chains=all_chains,
         superchains=superchains,

@@ -9,7 +9,7 @@ import numpy as np
 from .._progress import ProgressBar
 from .._stacking._select import take
 from ._arguments import Init
-from ._checkpoints._run_checkpoint import RunCheckpoint
+from ._checkpoints._run_checkpoint import FileNames, RunCheckpoint
 from ._chunk import ChunkJob, RunContext
 from ._common import ChainState
 from ._plan import RunPlan
@@ -42,12 +42,12 @@ def run_context(
         total = plan.stopping.steps_before(len(plan.chunks) - 1) + plan.num_steps
         bar = stack.enter_context(ProgressBar(total, "run_chains"))
     chunked = len(plan.chunks) > 1
-    opened = checkpoint.opened(
-        stack,
+    names = FileNames(
         plan.chunks if chunked else None,
         plan.num_chains,
         plan.recording.num_draws(plan.draws),
     )
+    opened = checkpoint.opened(stack, names)
     return RunContext(plan, bar, opened)
 
 

@@ -2,6 +2,7 @@
 nowhere (`NoDraws`), into the run's trace buffer on the devices (`DrawsInBuffer`), or,
 with `trace="disk"`, segment by segment into the checkpoint's draw files
 (`DrawsOnDisk`). A chunk calls the one its plan holds and never asks which it is.
+Each segment's new draws are written to the checkpoint's files as `SegmentFiles` says.
 """
 
 import dataclasses

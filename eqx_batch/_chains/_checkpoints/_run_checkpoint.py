@@ -9,7 +9,7 @@ import contextlib
 import os
 import pathlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from ..._errors import BatchError, describe
 from .._common import Draws
@@ -24,6 +24,15 @@ from ._recording import Recording, SegmentFiles
 
 
 _T = TypeVar("_T")
+
+
+class FileNames(NamedTuple):
+    """What the names of a run's files depend on: its chunks (None if unchunked),
+    chains and recorded draws."""
+
+    chunks: list[range] | None
+    num_chains: int
+    num_draws: int
 
 
 class NoFiles:
@@ -73,13 +82,7 @@ class NoCheckpoint:
         """The path, as the processes of a job compare it."""
         return "None"
 
-    def opened(
-        self,
-        stack: contextlib.ExitStack,
-        chunks: list[range] | None,
-        num_chains: int,
-        num_draws: int,
-    ) -> "NoCheckpoint":
+    def opened(self, stack: contextlib.ExitStack, names: FileNames) -> "NoCheckpoint":
         """The checkpoint with the right to write it, taken when first needed: none
         to take."""
         return self
@@ -112,24 +115,18 @@ class CheckpointAt:
         # A relative path names another file in a process with another working folder.
         return os.path.abspath(self.path)
 
-    def opened(
-        self,
-        stack: contextlib.ExitStack,
-        chunks: list[range] | None,
-        num_chains: int,
-        num_draws: int,
-    ) -> "CheckpointAt":
-        """The checkpoint with the right to write it (of `chunks`, None if the run
-        is not chunked), once the checks that need no writing pass; the lock itself
-        is taken when a chunk first writes (`CheckpointWriter.start`)."""
+    def opened(self, stack: contextlib.ExitStack, names: FileNames) -> "CheckpointAt":
+        """The checkpoint with the right to write it, once the checks that need no
+        writing pass (of the files `names` says); the lock itself is taken when a
+        chunk first writes (`CheckpointWriter.start`)."""
         check_folder(self.path)
         refuse_if_in_use(self.path)
-        warn_of_other_chunkings(self.path, chunks)
+        warn_of_other_chunkings(self.path, names.chunks)
         longest = longest_file_name(
             self.path,
-            num_chains=num_chains,
-            num_draws=num_draws,
-            chunked=chunks is not None,
+            num_chains=names.num_chains,
+            num_draws=names.num_draws,
+            chunked=names.chunks is not None,
         )
         access = stack.enter_context(WriteAccess(self.path, longest))
         return CheckpointAt(self.path, access)

@@ -8,7 +8,7 @@ move together, boundary by boundary, so that each check sees every chain.
 """
 
 import dataclasses
-from typing import Any, TYPE_CHECKING, TypeVar
+from typing import Any, ClassVar, TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -27,18 +27,46 @@ _Job = TypeVar("_Job")
 
 
 @dataclasses.dataclass(frozen=True)
-class RunsToCap:
-    """Every problem runs `num_steps` steps: no check, and no record of one."""
+class _Stopping:
+    """What both ways share: a run of `num_problems` problems with a cap of
+    `num_steps`, and whether `until` is `checked`."""
 
     num_steps: int
     num_problems: int
+    checked: ClassVar[bool]
 
-    # Whether the chains of stopped problems are frozen, a checkpoint keeps a record
-    # of checks, and the moments are a window's (discarded at each failed check):
-    # none, as nothing is checked.
-    freezes = False
-    keeps_record = False
-    discards_moments = False
+    @property
+    def freezes(self) -> bool:
+        """Whether a segment freezes the chains of the problems that stopped."""
+        return self.checked
+
+    @property
+    def keeps_record(self) -> bool:
+        """Whether a checkpoint keeps the record of the checks."""
+        return self.checked
+
+    @property
+    def discards_moments(self) -> bool:
+        """Whether the moments are a window's, discarded at each failed check."""
+        return self.checked
+
+    def end(self, record: ProblemRecords) -> int:
+        """The step the run ends at: the cap, or the step of the last problem's
+        stop (`record`, empty without checks)."""
+        return record.end(self.num_steps)
+
+    def kept(self, record: ProblemRecords) -> ProblemRecords | None:
+        """What a checkpoint keeps of `record`: with checks, `record` (written as of
+        the checkpoint's step, in the background), from which a resumed run decides
+        its next checks."""
+        return record if self.keeps_record else None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunsToCap(_Stopping):
+    """Every problem runs `num_steps` steps: no check, and no record of one."""
+
+    checked = False
 
     @property
     def rule(self) -> str | None:
@@ -74,14 +102,6 @@ class RunsToCap:
         """Which problems still run after `step`: every one (None: none is masked)."""
         return None
 
-    def end(self, record: ProblemRecords) -> int:
-        """The step the run ends at."""
-        return self.num_steps
-
-    def kept(self, record: ProblemRecords) -> ProblemRecords | None:
-        """What a checkpoint keeps of `record`: nothing."""
-        return None
-
     def stops(self, record: ProblemRecords) -> tuple[tuple[Stopped, ...] | None, Any]:
         """No problem's `Stopped`, and the steps each ran (`int64[problems]`)."""
         return None, np.full(self.num_problems, self.num_steps, np.int64)
@@ -92,17 +112,12 @@ class RunsToCap:
 
 
 @dataclasses.dataclass(frozen=True)
-class StopsByRule:
+class StopsByRule(_Stopping):
     """Each problem stops at the first check of `schedule` it passes, or at the cap,
     `num_steps`."""
 
     schedule: Schedule
-    num_steps: int
-    num_problems: int
-
-    freezes = True
-    keeps_record = True
-    discards_moments = True
+    checked = True
 
     @property
     def rule(self) -> str | None:
@@ -133,15 +148,6 @@ class StopsByRule:
     def running(self, record: ProblemRecords, step: int) -> np.ndarray | None:
         return record.running(step)
 
-    def end(self, record: ProblemRecords) -> int:
-        """The cap, or the step of the last problem's stop."""
-        return record.end(self.num_steps)
-
-    def kept(self, record: ProblemRecords) -> ProblemRecords | None:
-        """`record` (written as of the checkpoint's step, in the background): a
-        resumed run decides its next checks from it."""
-        return record
-
     def stops(self, record: ProblemRecords) -> tuple[tuple[Stopped, ...] | None, Any]:
         """Each problem's `Stopped` (the cap stops those still running) and steps."""
         return record.stops(self.num_steps)
@@ -168,4 +174,4 @@ def how_it_stops(
     schedule = until.schedule(
         num_steps, layout.superchains_each(superchains), layout.chains_each
     )
-    return StopsByRule(schedule, num_steps, layout.num_problems)
+    return StopsByRule(num_steps, layout.num_problems, schedule)
