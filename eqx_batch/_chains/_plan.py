@@ -101,7 +101,8 @@ class RunPlan:
         )
 
     def _device_unit(self, num_chains: int) -> int:
-        """The chains of a chunk of `num_chains` that share a device (`device_unit`)."""
+        """The chains of a chunk of `num_chains` that share a device (`OneProblem`'s or
+        `ManyProblems`' `device_unit`)."""
         sizes = [len(chunk) for chunk in self.chunks]
         return self.problems.device_unit(num_chains, sizes, self.step.chunk_unit)
 

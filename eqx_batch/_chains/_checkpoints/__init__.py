@@ -1,1 +1,1 @@
-"""A run's checkpoint: its files, lock, metadata, rows, reader, writer, disk trace."""
+"""A run's checkpoint (or none), where draws go, files, lock, rows, reader, writer."""

@@ -1,1 +1,1 @@
-"""`until`: its rule and checks, the diagnostics, their moments, the checks' records."""
+"""`until`: how a run stops, its rule and checks, diagnostics, moments and records."""
