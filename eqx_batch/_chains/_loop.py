@@ -170,6 +170,8 @@ def _furthest(plan: RunPlan, chunks: list[ChunkRun]) -> ProblemRecords:
     (a kill between two chunks' writes): the one furthest on holds the decisions of
     the others' next checks."""
     records = [chunk.record or plan.stopping.no_checks() for chunk in chunks]
+    if len(records) == 1:
+        return records[0]
     return max(records, key=lambda r: r.progress)
 
 

@@ -102,6 +102,10 @@ class RunsToCap(_Stopping):
         """Which problems still run after `step`: every one (None: none is masked)."""
         return None
 
+    def end(self, record: ProblemRecords) -> int:
+        """The step the run ends at: the cap (the record is empty)."""
+        return self.num_steps
+
     def stops(self, record: ProblemRecords) -> tuple[tuple[Stopped, ...] | None, Any]:
         """No problem's `Stopped`, and the steps each ran (`int64[problems]`)."""
         return None, np.full(self.num_problems, self.num_steps, np.int64)
