@@ -33,8 +33,9 @@ Rows (issue 44's targets):
     layout (<= 0.5);
 - (c) wall time, ours / window NUTS under vmap, per layout: the target, <= 0.2, is
     for an accelerator; on the CPU the row is reported;
-- (d) `shared=` against the same frozen step with the adapted state closed over (a
-    `functools.partial`), per step, both warm, interleaved (<= 1.02).
+- (d) `shared=` against the same frozen step with the adapted state closed over,
+    per step (<= 1.02): the slope of each side's best time from runs of 400 to 4000
+    steps, both warm, interleaved; a call's fixed part is reported beside it.
 
 On the CPU (2 cores) the run takes about 9 minutes at 1 x 32 and 4 x 16 chains on
 three models: eight schools (non-centred), the ill-conditioned Gaussian and the
@@ -93,6 +94,7 @@ WARMUP = 1000  # BlackJAX's warmups, and the cap of ours
 DRAWS, ROUND = 750, 250
 INITIAL_STEP_SIZE = 0.1  # both ChEES
 RHAT, ESS = 1.01, 400
+SHORT, LONG = 400, 4000  # (d)'s two lengths of run, for its cost per step
 
 
 class Sample(NamedTuple):
@@ -359,9 +361,14 @@ def run_model(posterior, problems: int, chains: int, seed: int) -> dict[str, dic
 
 def shared_against_closed_over() -> None:
     """(d): the frozen step given `shared=adapted` against the same step with
-    `adapted` closed over, same chains and steps, both warm."""
+    `adapted` closed over (and given as a program argument), same chains, both warm.
+
+    A call costs a fixed part (the host's checks and dispatches, the shared state's
+    copies in and out) and a part per step. The target is per step: the slope of
+    each side's best time between runs of `SHORT` and `LONG` steps. The fixed part
+    is reported beside it."""
     posterior = posteriors.EIGHT_SCHOOLS_NON_CENTRED
-    chains, steps = 64, 400
+    chains = 64
     data = jax.tree.map(jnp.asarray, posterior.reference_data)
     step = ft.partial(chees.sample_step(posterior.log_density), data=data)
     adapted = chees.chees_init(0.3, 3.0)
@@ -372,18 +379,6 @@ def shared_against_closed_over() -> None:
         states, _, outputs = step(states, keys, count, adapted)
         return states, outputs
 
-    def with_shared():
-        run = eb.run_chains(
-            eb.all_chains(step), starts, keys, steps, shared=adapted, with_output=True
-        )
-        return jax.block_until_ready(run.trace)
-
-    def closed_over():
-        run = eb.run_chains(
-            eb.all_chains(closed), starts, keys, steps, with_output=True
-        )
-        return jax.block_until_ready(run.trace)
-
     # The state as an argument of the program instead (a `jax.tree_util.Partial`'s
     # arrays are), which XLA cannot fold into the step.
     given = jax.tree_util.Partial(
@@ -391,30 +386,45 @@ def shared_against_closed_over() -> None:
         jax.tree.map(jnp.asarray, adapted),
     )
 
-    def as_argument():
-        run = eb.run_chains(eb.all_chains(given), starts, keys, steps, with_output=True)
-        return jax.block_until_ready(run.trace)
+    def side(fn: Callable, steps: int, **options) -> Callable[[], jax.Array]:
+        def run() -> jax.Array:
+            chains = eb.run_chains(
+                eb.all_chains(fn), starts, keys, steps, with_output=True, **options
+            )
+            return jax.block_until_ready(chains.trace)
+
+        return run
 
     # Not bit for bit: XLA folds the closed-over constants into the step, which
     # rounds differently; a flipped accept would show as a jump far above this.
     # Over the first 20 draws: HMC's trajectories are chaotic, and the TPU's
     # roundings grew to a flipped accept by step 400 (0.06 apart there).
-    difference = float(np.max(np.abs(with_shared() - closed_over())[:, :20]))
+    ours, theirs = side(step, SHORT, shared=adapted)(), side(closed, SHORT)()
+    difference = float(np.max(np.abs(ours - theirs)[:, :20]))
     assert difference < 1e-3, difference
-    per_step = 1e3 / steps
     for name, baseline, target in (
-        ("closed over", closed_over, 1.02),
-        ("given as an argument (a Partial)", as_argument, None),
+        ("closed over", closed, 1.02),
+        ("given as an argument (a Partial)", given, None),
     ):
-        t_shared, t_base = interleaved(with_shared, baseline, repeat=15)
-        ratio = t_shared / t_base
+        times = {
+            steps: interleaved(
+                side(step, steps, shared=adapted), side(baseline, steps), repeat=15
+            )
+            for steps in (SHORT, LONG)
+        }
+        per_step = [(times[LONG][i] - times[SHORT][i]) / (LONG - SHORT) for i in (0, 1)]
+        fixed = [times[SHORT][i] - SHORT * per_step[i] for i in (0, 1)]
+        ratio = per_step[0] / per_step[1]
         report(
-            f"ChEES frozen step, {chains} chains x {steps}: shared= / {name}",
+            f"ChEES frozen step, {chains} chains: shared= / {name}, per step",
             ratio,
             "report" if target is None else f"<= {target}",
             target is None or ratio <= target,
-            f"{t_shared * per_step:.3f} ms vs {t_base * per_step:.3f} ms per step, "
-            f"the first 20 draws within {difference:.1e}",
+            f"{per_step[0] * 1e6:.2f} vs {per_step[1] * 1e6:.2f} us a step (the "
+            f"slope of the best of 15 from {SHORT} to {LONG} steps); a call's fixed "
+            f"part {fixed[0] * 1e3:.2f} vs {fixed[1] * 1e3:.2f} ms; {SHORT} steps "
+            f"{times[SHORT][0] / times[SHORT][1]:.3f} of it; the first 20 draws "
+            f"within {difference:.1e}",
         )
 
 

@@ -40,6 +40,7 @@ from problems_workloads import (
 )
 
 import eqx_batch as eb
+from eqx_batch._chains import _placement
 from eqx_batch._chains._problems import ProblemStep
 
 
@@ -208,6 +209,27 @@ def test_new_data_of_the_same_shapes_runs_the_same_program():
     assert compilations(lambda: run([1.0, 2.0, 3.0, 4.0])) > 0
     assert first.final.tolist() == [3.0, 3.0, 6.0, 6.0]
     assert run([3.0, 4.0]).final.tolist() == [9.0, 9.0, 12.0, 12.0]
+
+
+@pytest.mark.parametrize("copied_below", [0, 1 << 30])
+@pytest.mark.parametrize("where", ["fresh", "host", "another device"])
+def test_init_and_data_are_placed_from_wherever_they_are(where, copied_below):
+    # The chains go to their devices by one program if they are small and committed
+    # nowhere, else by `device_put` (`_placement._put_on`); either way, from
+    # wherever they are, the run is the same.
+    def run(init: dict, data: dict) -> eb.Chains:
+        return eb.run_chains(schools_step, init, jr.split(jr.key(5), 12), 20, data=data)
+
+    init, data = schools_init(12), schools_data(6)
+    expected = run(init, data)
+    if where == "host":
+        init, data = jax.tree.map(np.asarray, (init, data))
+    elif where == "another device":
+        init, data = jax.device_put((init, data), jax.devices()[-1])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_placement, "_COPIED_BELOW", copied_below)
+        got = run(init, data)
+    assert_trees_identical((got.final, got.trace), (expected.final, expected.trace))
 
 
 def test_a_disk_trace_of_one_problem_is_read_lazily(tmp_path):

@@ -80,7 +80,7 @@ class Placement:
         moving = [i for i, x in enumerate(leaves) if not self._is_split(x)]
         if not moving:
             return tree
-        moved = jax.device_put([leaves[i] for i in moving], self.split)
+        moved = _put_on([leaves[i] for i in moving], self.split)
         for i, x in zip(moving, moved, strict=True):
             leaves[i] = x
         return jtu.tree_unflatten(treedef, leaves)
@@ -390,3 +390,25 @@ def _replicate_each(
 def _sharded_zeros(structs: tuple[jax.ShapeDtypeStruct, ...]) -> list[jax.Array]:
     # Made on the devices that hold them, rather than on one device and then moved.
     return made_zeros(list(structs))
+
+
+# `device_put` costs tens of microseconds a leaf on the host (a typed key's more), on
+# every call of a run; one program copying the leaves costs one dispatch. A copy of
+# large arrays would cost the devices more than that, and their memory twice over,
+# where `device_put` aliases an array already on its device.
+_COPIED_BELOW = 1 << 20  # bytes, of all the leaves
+
+
+def _put_on(leaves: list[Any], sharding: jax.sharding.Sharding) -> list[Any]:
+    """`leaves` (arrays, on the host or on devices) committed to `sharding`: copied
+    there by one program if they are small and none is committed elsewhere (a
+    program runs on its inputs' devices), else by `jax.device_put`."""
+    committed = any(isinstance(x, jax.Array) and x.committed for x in leaves)
+    if not committed and sum(x.nbytes for x in leaves) < _COPIED_BELOW:
+        return _copier(sharding)(leaves)
+    return jax.device_put(leaves, sharding)
+
+
+@ft.lru_cache(maxsize=16)
+def _copier(sharding: jax.sharding.Sharding) -> Any:
+    return jax.jit(lambda leaves: leaves, out_shardings=sharding)
