@@ -12,7 +12,7 @@ called on each leaf and returns one of those.
 
 import functools as ft
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard, TypeVar
 
 import equinox as eqx
@@ -241,6 +241,21 @@ def resolve_axes(tree: Any, axes: Any, argname: str) -> Any:
         for (path, spec), subtree in zip(specs, subtrees, strict=True)
     ]
     return jtu.tree_unflatten(prefix, resolved)
+
+
+def with_leaves_replaced(
+    tree: Any, chosen: Callable[[Any], bool], replace: Callable[[list[Any]], list[Any]]
+) -> Any:
+    """`tree` with the leaves that `chosen` picks replaced by `replace(those)`, one
+    call for all of them (placing arrays on devices costs per call as well as per
+    leaf); `tree` itself if it picks none."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    picked = [i for i, x in enumerate(leaves) if chosen(x)]
+    if not picked:
+        return tree
+    for i, x in zip(picked, replace([leaves[i] for i in picked]), strict=True):
+        leaves[i] = x
+    return jtu.tree_unflatten(treedef, leaves)
 
 
 def _is_none(x: Any) -> bool:

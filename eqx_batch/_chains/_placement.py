@@ -27,7 +27,7 @@ from .._compiling._memo import BoundedCache
 from .._errors import BatchError
 from .._stacking._select import take
 from .._transforms._shard import Device, member_mesh, named_mesh
-from .._tree import as_keys_like, host_array, is_array, is_key
+from .._tree import as_keys_like, host_array, is_array, is_key, with_leaves_replaced
 
 
 class Placement:
@@ -76,14 +76,11 @@ class Placement:
     def _placed(self, tree: Any) -> Any:
         # In one call, without `eb.shard`'s checks (which are for a user's tree), and
         # only the leaves not already split so (`device_put` costs even then).
-        leaves, treedef = jtu.tree_flatten(tree)
-        moving = [i for i, x in enumerate(leaves) if not self._is_split(x)]
-        if not moving:
-            return tree
-        moved = _put_on([leaves[i] for i in moving], self.split)
-        for i, x in zip(moving, moved, strict=True):
-            leaves[i] = x
-        return jtu.tree_unflatten(treedef, leaves)
+        return with_leaves_replaced(
+            tree,
+            lambda x: not self._is_split(x),
+            ft.partial(_put_on, sharding=self.split),
+        )
 
     def _is_split(self, x: Any) -> bool:
         # An uncommitted array (a fresh result of uncommitted inputs) is moved too:

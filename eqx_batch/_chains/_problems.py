@@ -38,7 +38,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import BatchError, call_mismatch, describe, leaf_name, shown_signature
-from .._tree import common_size, host_array, is_array, structs
+from .._tree import common_size, host_array, is_array, structs, with_leaves_replaced
 from ._all_chains import MapChains, RunStep
 
 
@@ -160,16 +160,12 @@ def placed_data(data: Any, sharding: jax.sharding.Sharding) -> Any:
     """`data`'s arrays on the devices of `sharding` (replicated). In a job of several
     processes, from the host, so that every process places the same values; in one
     process, from where it is, with no copy through the host."""
-    leaves, treedef = jtu.tree_flatten(data)
-    arrays = [i for i, x in enumerate(leaves) if is_array(x)]
     job = jax.process_count() > 1
-    # One call for all the leaves: each call has a fixed cost of its own.
-    placed = jax.device_put(
-        [host_array(leaves[i]) if job else leaves[i] for i in arrays], sharding
-    )
-    for i, x in zip(arrays, placed, strict=True):
-        leaves[i] = x
-    return jtu.tree_unflatten(treedef, leaves)
+
+    def place(arrays: list[Any]) -> list[Any]:
+        return jax.device_put([host_array(x) if job else x for x in arrays], sharding)
+
+    return with_leaves_replaced(data, is_array, place)
 
 
 def _in_blocks(block_rows: Any, block: int) -> MapChains:
