@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from eqx_batch._chains._common import ManyProblems, OneProblem, ProblemLayout
 from eqx_batch._chains._until._problem_records import ProblemRecords
 from eqx_batch._chains._until._records import Record
 
@@ -33,6 +34,8 @@ def capped(*steps: int, cap: int) -> Record:
 
 # Problem 0 converges at step 100, problem 1 runs on, problem 2 converges at step 50.
 RECORDS = ProblemRecords.of((converged(50, 100), checked(50, 100), converged(50)))
+# The two forms of a run's problems: without `data`, and with 3 problems of 2 chains.
+ONE, MANY = OneProblem(2), ManyProblems(ProblemLayout(6, 3))
 
 
 @pytest.mark.parametrize(
@@ -125,32 +128,32 @@ def test_stops_reports_each_problem_once_every_one_stopped(records, stopped, ste
 
 def test_one_problem_is_kept_in_the_form_of_a_run_without_data():
     records = ProblemRecords.of((converged(50, 100),))
-    saved = records.to_json(one_problem=True)
+    saved = records.to_json(ONE)
     assert saved == converged(50, 100).to_json()
-    assert ProblemRecords.from_json(saved, 0, one_problem=True) == records
+    assert ProblemRecords.from_json(saved, 0, ONE) == records
     # Either form read as the other is malformed (`CheckpointReader` reports it).
     with pytest.raises(KeyError):
-        ProblemRecords.from_json({"problems": [saved]}, 0, one_problem=True)
+        ProblemRecords.from_json({"problems": [saved]}, 0, ONE)
 
 
 def test_many_problems_are_kept_as_a_list_of_one_record_each():
-    saved = RECORDS.to_json()
+    saved = RECORDS.to_json(MANY)
     assert saved == {"problems": [r.to_json() for r in RECORDS.records]}
-    assert ProblemRecords.from_json(saved, 0) == RECORDS
+    assert ProblemRecords.from_json(saved, 0, MANY) == RECORDS
     with pytest.raises(KeyError):
-        ProblemRecords.from_json(RECORDS.records[0].to_json(), 0)
+        ProblemRecords.from_json(RECORDS.records[0].to_json(), 0, MANY)
 
 
 def test_a_disagreement_names_the_problem_only_with_many():
     one = ProblemRecords.of((converged(50),))
-    assert one.disagreement(50, one_problem=True) is None
-    assert one.disagreement(100, one_problem=True) == (
+    assert one.disagreement(50, ONE) is None
+    assert one.disagreement(100, ONE) == (
         "its record of `until`'s checks says the run stopped at step 50, but its "
         "progress says 100 steps were done"
     )
     # One of many problems stops before the others: no disagreement.
-    assert one.disagreement(100) is None
-    assert one.disagreement(40) == (
+    assert one.disagreement(100, MANY) is None
+    assert one.disagreement(40, MANY) == (
         "problem 0: its record of `until`'s checks has a check at step 50, but its "
         "progress says 40 steps were done"
     )
@@ -159,7 +162,7 @@ def test_a_disagreement_names_the_problem_only_with_many():
 def test_checks_out_of_order_are_refused_when_read():
     saved = {"checks": [100, 50], "worst": [1.5, 1.4], "stopped": None}
     with pytest.raises(ValueError, match="out of order"):
-        ProblemRecords.from_json(saved, 0, one_problem=True)
+        ProblemRecords.from_json(saved, 0, ONE)
 
 
 @settings(max_examples=60, deadline=None)

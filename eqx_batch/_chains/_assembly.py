@@ -45,20 +45,22 @@ def result(
     keys = jr.key_data(chains.keys) if plan.segment.legacy else chains.keys
     final, states, outputs, keys = without_copies((own, states, outputs, keys))
     shared = None if copies is None else _shared_rows(copies, plan)
-    diagnostics, problems = _diagnostics(chains.moments, plan), None
-    if not plan.problems.one_problem:
-        # What differs between the problems has a field of its own: the rest is
-        # shaped as one problem's result, whatever the options.
-        problems = assembled(
+    # With `data`, what differs between the problems has a field of its own: the
+    # rest is shaped as one problem's result, whatever the options.
+    problems, own_fields = plan.problems.of_problems(
+        {
+            "stopped": stopped,
+            "diagnostics": _diagnostics(chains.moments, plan),
+            "shared": shared,
+        },
+        lambda **fields: assembled(
             Problems,
-            count=plan.layout.num_problems,
             steps_done=steps_done,
-            stopped=stopped,
             draws_made=plan.draws.before(steps_done),
-            diagnostics=diagnostics,
-            shared=shared,
-        )
-        stopped, diagnostics, shared = None, None, None
+            **fields,
+        ),
+    )
+    stopped = own_fields.pop("stopped")
     return assembled(
         Chains,
         final=final,
@@ -71,11 +73,10 @@ def result(
         # (and waited for: see `whole_here`).
         nonfinite=assembled(NonFinite, first_step=whole_here(chains.first_bad)),
         superchain=superchain_ids,
-        diagnostics=diagnostics,
         steps_done=last,
         stopped=None if stopped is None else stopped[0],
         problems=problems,
-        shared=shared,
+        **own_fields,
     )
 
 

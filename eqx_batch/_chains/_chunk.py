@@ -268,7 +268,7 @@ def _restored(
             plan.num_steps,
             plan.draws,
             checks=plan.stopping.keeps_record,
-            one_problem=plan.problems.one_problem,
+            problems=plan.problems,
         )
     )
     done = restored is not None and (

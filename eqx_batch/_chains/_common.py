@@ -134,6 +134,14 @@ class ProblemLayout(NamedTuple):
         return x.reshape(self.num_problems, self.chains_each, *x.shape[1:])
 
 
+class CheckTexts(NamedTuple):
+    """What the bar may show after checks of `until` (`checks_label`)."""
+
+    running: np.ndarray  # `bool[problems]`: those still running
+    statistics: Callable[[], str]  # the one problem's statistics (without `data`)
+    worst: Callable[[list[int]], str]  # the worst of these problems, and its reason
+
+
 # The chains a chunk of a given number holds a multiple of (`RunStep.chunk_unit`).
 ChunkUnit = Callable[[int], int]
 
@@ -145,6 +153,7 @@ class _Placeable(Protocol):
 
 
 _Step = TypeVar("_Step", bound=_Placeable)
+_T = TypeVar("_T")
 
 # One program: sliced eagerly, each leaf would be a dispatch of its own.
 _first_row = jax.jit(ft.partial(jtu.tree_map, lambda x: x[0]))
@@ -156,8 +165,8 @@ class OneProblem:
 
     num_chains: int
 
-    # A checkpoint keeps one problem's record of checks, as it always has.
-    one_problem = True
+    # A stop of the one problem is the run's end, wherever the run stopped.
+    stops_last = True
 
     @property
     def layout(self) -> ProblemLayout:
@@ -190,6 +199,34 @@ class OneProblem:
         """`text` of statistics, as the progress bar shows it."""
         return text
 
+    def checks_label(self, checked: list[int], texts: "CheckTexts") -> str | None:
+        """The bar after the problems `checked` by `until`: the one problem's
+        statistics, if it was checked; else nothing new to show."""
+        return texts.statistics() if checked else None
+
+    def of_problems(
+        self, fields: dict[str, Any], make: Callable[..., _T]
+    ) -> tuple[_T | None, dict[str, Any]]:
+        """The result's `fields` that differ between problems, as a field of their
+        own (`make(count=P, **fields)`), and the result's own `fields`: of one
+        problem, all of them, and no field of problems."""
+        return None, fields
+
+    def file_records(self, records: list[Any]) -> Any:
+        """The problems' records of checks as a checkpoint keeps them: the one
+        problem's, as a run without `data` always kept it."""
+        (record,) = records
+        return record
+
+    def records_in_file(self, saved: Any) -> list[Any]:
+        """The problems' records that `file_records` wrote."""
+        return [saved]
+
+    def named(self, problem: int, text: str) -> str:
+        """`text` about `problem`, as a message names it: the one problem is the
+        run."""
+        return text
+
 
 @dataclasses.dataclass(frozen=True)
 class ManyProblems:
@@ -197,7 +234,8 @@ class ManyProblems:
 
     layout: ProblemLayout
 
-    one_problem = False
+    # Each problem stops at a check of its own; the run goes on for the others.
+    stops_last = False
 
     @property
     def blocks(self) -> ProblemLayout | None:
@@ -225,6 +263,30 @@ class ManyProblems:
 
     def label(self, text: str) -> str:
         return f"{self.layout.num_problems} problems, at [problem, ...]: {text}"
+
+    def checks_label(self, checked: list[int], texts: "CheckTexts") -> str | None:
+        """The problems still running and, of those `checked`, the worst."""
+        running = texts.running
+        text = f"{int(running.sum())} of {self.layout.num_problems} problems running"
+        still = [p for p in checked if running[p]]
+        return f"{text}; worst: {texts.worst(still)}" if still else text
+
+    def of_problems(
+        self, fields: dict[str, Any], make: Callable[..., _T]
+    ) -> tuple[_T | None, dict[str, Any]]:
+        problems = make(count=self.layout.num_problems, **fields)
+        return problems, dict.fromkeys(fields)
+
+    def file_records(self, records: list[Any]) -> Any:
+        return {"problems": records}
+
+    def records_in_file(self, saved: Any) -> list[Any]:
+        if not isinstance(saved, dict) or not isinstance(saved["problems"], list):
+            raise ValueError("a list of one record per problem")
+        return saved["problems"]
+
+    def named(self, problem: int, text: str) -> str:
+        return f"problem {problem}: {text}"
 
 
 ProblemForm = OneProblem | ManyProblems

@@ -15,7 +15,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._chunk import ChunkJob, ChunkRun, RunContext
-from ._common import ChainState
+from ._common import ChainState, CheckTexts
 from ._placement import joined, whole_here
 from ._plan import RunPlan
 from ._until._convergence import diagnose
@@ -287,21 +287,21 @@ def _show_checks(
     there (by `checks`), the worst, with its check's reason; without `data`, the one
     problem's statistics, if it was checked."""
     assert context.bar is not None
-    if context.plan.problems.one_problem:
-        if checked:
-            context.bar.show(stop, postfix(checks.row(0), checks.nonfinite))
-        return
-    running = records.running(stop)
-    text = (
-        f"{int(running.sum())} of {context.plan.layout.num_problems} problems running"
-    )
-    still = [p for p in checked if running[p]]
-    if still:
+
+    def worst(still: list[int]) -> str:
         # The worst by the first criterion, NaN (nothing to compare) last.
         worst = checks.worst
         p = max(still, key=lambda p: (not np.isnan(worst[p]), worst[p]))
-        text = f"{text}; worst: problem {p}, {checks.reasons([p])[p].reason}"
-    context.bar.show(stop, text)
+        return f"problem {p}, {checks.reasons([p])[p].reason}"
+
+    def statistics() -> str:
+        return postfix(checks.row(0), checks.nonfinite)
+
+    text = context.plan.problems.checks_label(
+        checked, CheckTexts(records.running(stop), statistics, worst)
+    )
+    if text is not None:
+        context.bar.show(stop, text)
 
 
 def _shows_moments(context: RunContext) -> bool:

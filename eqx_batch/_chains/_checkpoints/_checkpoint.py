@@ -90,7 +90,7 @@ class Checkpoint:
             self.num_chains,
             self.access,
             found.on_disk,
-            one_problem=expects.one_problem,
+            expects.problems,
         )
         return found.restored
 

@@ -18,7 +18,7 @@ import jax
 
 from ..._errors import BatchError
 from ..._tree import as_key_data, is_int
-from .._common import ChainState, Draws
+from .._common import ChainState, Draws, ProblemForm
 from .._jobs._job import every_process, raise_if_any_failed
 from .._until._problem_records import ProblemRecords
 from ._checkpoint_files import DrawFile, OnDisk, RunFiles, StateFile, uncovered
@@ -36,8 +36,8 @@ class Expected(NamedTuple):
     num_steps: int
     draws: Draws
     checks: bool  # whether it keeps a record of `until`'s checks
-    # Whether that record is kept as one problem's (a run without `data`).
-    one_problem: bool
+    # Its problems, whose form the record is kept in (one problem's without `data`).
+    problems: ProblemForm
 
 
 class Restored(NamedTuple):
@@ -136,16 +136,16 @@ class CheckpointReader:
     ) -> ProblemRecords:
         """The record of `until`'s checks in a state file's `progress`, checked
         against its steps: one problem's as it is kept without `data`."""
-        one_problem = expected.one_problem
+        problems = expected.problems
         try:
             record = ProblemRecords.from_json(
-                progress["stopping"], expected.draws.burn_in, one_problem=one_problem
+                progress["stopping"], expected.draws.burn_in, problems
             )
         except (ValueError, TypeError, KeyError) as e:
             raise self.metadata.damaged(
                 f"its record of `until`'s checks does not parse ({e!r})"
             ) from None
-        problem = record.disagreement(steps_done, one_problem=one_problem)
+        problem = record.disagreement(steps_done, problems)
         if problem is not None:
             raise self.metadata.damaged(problem)
         return record

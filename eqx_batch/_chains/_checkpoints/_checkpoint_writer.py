@@ -19,7 +19,7 @@ import jax.tree_util as jtu
 
 from ..._errors import BatchError
 from ..._files._serialise import write_tree
-from .._common import ChainState
+from .._common import ChainState, ProblemForm
 from .._jobs._job import raise_if_any_failed
 from .._until._problem_records import ProblemRecords
 from ._checkpoint_files import DrawFile, OnDisk, RunFiles
@@ -63,8 +63,7 @@ class CheckpointWriter:
         num_chains: int,
         access: WriteAccess,
         on_disk: OnDisk,
-        *,
-        one_problem: bool,
+        problems: ProblemForm,
     ):
         self.metadata = metadata
         self.path = metadata.path
@@ -80,7 +79,7 @@ class CheckpointWriter:
         self._pending: concurrent.futures.Future | None = None
         self._pending_step: int | None = None
         # The form the files keep the record in: one problem's, without `data`.
-        self._one_problem = one_problem
+        self._problems = problems
 
     def start(self) -> None:
         """Takes the right to write (see `WriteAccess`), writes the run file (process
@@ -216,7 +215,7 @@ class CheckpointWriter:
         if snapshot.record is not None:
             # As of this step: a chunk further on may have added later checks.
             record = snapshot.record.as_of(snapshot.steps_done)
-            progress["stopping"] = record.to_json(one_problem=self._one_problem)
+            progress["stopping"] = record.to_json(self._problems)
         write_tree(
             self.files.state_path(snapshot.steps_done, rows),
             state,

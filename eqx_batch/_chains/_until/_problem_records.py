@@ -10,7 +10,7 @@ TPU's host more than the segment they followed at 256 problems (issue 42).
 
 A checkpoint keeps the record as JSON, in the form the run's files have always had:
 one problem's record (`Record`) as it is without `data`, a list of one per problem
-with `data`. The form is chosen only here, at the file boundary (`one_problem`).
+with `data`: the run's `ProblemForm` says which.
 """
 
 from collections.abc import Mapping, Sequence
@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .._common import ProblemForm
 from ._records import Record, Stopped
 
 
@@ -98,38 +99,29 @@ class ProblemRecords:
     def __repr__(self) -> str:
         return f"ProblemRecords({self.records!r})"
 
-    def to_json(self, *, one_problem: bool = False) -> dict:
-        """The records as a checkpoint keeps them: with `one_problem` (a run without
-        `data`), the one problem's record as it is."""
-        if one_problem:
-            (record,) = self.records
-            return record.to_json()
-        return {"problems": [record.to_json() for record in self.records]}
+    def to_json(self, problems: ProblemForm) -> Any:
+        """The records as a checkpoint of a run of `problems` keeps them."""
+        return problems.file_records([record.to_json() for record in self.records])
 
     @classmethod
     def from_json(
-        cls, saved: Any, burn_in: int, *, one_problem: bool = False
+        cls, saved: Any, burn_in: int, problems: ProblemForm
     ) -> "ProblemRecords":
         """The records `to_json` wrote. Raises `ValueError`, `TypeError` or
         `KeyError` if `saved` is malformed."""
-        if one_problem:
-            return cls.of((Record.from_json(saved, burn_in),))
-        if not isinstance(saved, dict) or not isinstance(saved["problems"], list):
-            raise ValueError("a list of one record per problem")
-        return cls.of([Record.from_json(r, burn_in) for r in saved["problems"]])
+        return cls.of(
+            [Record.from_json(r, burn_in) for r in problems.records_in_file(saved)]
+        )
 
-    def disagreement(self, steps_done: int, *, one_problem: bool = False) -> str | None:
+    def disagreement(self, steps_done: int, problems: ProblemForm) -> str | None:
         """What contradicts a progress of `steps_done` steps in any problem's record:
-        a check or a stop after them, a stop before its last check; with
-        `one_problem` (a run without `data`), a stop elsewhere than at
+        a check or a stop after them, a stop before its last check; where a stop
+        ends the run (`problems.stops_last`), a stop elsewhere than at
         `steps_done`."""
-        if one_problem:
-            (record,) = self.records
-            return record.disagreement(steps_done)
         for p, record in enumerate(self.records):
-            problem = record.disagreement(steps_done, stops_last=False)
+            problem = record.disagreement(steps_done, stops_last=problems.stops_last)
             if problem is not None:
-                return f"problem {p}: {problem}"
+                return problems.named(p, problem)
         return None
 
     def with_checks(
