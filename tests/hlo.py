@@ -49,27 +49,34 @@ def _called(line: str) -> list[str]:
     return names
 
 
-def loop_body_ops(hlo: str) -> collections.Counter:
-    """The opcodes that the bodies of the entry computation's `while` loops hold, with
-    those of every computation they call, counted."""
+def loop_body_lines(hlo: str) -> list[str]:
+    """The instructions that the bodies of the entry computation's `while` loops hold,
+    with those of every computation they call."""
     found, entry = computations(hlo)
-    todo = [
-        name
-        for line in found[entry]
-        if _opcode(line) == "while"
-        for name in re.findall(r"body=%?([\w.\-]+)", line)
-    ]
+    # The loops of the entry computation, or of a `call` it makes (XLA's CPU
+    # compiler wraps a small program's loop in one).
+    outer, todo = [entry], []
+    while outer:
+        for line in found[outer.pop()]:
+            if _opcode(line) == "while":
+                todo += re.findall(r"body=%?([\w.\-]+)", line)
+            elif _opcode(line) == "call":
+                outer += _called(line)
     assert todo, "the entry computation holds no while loop"
     seen: set[str] = set()
-    ops: collections.Counter = collections.Counter()
+    lines: list[str] = []
     while todo:
         name = todo.pop()
         if name in seen:
             continue
         seen.add(name)
         for line in found[name]:
-            opcode = _opcode(line)
-            if opcode is not None:
-                ops[opcode] += 1
+            if _opcode(line) is not None:
+                lines.append(line)
             todo += _called(line)
-    return ops
+    return lines
+
+
+def loop_body_ops(hlo: str) -> collections.Counter:
+    """The opcodes of `loop_body_lines`, counted."""
+    return collections.Counter(_opcode(line) for line in loop_body_lines(hlo))
