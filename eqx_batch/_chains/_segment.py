@@ -25,7 +25,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 
 from .._compiling._compile import AsyncJit
-from .._tree import is_array
+from .._tree import is_array, with_leaves_replaced
 from ._all_chains import RunStep
 from ._common import ChainState
 from ._placement import made_zeros
@@ -154,12 +154,9 @@ def _as_carried(new: Any, old: Any) -> Any:
     barrier, so that XLA still sees it constant over the loop.
     """
     given = {id(x) for x in jtu.tree_leaves(old)}
-    leaves, treedef = jtu.tree_flatten(new)
-    made = [i for i, x in enumerate(leaves) if id(x) not in given]
-    held = lax.optimization_barrier([leaves[i] for i in made])
-    for i, x in zip(made, held, strict=True):
-        leaves[i] = x
-    return jtu.tree_unflatten(treedef, leaves)
+    return with_leaves_replaced(
+        new, lambda x: id(x) not in given, lax.optimization_barrier
+    )
 
 
 def _live(plan: SegmentPlan, running: Any, problem: Any) -> jax.Array | None:

@@ -216,10 +216,10 @@ class SharedStep(eqx.Module):
                 for x in self.packing.pack(new_shared)
             )
         )
-        # One value for the loop to carry and the trace to record: without the
-        # barrier XLA computed each in a fusion of its own, and a draw recorded on
-        # a CPU could differ from the state by an ulp (found by tests/test_shared.py).
-        new = jax.lax.optimization_barrier(new)
+        # The segment holds the new states behind one barrier (`_as_carried`), so
+        # that the loop carries and the trace records one value: without it a
+        # draw recorded on a CPU could differ from the state by an ulp (found by
+        # tests/test_shared.py).
         carried = WithShared(new, new_copies)
         return (carried, output) if self.with_output else carried
 
