@@ -290,11 +290,3 @@ class ManyProblems:
 
 
 ProblemForm = OneProblem | ManyProblems
-
-
-def problem_form(num_chains: int, num_problems: int | None) -> ProblemForm:
-    """The problems of a run of `num_chains` chains: `num_problems` with `data`,
-    else None."""
-    if num_problems is None:
-        return OneProblem(num_chains)
-    return ManyProblems(ProblemLayout(num_chains, num_problems))

@@ -14,7 +14,7 @@ from .._errors import BatchError
 from ._all_chains import RunStep
 from ._arguments import Counts, Init
 from ._checkpoints._recording import DrawsInBuffer, DrawsOnDisk, NoDraws, Recording
-from ._common import ChainState, Draws, problem_form, ProblemForm, ProblemLayout
+from ._common import ChainState, Draws, ProblemForm, ProblemLayout
 from ._jobs._identity import RunIdentity, RunOptions
 from ._placement import chain_devices, Placement
 from ._prepared import prepared_run, PreparedRun
@@ -165,7 +165,7 @@ def plan_run(
     diagnostics: bool,
     until: StoppingRule | None,
     superchains: int | None,
-    problems: int | None,
+    problems: ProblemForm,
     traced: TracedStep | None,
 ) -> RunPlan:
     """The plan of a run of `step` from `init`, one row per chain.
@@ -180,13 +180,12 @@ def plan_run(
     or an all-chains step cannot take the run.
     """
     num_chains = init.num_chains
-    form = problem_form(num_chains, problems)
     all_chains = step.sees_every_chain
     if all_chains:
-        _check_all_chains_run(num_chains, counts.chunk_size, step.chunk_unit, form)
+        _check_all_chains_run(num_chains, counts.chunk_size, step.chunk_unit, problems)
     prepared = prepared_run(step, init.whole, keys, legacy, with_output, traced)
     draws = Draws.of(counts.num_steps, counts.burn_in, counts.thin)
-    stopping = how_it_stops(until, counts.num_steps, form.layout, superchains)
+    stopping = how_it_stops(until, counts.num_steps, problems.layout, superchains)
     diagnostics = _checked_diagnostics(stopping, diagnostics, prepared, draws)
     chunk_size = min(counts.chunk_size or num_chains, num_chains)
     mode = TraceMode(trace)  # decided once: nothing below asks `trace` again
@@ -215,7 +214,7 @@ def plan_run(
         checkpoint_every=counts.checkpoint_every,
         stopping=stopping,
         superchains=superchains,
-        problems=form,
+        problems=problems,
         program=None if traced is None else traced.program,
         streamed_steps=streamed_steps,
     )

@@ -165,7 +165,7 @@ def run_chains(
             whole, superchain_ids = expand_superchains(whole, key, superchains)
             superchains = int(superchains)
         keys, legacy = chain_keys(key, whole.num_chains)
-        run_step, whole, num_problems = composed_step(
+        run_step, whole, problems = composed_step(
             step, whole, shared, data, with_output=with_output, superchains=superchains
         )
         traced = checkpointing.traced(
@@ -182,7 +182,7 @@ def run_chains(
             diagnostics=diagnostics,
             until=until,
             superchains=superchains,
-            problems=num_problems,
+            problems=problems,
             traced=traced,
         )
         start = start_state(plan, whole, keys)

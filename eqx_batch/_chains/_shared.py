@@ -40,6 +40,7 @@ from .._errors import (
 from .._tree import is_array, owned, structs
 from ._all_chains import AllChains, each_chain, MapChains, RunStep
 from ._arguments import Init
+from ._common import ManyProblems, OneProblem, ProblemForm, ProblemLayout
 from ._problems import jax_dtypes, placed_data, problem_step
 from ._step import check_new_state, leaf_changes, pytree_step
 
@@ -64,10 +65,11 @@ class Packing(NamedTuple):
     dtypes: tuple  # the dtype of each packed array, in order
 
     @classmethod
-    def of(cls, one: Any) -> "Packing":
-        """The packing of `one`, a problem's shared state (arrays or structs)."""
-        leaves, treedef = jtu.tree_flatten(one)
-        kinds = tuple((tuple(x.shape), x.dtype) for x in leaves)
+    def of(cls, shared: Any, drop: int) -> "Packing":
+        """The packing of a problem's shared state: `shared`'s leaves (arrays or
+        structs) without their first `drop` axes."""
+        leaves, treedef = jtu.tree_flatten(shared)
+        kinds = tuple((tuple(x.shape[drop:]), x.dtype) for x in leaves)
         dtypes = tuple(dict.fromkeys(dtype for _, dtype in kinds))
         return cls(treedef, kinds, dtypes)
 
@@ -106,7 +108,7 @@ class SharedStep(eqx.Module):
     every chain of each problem at once, its shared state carried beside them."""
 
     step: Callable
-    data: Any  # one row per problem, or None
+    mapping: "_Unmapped | _OverProblems"  # how `fn` is called on the problems
     chains_each: int = eqx.field(static=True)  # M, the chains of a problem
     with_output: bool = eqx.field(static=True)
     packing: Packing | None = eqx.field(static=True, default=None)
@@ -117,6 +119,11 @@ class SharedStep(eqx.Module):
         num_chains = keys.shape[0]
         problem = jnp.arange(num_chains, dtype=jnp.int32) // self.chains_each
         return self.for_chains(problem, 1)[0](states, keys, count)
+
+    @property
+    def data(self) -> Any:
+        """Each problem's row of `data` (`RunStep`); None without `data`."""
+        return self.mapping.data
 
     def own_and_shared(self, states: Any) -> tuple[Any, Any]:
         """The chains' own states, and each problem's shared state (a row per
@@ -131,20 +138,13 @@ class SharedStep(eqx.Module):
         return self.chains_each
 
     def placed(self, sharding: jax.sharding.Sharding) -> "SharedStep":
-        """This step with `data` (if any) on the devices of `sharding`."""
-        if self.data is None:
-            return self
-        return dataclasses.replace(self, data=placed_data(self.data, sharding))
+        """This step with `data` on the devices of `sharding`."""
+        return dataclasses.replace(self, mapping=self.mapping.placed(sharding))
 
     def for_chains(self, problem: Any, block: int) -> tuple[Callable, MapChains]:
         """The step on a segment's chains, whole problems of `chains_each` in
         order, each problem's row of `data` taken once, before the loop."""
-        rows = None
-        if self.data is not None:
-            first_chains = problem[:: self.chains_each]
-            rows = jtu.tree_map(
-                lambda x: x[first_chains] if is_array(x) else x, self.data
-            )
+        rows = self.mapping.rows(problem, self.chains_each)
         return ft.partial(self._on_problems, rows), each_chain
 
     def traced_call(
@@ -152,66 +152,43 @@ class SharedStep(eqx.Module):
     ) -> tuple[Callable, tuple]:
         """Every chain's state, one key per chain, an `int32` count, and `data`
         (an argument, not a constant: the run's identity names it on its own)."""
-        num_chains = keys.shape[0]
 
-        def call(s: Any, k: Any, count: Any, *data: Any) -> Any:
-            given = dataclasses.replace(self, data=data[0]) if data else self
-            return given(s, k, count)
+        def call(s: Any, k: Any, count: Any, mapping: Any) -> Any:
+            return dataclasses.replace(self, mapping=mapping)(s, k, count)
 
-        keys_like = jax.ShapeDtypeStruct((num_chains, *one_key.shape), one_key.dtype)
+        keys_like = jax.ShapeDtypeStruct((keys.shape[0], *one_key.shape), one_key.dtype)
         count_like = jax.ShapeDtypeStruct((), jnp.int32)
-        given = (structs(states), keys_like, count_like)
-        if self.data is not None:
-            given += (structs(self.data),)
-        return call, given
+        return call, (structs(states), keys_like, count_like, structs(self.mapping))
 
     def with_data(self, data: Any) -> "SharedStep":
-        """This step given each problem's row of `data`.
-
-        **Raises:**
-
-        `BatchError` if `fn` cannot be called as `fn(states, keys, count, shared,
-        data)`.
-        """
-        _check_signature(self.step, 5)
-        return dataclasses.replace(self, data=jax_dtypes(data))
+        """This step given each problem's row of `data` (`carrying` checks that `fn`
+        takes it)."""
+        return dataclasses.replace(self, mapping=_OverProblems(jax_dtypes(data)))
 
     def _on_problems(self, rows: Any, states: WithShared, keys: Any, count: Any):
         """`fn` on each problem's chains, the new shared state copied to them all."""
         own, copies = states
         assert self.packing is not None
         num_chains = keys.shape[0]
-        num_problems = num_chains // self.chains_each
+        layout = ProblemLayout(num_chains, num_chains // self.chains_each)
+        shared = self.packing.unpack(tuple(layout.blocks(x)[:, 0] for x in copies))
 
-        def grouped(x: Any) -> Any:
-            return x.reshape(num_problems, self.chains_each, *x.shape[1:])
+        def fn(states: Any, keys: Any, shared: Any, *row: Any) -> tuple:
+            return self._parts(
+                self.step(states, keys, count, shared, *row), states, shared
+            )
 
-        shared = self.packing.unpack(tuple(grouped(x)[:, 0] for x in copies))
-        if rows is None:
-            # One problem: `fn` on the stack as it is, with no map over problems.
-            given = jtu.tree_map(lambda x: x[0], shared)
-            result = self.step(own, keys, count, given)
-            new, new_shared, output = self._parts(result, own, shared, one=True)
-            unchanged = _same_values(new_shared, given)
-            new_shared = jtu.tree_map(lambda x: x[None], new_shared)
-        else:
-            result = jax.vmap(lambda s, k, sh, row: self.step(s, k, count, sh, row))(
-                jtu.tree_map(grouped, own), grouped(keys), shared, rows
-            )
-            new, new_shared, output = self._parts(result, own, shared, one=False)
-            unchanged = _same_values(new_shared, shared)
-            new, output = jtu.tree_map(
-                lambda x: x.reshape(num_chains, *x.shape[2:]), (new, output)
-            )
+        given = (own, keys, shared, rows)
+        new, new_shared, output = self.mapping.call(fn, given, layout)
         # A shared state returned as it was given (a sampler's frozen values) is
         # carried through as it is, so that XLA sees it constant over the loop and
         # hoists what the step computes of it out of the loop.
         new_copies = (
             copies
-            if unchanged
+            if _same_values(new_shared, shared)
             else tuple(
                 jnp.broadcast_to(
-                    x[:, None], (num_problems, self.chains_each, x.shape[1])
+                    x[:, None], (layout.num_problems, self.chains_each, x.shape[1])
                 ).reshape(num_chains, x.shape[1])
                 for x in self.packing.pack(new_shared)
             )
@@ -223,9 +200,10 @@ class SharedStep(eqx.Module):
         carried = WithShared(new, new_copies)
         return (carried, output) if self.with_output else carried
 
-    def _parts(self, result: Any, own: Any, shared: Any, one: bool) -> tuple:
+    def _parts(self, result: Any, own: Any, shared: Any) -> tuple:
         """`fn`'s result as the new states, shared state and outputs (None without
-        `with_output`), checked against what it was given, at trace time.
+        `with_output`), checked against the `own` states and `shared` state it was
+        given, at trace time.
 
         **Raises:**
 
@@ -242,20 +220,100 @@ class SharedStep(eqx.Module):
                 f"{jtu.tree_structure(result)} {_SHARED_IS}."
             )
         new, new_shared = result[:2]
-        check_new_state(structs(own), new if one else _ungrouped(new), whole=True)
-        given = structs(shared if not one else jtu.tree_map(lambda x: x[0], shared))
-        _check_new_shared(given, new_shared)
+        check_new_state(structs(own), new, whole=True)
+        _check_new_shared(structs(shared), new_shared)
         return new, new_shared, result[2] if self.with_output else None
+
+
+# Frozen dataclasses rather than `eqx.Module`s: a Module's checks at construction cost
+# 15-30 us, and every call of `run_chains` makes one of these (a short run's host time).
+@ft.partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class _Unmapped:
+    """How a run of one problem calls `fn(states, keys, count, shared)`: once, on the
+    stack as it is, with no map over problems (as a loop written by hand calls it)."""
+
+    data: ClassVar[None] = None
+    num_args: ClassVar[int] = 4
+    # The problem axes of `shared` as the run is given it: it is one problem's.
+    shared_axes: ClassVar[int] = 0
+
+    def placed(self, sharding: jax.sharding.Sharding) -> "_Unmapped":
+        return self
+
+    def rows(self, problem: Any, chains_each: int) -> None:
+        """What a segment's chains read of `data`: nothing."""
+        return None
+
+    def check_shared(self, shared: Any, num_problems: int) -> None:
+        """`shared` is the one problem's, whatever its shapes."""
+
+    def call(self, fn: Callable, given: tuple, layout: ProblemLayout) -> tuple:
+        """`fn(own, keys, shared)` on the one problem's row of `shared`, of `given`
+        `(own, keys, shared, rows)`; the new shared state as a row (`shared` itself,
+        if `fn` returned it as given)."""
+        own, keys, shared, _ = given
+        one = jtu.tree_map(lambda x: x[0], shared)
+        new, new_shared, output = fn(own, keys, one)
+        if _same_values(new_shared, one):
+            return new, shared, output
+        return new, jtu.tree_map(lambda x: x[None], new_shared), output
+
+
+@ft.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class _OverProblems:
+    """How a run of many problems calls `fn(states, keys, count, shared, data)`:
+    mapped over the problems, each given its chains, its row of `shared` and its row
+    of `data`, as a loop written by hand as a `vmap` over problems would."""
+
+    data: Any  # one row per problem
+    num_args: ClassVar[int] = 5
+    shared_axes: ClassVar[int] = 1
+
+    def placed(self, sharding: jax.sharding.Sharding) -> "_OverProblems":
+        return _OverProblems(placed_data(self.data, sharding))
+
+    def rows(self, problem: Any, chains_each: int) -> Any:
+        """Each problem's row of `data`, for a segment's chains (their `problem`)."""
+        first_chains = problem[::chains_each]
+        return jtu.tree_map(lambda x: x[first_chains] if is_array(x) else x, self.data)
+
+    def check_shared(self, shared: Any, num_problems: int) -> None:
+        """Refuses a leaf of `shared` without one row per problem on axis 0."""
+        wrong = [
+            f"`{leaf_name('shared', path)}` is {describe(x)}"
+            for path, x in jtu.tree_leaves_with_path(shared)
+            if np.ndim(x) == 0 or np.shape(x)[0] != num_problems
+        ]
+        if wrong:
+            raise BatchError(
+                f"With `data`, `shared` holds one row per problem ({num_problems}) "
+                "on axis 0, but:\n" + bullet_list(wrong)
+            )
+
+    def call(self, fn: Callable, given: tuple, layout: ProblemLayout) -> tuple:
+        """`fn` mapped over the problems, of `given` `(own, keys, shared, rows)`, each
+        problem given its chains (its block of `layout`) and its rows."""
+        own, keys, shared, rows = given
+        new, new_shared, output = jax.vmap(fn)(
+            jtu.tree_map(layout.blocks, own), layout.blocks(keys), shared, rows
+        )
+        return _ungrouped(new), new_shared, _ungrouped(output)
 
 
 # Each in one program: made eagerly, leaf by leaf, they cost a short run a millisecond
 # or two of dispatches on every call.
 @ft.partial(jax.jit, static_argnums=(0, 1, 2))
-def _copied(packing: Packing, each: int, one: bool, shared: Any) -> tuple:
-    """`shared` (one problem's, if `one`, else a row per problem), packed and copied
-    for each of a problem's `each` chains."""
-    rows = jtu.tree_map(lambda x: jnp.asarray(x)[None], shared) if one else shared
-    return tuple(jnp.repeat(x, each, axis=0) for x in packing.pack(rows))
+def _copied(packing: Packing, problems: int, each: int, shared: Any) -> tuple:
+    """`shared` (a row per problem, or one problem's without the axis), packed and
+    copied for each of a problem's `each` chains."""
+    rows = [
+        jnp.reshape(x, (problems, *shape))
+        for x, (shape, _) in zip(jtu.tree_leaves(shared), packing.leaves, strict=True)
+    ]
+    packed = packing.pack(packing.treedef.unflatten(rows))
+    return tuple(jnp.repeat(x, each, axis=0) for x in packed)
 
 
 @ft.partial(jax.jit, static_argnums=(0, 1))
@@ -314,37 +372,36 @@ def composed_step(
     *,
     with_output: bool,
     superchains: int | None,
-) -> tuple[RunStep, Init, int | None]:
+) -> tuple[RunStep, Init, ProblemForm]:
     """The step a run calls, made of the user's `step` (`pytree_step`): carrying
     `shared` (with a copy beside each chain of `init`), and given each problem's row
-    of `data` (`problem_step`); and the number of problems (None without `data`).
+    of `data` (`problem_step`); and the run's problems (one without `data`): the one
+    place that asks whether there is `data`.
 
     **Raises:**
 
     As `pytree_step`, `shared_step`, `problem_step` and `carrying` do.
     """
-    run_step, num_problems = owned(pytree_step(step)), None
-    run_step = shared_step(run_step, shared, with_output, data is not None)
+    run_step = shared_step(owned(pytree_step(step)), shared, with_output)
+    problems: ProblemForm = OneProblem(init.num_chains)
     if data is not None:
         run_step, num_problems = problem_step(
             run_step, data, init.num_chains, superchains
         )
+        problems = ManyProblems(ProblemLayout(init.num_chains, num_problems))
     if shared is not None:
-        run_step, init = carrying(run_step, init, shared, num_problems)
-    return run_step, init, num_problems
+        run_step, init = carrying(run_step, init, shared, problems.layout)
+    return run_step, init, problems
 
 
-def shared_step(
-    step: RunStep, shared: Any, with_output: bool, with_data: bool
-) -> RunStep:
-    """`step`, an `eb.all_chains` step, as a step carrying a `shared` state; without
-    one, `step` itself.
+def shared_step(step: RunStep, shared: Any, with_output: bool) -> RunStep:
+    """`step`, an `eb.all_chains` step, as a step carrying a `shared` state of one
+    problem (`with_data` gives it many); without one, `step` itself.
 
     **Raises:**
 
-    `BatchError` if `step` is not an `eb.all_chains` step, or cannot be called with
-    the shared state (and `data`); without one, if an `eb.all_chains` step cannot be
-    called as `fn(states, keys, count)`.
+    `BatchError` if `step` is not an `eb.all_chains` step; without `shared`, if an
+    `eb.all_chains` step cannot be called as `fn(states, keys, count)`.
     """
     if shared is None:
         if isinstance(step, AllChains):
@@ -355,26 +412,28 @@ def shared_step(
             "`shared` is given, but `step` is a step of one chain: mark "
             f"`fn(states, keys, count, shared)` with `eb.all_chains` {_SHARED_IS}."
         )
-    if not with_data:
-        _check_signature(step.step, 4)
-    return SharedStep(step.step, None, 0, with_output)
+    return SharedStep(step.step, _Unmapped(), 0, with_output)
 
 
 def carrying(
-    step: RunStep, init: Init, shared: Any, num_problems: int | None
+    step: RunStep, init: Init, shared: Any, layout: ProblemLayout
 ) -> tuple[SharedStep, Init]:
     """`step` and `init` with a copy of `shared` (of one problem, or one row per
-    problem with `data`) beside each chain's state.
+    problem with `data`) beside each chain's state, the chains in `layout`'s
+    problems.
 
     `shared`'s Python numbers become arrays of the dtypes JAX gives them, as its
     NumPy arrays do: the loop carries them.
 
     **Raises:**
 
-    `BatchError` if `init` holds no chain, if `shared` holds no array or another
-    leaf, or with `data` an array leaf without one row per problem.
+    `BatchError` if `step` cannot be called with the shared state (and `data`), if
+    `init` holds no chain, if `shared` holds no array or another leaf, or with
+    `data` an array leaf without one row per problem.
     """
     assert isinstance(step, SharedStep)
+    mapping = step.mapping
+    _check_signature(step.step, mapping.num_args)
     if init.num_chains == 0:
         raise BatchError("`init` holds no chain, so none can share `shared`.")
     shared = jtu.tree_map(_as_array, shared)
@@ -393,25 +452,10 @@ def carrying(
             "`shared` holds arrays and numbers only (static values go in a "
             f"Module's static fields), but:\n{bullet_list(others)}"
         )
-    problems = num_problems or 1
-    if num_problems is not None:
-        wrong = [
-            f"`{leaf_name('shared', path)}` is {describe(x)}"
-            for path, x in leaves
-            if np.ndim(x) == 0 or np.shape(x)[0] != num_problems
-        ]
-        if wrong:
-            raise BatchError(
-                f"With `data`, `shared` holds one row per problem ({num_problems}) "
-                "on axis 0, but:\n" + bullet_list(wrong)
-            )
-        packing = Packing.of(
-            jtu.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), shared)
-        )
-    else:
-        packing = Packing.of(shared)
-    each = init.num_chains // problems
-    copies = _copied(packing, each, num_problems is None, shared)
+    mapping.check_shared(shared, layout.num_problems)
+    packing = Packing.of(shared, drop=mapping.shared_axes)
+    each = layout.chains_each
+    copies = _copied(packing, layout.num_problems, each, shared)
     carried = Init(
         WithShared(init.whole, copies),
         WithShared(init.arrays, copies),
