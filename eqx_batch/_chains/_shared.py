@@ -239,6 +239,7 @@ class _Unmapped:
     shared_axes: ClassVar[int] = 0
 
     def placed(self, sharding: jax.sharding.Sharding) -> "_Unmapped":
+        """Itself: it holds no `data` to place."""
         return self
 
     def rows(self, problem: Any, chains_each: int) -> None:
@@ -272,6 +273,7 @@ class _OverProblems:
     shared_axes: ClassVar[int] = 1
 
     def placed(self, sharding: jax.sharding.Sharding) -> "_OverProblems":
+        """Its `data` on the devices of `sharding` (`placed_data`)."""
         return _OverProblems(placed_data(self.data, sharding))
 
     def rows(self, problem: Any, chains_each: int) -> Any:
