@@ -285,7 +285,7 @@ def loop(
     return run
 
 
-def by_hand(w: Workload) -> Callable[[], tuple]:
+def by_hand(w: Workload, steps: int = STEPS) -> Callable[[], tuple]:
     """The one call's chains as `jax.jit` of `lax.scan` over `jax.vmap(step)`, with
     `run_chains`' key schedule and every chain's start and data row gathered before
     the loop: `(final states, keys), trace` with the trace `[draws, chains, ...]`,
@@ -301,7 +301,7 @@ def by_hand(w: Workload) -> Callable[[], tuple]:
             states = jax.vmap(step)(states, step_keys, rows)
             return (states, keys), states
 
-        return jax.lax.scan(one_step, (states, keys), None, length=STEPS)
+        return jax.lax.scan(one_step, (states, keys), None, length=steps)
 
     def run() -> tuple:
         return jax.block_until_ready(chains(chain_starts, w.keys, chain_rows))
@@ -552,11 +552,15 @@ def report_against_hand(what: str, ours: float, hand: float) -> None:
 
 HAND_PROBLEMS = (PROBLEMS, 4096)
 HAND_REPEAT = 15
+# A call this short is its fixed part: the host's work before its loop is queued,
+# and what it does after, which a longer loop on an accelerator hides.
+SHORT_STEPS, SHORT_REPEAT = 2, 101
 
 
 def hand_rows() -> None:
     """The one call against the loop by hand alone, at 256 and 4096 problems (the
-    loops of calls would take minutes at 4096)."""
+    loops of calls would take minutes at 4096); and, reported, the same of
+    `SHORT_STEPS` steps, where the call's fixed part is most of it."""
     for problems in HAND_PROBLEMS:
         w = workload(problems)
         ours, hand = one_call(w), by_hand(w)
@@ -564,9 +568,27 @@ def hand_rows() -> None:
         t = interleaved_medians({"one call": ours, "by hand": hand}, HAND_REPEAT)
         what = (
             f"eight schools RWM, {problems} problems x {SUPERCHAINS} superchains x "
-            f"{CHAINS_PER_SUPERCHAIN} chains, {STEPS} steps"
+            f"{CHAINS_PER_SUPERCHAIN} chains"
         )
-        report_against_hand(what, t["one call"].seconds, t["by hand"].seconds)
+        report_against_hand(
+            f"{what}, {STEPS} steps", t["one call"].seconds, t["by hand"].seconds
+        )
+        short = {
+            "one call": one_call(w, SHORT_STEPS),
+            "by hand": by_hand(w, SHORT_STEPS),
+        }
+        assert_as_by_hand(short["one call"](), short["by hand"]())
+        t = interleaved_medians(short, SHORT_REPEAT)
+        ours_s, hand_s = t["one call"].seconds, t["by hand"].seconds
+        report(
+            f"{what}, {SHORT_STEPS} steps: one call / by hand",
+            ours_s / hand_s,
+            "report",
+            True,
+            f"{ours_s * 1e3:.2f} vs {hand_s * 1e3:.2f} ms on {jax.default_backend()}: "
+            f"the call's fixed part, {(ours_s - hand_s) * 1e3:.2f} ms more than a "
+            "jitted loop's",
+        )
 
 
 # -- Each problem stops on its own (`until=`) -------------------------------------

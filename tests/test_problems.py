@@ -211,6 +211,17 @@ def test_new_data_of_the_same_shapes_runs_the_same_program():
     assert run([3.0, 4.0]).final.tolist() == [9.0, 9.0, 12.0, 12.0]
 
 
+def test_a_leaf_of_data_that_is_not_an_array_is_given_as_it_is():
+    # Only `data`'s arrays hold a row per problem and go to the devices (with the
+    # chains, in one program); any other leaf reaches every problem's step unchanged.
+    def step(x, key, data):
+        return x + data["shift"] * data["scale"]
+
+    data = {"shift": jnp.array([1.0, 2.0]), "scale": 3.0}
+    result = eb.run_chains(step, jnp.zeros(4), jr.key(0), 2, data=data)
+    assert result.final.tolist() == [6.0, 6.0, 12.0, 12.0]
+
+
 @pytest.mark.parametrize("copied_below", [0, 1 << 30])
 @pytest.mark.parametrize("where", ["fresh", "host", "another device"])
 def test_init_and_data_are_placed_from_wherever_they_are(where, copied_below):

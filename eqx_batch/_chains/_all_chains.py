@@ -38,9 +38,13 @@ class RunStep(Protocol):
     # Whether it takes every chain at once: its chains are never padded (it would see
     # the padding), and each segment calls it once on the whole stack.
     sees_every_chain: ClassVar[bool]
-    # The user's step, as a pytree: its leaves (a `functools.partial`'s arguments, a
-    # Module's fields) are, beside `data`'s, what the compiled loop is given.
-    step: Callable
+
+    @property
+    def step(self) -> Callable:
+        """The user's step, as a pytree: its leaves (a `functools.partial`'s
+        arguments, a Module's fields) are, beside `data`'s, what the compiled loop is
+        given."""
+        ...
 
     @property
     def data(self) -> Any:
@@ -60,8 +64,9 @@ class RunStep(Protocol):
         once."""
         ...
 
-    def placed(self, sharding: jax.sharding.Sharding) -> "RunStep":
-        """This step with what it holds of `data` on the devices of `sharding`."""
+    def with_placed_data(self, data: Any) -> "RunStep":
+        """This step with `data`, its own placed on the devices (`Placement.put`),
+        in place of its own."""
         ...
 
     def for_chains(self, problem: Any, block: int) -> tuple[Callable, MapChains]:
@@ -127,8 +132,8 @@ class AllChains(eqx.Module):
         """None: it reads no `data`."""
         return None
 
-    def placed(self, sharding: jax.sharding.Sharding) -> "AllChains":
-        """Itself: it holds no `data` to place."""
+    def with_placed_data(self, data: None) -> "AllChains":
+        """Itself: it holds no `data`."""
         return self
 
     def for_chains(self, problem: Any, block: int) -> tuple[Callable, MapChains]:

@@ -13,6 +13,7 @@ import numpy as np
 
 from .._progress import ProgressBar
 from .._tree import structs
+from ._all_chains import RunStep
 from ._checkpoints._checkpoint import Checkpoint
 from ._checkpoints._checkpoint_reader import Expected, Restored
 from ._checkpoints._checkpoint_writer import Snapshot
@@ -108,9 +109,9 @@ class ChunkRun:
             self._pieces = ChunkPieces(
                 plan, self.placement, job.chains.problem, num_chains
             )
-            self.step = plan.problems.placed(plan.step, self.placement.everywhere)
-            self.steps_done, self.chains, self.trace = _start(
+            self.step, self.steps_done, self.chains, self.trace = _start(
                 self.placement,
+                plan.step,
                 job.chains,
                 plan.trace_like(num_chains),
                 restored,
@@ -285,14 +286,15 @@ def _restored(
 
 def _start(
     placement: Placement,
+    step: RunStep,
     chains: ChainState,
     trace_like: Any,
     restored: Restored | None,
     *,
     one_segment: bool,
-) -> tuple[int, ChainState, Any]:
-    """The steps done, the chains and the trace buffer on the devices, at the start or
-    as checkpointed.
+) -> tuple[RunStep, int, ChainState, Any]:
+    """The step with its `data` on the devices, and the steps done, the chains and the
+    trace buffer there, at the start or as checkpointed.
 
     At the start of a run of `one_segment`, the trace buffer and the NaN report are
     the shape-dtype structs of their zeros, which the segment's program makes.
@@ -308,10 +310,21 @@ def _start(
             trace, first_bad, moments = placement.zeros_to_make(like)
         else:
             trace, first_bad, moments = placement.zeros(like)
-        chains = placement.put(chains._replace(first_bad=None, moments=None))
-        return 0, chains._replace(first_bad=first_bad, moments=moments), trace
+        chains, data = placement.put(
+            chains._replace(first_bad=None, moments=None), step.data
+        )
+        chains = chains._replace(first_bad=first_bad, moments=moments)
+        return _with_placed_data(step, data), 0, chains, trace
     # Each process reads the rows its devices hold, whatever layout wrote them.
     trace = None
     if trace_like is not None:
         trace = restored.rows.trace(placement, trace_like)
-    return restored.steps_done, restored.rows.chains(placement, chains), trace
+    _, data = placement.put(None, step.data)
+    chains = restored.rows.chains(placement, chains)
+    return _with_placed_data(step, data), restored.steps_done, chains, trace
+
+
+def _with_placed_data(step: RunStep, data: Any) -> RunStep:
+    # Without `data`, the step is not asked (an `eqx.Module`'s methods cost a bound
+    # method made on every call).
+    return step if data is None else step.with_placed_data(data)

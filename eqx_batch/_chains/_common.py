@@ -11,7 +11,7 @@ import dataclasses
 import functools as ft
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.lax as lax
@@ -146,13 +146,6 @@ class CheckTexts(NamedTuple):
 ChunkUnit = Callable[[int], int]
 
 
-class _Placeable(Protocol):
-    """A step that can put its `data` on devices (`RunStep.placed`)."""
-
-    def placed(self, sharding: jax.sharding.Sharding) -> Any: ...
-
-
-_Step = TypeVar("_Step", bound=_Placeable)
 _T = TypeVar("_T")
 
 # One program: sliced eagerly, each leaf would be a dispatch of its own.
@@ -184,12 +177,6 @@ class OneProblem:
     def device_unit(self, num_chains: int, sizes: list[int], unit: ChunkUnit) -> int:
         """The chains of a chunk of `num_chains` that must share a device: one."""
         return 1
-
-    def placed(self, step: _Step, sharding: jax.sharding.Sharding) -> _Step:
-        """`step` with its `data` on the devices of `sharding`: it has none. (Not
-        asked of the step: asking an `eqx.Module` costs a bound method made on
-        every call.)"""
-        return step
 
     def rows(self, per_problem: Any) -> Any:
         """A value with a row per problem, as the result shows it: the one row."""
@@ -254,9 +241,6 @@ class ManyProblems:
         each = unit(num_chains)
         common = math.gcd(*(size // each for size in sizes))
         return num_chains // common
-
-    def placed(self, step: _Step, sharding: jax.sharding.Sharding) -> _Step:
-        return step.placed(sharding)
 
     def rows(self, per_problem: Any) -> Any:
         return per_problem

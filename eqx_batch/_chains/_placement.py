@@ -60,29 +60,53 @@ class Placement:
         # A run asks for the zeros of the same few structs on every call.
         self._made = BoundedCache(16)
 
-    def put(self, tree: Any) -> Any:
+    def put(self, tree: Any, replicated: Any = None) -> tuple[Any, Any]:
         """`tree` (on the host or on devices, one row per chain) split over the
-        devices, padded."""
-        if self.num_rows != self.num_chains:
+        devices, padded; and `replicated` (a step's `data`) whole on each of them.
+        Both in one call: placing arrays costs per call as well as per leaf."""
+        if self.num_rows != self.num_chains and tree is not None:
             padding = np.zeros(self.num_rows - self.num_chains, int)
             tree = take(tree, np.r_[np.arange(self.num_chains), padding])
         if jax.process_count() > 1:
             # Only host data (the same in every process) can be placed on the devices
             # of other processes: typed keys go as their raw data, wrapped again there.
             host = jtu.tree_map(lambda x: host_array(x) if is_array(x) else x, tree)
-            return as_keys_like(self._placed(host), tree)
-        return self._placed(tree)
+            placed, _ = self._placed(host, None)
+            return as_keys_like(placed, tree), self._replicated_from_host(replicated)
+        return self._placed(tree, replicated)
 
-    def _placed(self, tree: Any) -> Any:
+    def _placed(self, tree: Any, replicated: Any) -> tuple[Any, Any]:
         # In one call, without `eb.shard`'s checks (which are for a user's tree), and
-        # only the leaves not already split so (`device_put` costs even then).
+        # only the leaves not already placed so (`device_put` costs even then).
+        leaves, treedef = jtu.tree_flatten((tree, replicated))
+        num_split = len(jtu.tree_leaves(tree))
+        targets = [self.split] * num_split + [self.everywhere] * (
+            len(leaves) - num_split
+        )
+        picked = [
+            i
+            for i, (x, sharding) in enumerate(zip(leaves, targets, strict=True))
+            if is_array(x) and not self._is_placed(x, sharding)
+        ]
+        if not picked:
+            return tree, replicated
+        placed = _put_on([leaves[i] for i in picked], [targets[i] for i in picked])
+        for i, x in zip(picked, placed, strict=True):
+            leaves[i] = x
+        return jtu.tree_unflatten(treedef, leaves)
+
+    def _replicated_from_host(self, replicated: Any) -> Any:
+        """`replicated`'s arrays whole on every device of the job, from the host, so
+        that every process places the same values."""
         return with_leaves_replaced(
-            tree,
-            lambda x: not self._is_split(x),
-            ft.partial(_put_on, sharding=self.split),
+            replicated,
+            is_array,
+            lambda leaves: jax.device_put(
+                [host_array(x) for x in leaves], self.everywhere
+            ),
         )
 
-    def _is_split(self, x: Any) -> bool:
+    def _is_placed(self, x: Any, sharding: NamedSharding) -> bool:
         # An uncommitted array (a fresh result of uncommitted inputs) is moved too:
         # the loop's program is compiled for its inputs' placement, and its outputs
         # come back committed, so one left uncommitted compiles the loop twice.
@@ -91,7 +115,7 @@ class Placement:
             and x.committed
             and (
                 # Asked of a typed key array, `sharding` costs tens of microseconds.
-                self._one_device or x.sharding.is_equivalent_to(self.split, x.ndim)
+                self._one_device or x.sharding.is_equivalent_to(sharding, x.ndim)
             )
         )
 
@@ -396,16 +420,16 @@ def _sharded_zeros(structs: tuple[jax.ShapeDtypeStruct, ...]) -> list[jax.Array]
 _COPIED_BELOW = 1 << 20  # bytes, of all the leaves
 
 
-def _put_on(leaves: list[Any], sharding: jax.sharding.Sharding) -> list[Any]:
-    """`leaves` (arrays, on the host or on devices) committed to `sharding`: copied
-    there by one program if they are small and none is committed elsewhere (a
+def _put_on(leaves: list[Any], shardings: list[NamedSharding]) -> list[Any]:
+    """`leaves` (arrays, on the host or on devices), each committed to its sharding:
+    copied there by one program if they are small and none is committed elsewhere (a
     program runs on its inputs' devices), else by `jax.device_put`."""
     committed = any(isinstance(x, jax.Array) and x.committed for x in leaves)
     if not committed and sum(x.nbytes for x in leaves) < _COPIED_BELOW:
-        return _copier(sharding)(leaves)
-    return jax.device_put(leaves, sharding)
+        return _copier(tuple(shardings))(leaves)
+    return jax.device_put(leaves, shardings)
 
 
-@ft.lru_cache(maxsize=16)
-def _copier(sharding: jax.sharding.Sharding) -> Any:
-    return jax.jit(lambda leaves: leaves, out_shardings=sharding)
+@ft.lru_cache(maxsize=64)
+def _copier(shardings: tuple[NamedSharding, ...]) -> Any:
+    return jax.jit(lambda leaves: leaves, out_shardings=list(shardings))

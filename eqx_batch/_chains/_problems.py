@@ -27,6 +27,8 @@ once. The choice depends on a problem's row alone, not on how many problems shar
 run, so that a problem runs the same program in a batch of one.
 """
 
+import dataclasses
+import functools as ft
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -38,7 +40,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._errors import BatchError, call_mismatch, describe, leaf_name, shown_signature
-from .._tree import common_size, host_array, is_array, structs, with_leaves_replaced
+from .._tree import common_size, is_array, structs
 from ._all_chains import MapChains, RunStep
 
 
@@ -53,7 +55,12 @@ COPY_LIMIT = 256 * 2**20
 ROW_COPIED = {"": 1024, "cpu": 8 * 2**10}
 
 
-class ProblemStep(eqx.Module):
+# A frozen dataclass rather than an `eqx.Module`: every call of `run_chains` with `data`
+# makes two and asks them a few things, and a Module costs tens of microseconds to
+# make and as much for each method asked of it (a bound method, made on every ask).
+@ft.partial(jtu.register_dataclass, data_fields=["step", "data"], meta_fields=[])
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProblemStep:
     """A step of one chain given its problem's row of `data`.
 
     A pytree whose leaves are the step's and `data`'s: `data`'s arrays are arguments of
@@ -121,9 +128,9 @@ class ProblemStep(eqx.Module):
             )
         return on_row, _in_blocks(_rows(rows, problem[::block]), block)
 
-    def placed(self, sharding: jax.sharding.Sharding) -> "ProblemStep":
-        """This step with `data` on the devices of `sharding` (`placed_data`)."""
-        return ProblemStep(self.step, placed_data(self.data, sharding))
+    def with_placed_data(self, data: Any) -> "ProblemStep":
+        """This step with `data`, its own placed on the devices."""
+        return ProblemStep(self.step, data)
 
     def traced_call(
         self, states: Any, keys: jax.Array, one_key: jax.ShapeDtypeStruct
@@ -154,18 +161,6 @@ def jax_dtypes(data: Any) -> Any:
         ),
         data,
     )
-
-
-def placed_data(data: Any, sharding: jax.sharding.Sharding) -> Any:
-    """`data`'s arrays on the devices of `sharding` (replicated). In a job of several
-    processes, from the host, so that every process places the same values; in one
-    process, from where it is, with no copy through the host."""
-    job = jax.process_count() > 1
-
-    def place(arrays: list[Any]) -> list[Any]:
-        return jax.device_put([host_array(x) if job else x for x in arrays], sharding)
-
-    return with_leaves_replaced(data, is_array, place)
 
 
 def _in_blocks(block_rows: Any, block: int) -> MapChains:

@@ -41,7 +41,7 @@ from .._tree import is_array, owned, structs
 from ._all_chains import AllChains, each_chain, MapChains, RunStep
 from ._arguments import Init
 from ._common import ManyProblems, OneProblem, ProblemForm, ProblemLayout
-from ._problems import jax_dtypes, placed_data, problem_step
+from ._problems import jax_dtypes, problem_step
 from ._step import check_new_state, leaf_changes, pytree_step
 
 
@@ -137,9 +137,9 @@ class SharedStep(eqx.Module):
         """A problem's chains: it sees them at once."""
         return self.chains_each
 
-    def placed(self, sharding: jax.sharding.Sharding) -> "SharedStep":
-        """This step with `data` on the devices of `sharding`."""
-        return dataclasses.replace(self, mapping=self.mapping.placed(sharding))
+    def with_placed_data(self, data: Any) -> "SharedStep":
+        """This step with `data`, its own placed on the devices."""
+        return dataclasses.replace(self, mapping=self.mapping.with_placed_data(data))
 
     def for_chains(self, problem: Any, block: int) -> tuple[Callable, MapChains]:
         """The step on a segment's chains, whole problems of `chains_each` in
@@ -238,8 +238,8 @@ class _Unmapped:
     # The problem axes of `shared` as the run is given it: it is one problem's.
     shared_axes: ClassVar[int] = 0
 
-    def placed(self, sharding: jax.sharding.Sharding) -> "_Unmapped":
-        """Itself: it holds no `data` to place."""
+    def with_placed_data(self, data: None) -> "_Unmapped":
+        """Itself: it holds no `data`."""
         return self
 
     def rows(self, problem: Any, chains_each: int) -> None:
@@ -272,9 +272,9 @@ class _OverProblems:
     num_args: ClassVar[int] = 5
     shared_axes: ClassVar[int] = 1
 
-    def placed(self, sharding: jax.sharding.Sharding) -> "_OverProblems":
-        """Its `data` on the devices of `sharding` (`placed_data`)."""
-        return _OverProblems(placed_data(self.data, sharding))
+    def with_placed_data(self, data: Any) -> "_OverProblems":
+        """Itself with `data`, its own placed on the devices."""
+        return _OverProblems(data)
 
     def rows(self, problem: Any, chains_each: int) -> Any:
         """Each problem's row of `data`, for a segment's chains (their `problem`)."""

@@ -55,8 +55,8 @@ class PerChain:
         """None: it reads no `data`."""
         return None
 
-    def placed(self, sharding: jax.sharding.Sharding) -> "PerChain":
-        """Itself: it holds no `data` to place."""
+    def with_placed_data(self, data: None) -> "PerChain":
+        """Itself: it holds no `data`."""
         return self
 
     def for_chains(self, problem: Any, block: int) -> tuple[Callable, MapChains]:
