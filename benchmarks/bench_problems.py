@@ -69,8 +69,11 @@ cap, checks that never pass, and the problems stopping, each against the cap.
 
 Against the loop by hand alone (section `hand`), at 256 and at 4096 problems (the
 loops of calls would take minutes at 4096): the one call at most 1.05 of it on a CPU
-and 1.1 on an accelerator (issue 34), checked bit for bit. The `fixed` section's row
-against the loop by hand has the same target.
+and 1.1 on an accelerator (issue 34), checked bit for bit. Reported beside it: the
+same loop with its trace turned `[chains, draws]` at its end, the layout `Chains.trace`
+returns and the loop by hand does not; and a call of 2 steps against the loop by
+hand's, where the call's fixed part is most of it. The `fixed` section's row against
+the loop by hand has the same target.
 
 Times are medians of repeats in which the sides alternate, so that the load of a
 shared machine falls on all of them. The per-problem starts, keys and data rows of the
@@ -285,11 +288,14 @@ def loop(
     return run
 
 
-def by_hand(w: Workload, steps: int = STEPS) -> Callable[[], tuple]:
+def by_hand(
+    w: Workload, steps: int = STEPS, chain_major: bool = False
+) -> Callable[[], tuple]:
     """The one call's chains as `jax.jit` of `lax.scan` over `jax.vmap(step)`, with
     `run_chains`' key schedule and every chain's start and data row gathered before
     the loop: `(final states, keys), trace` with the trace `[draws, chains, ...]`,
-    which `scan` writes contiguously."""
+    which `scan` writes contiguously; with `chain_major`, turned `[chains, draws,
+    ...]` at the loop's end, the layout of `Chains.trace` (and ArviZ's)."""
     chain_starts = repeated(w.starts, CHAINS_PER_SUPERCHAIN)
     chain_rows = repeated(w.data, CHAINS)
 
@@ -301,7 +307,10 @@ def by_hand(w: Workload, steps: int = STEPS) -> Callable[[], tuple]:
             states = jax.vmap(step)(states, step_keys, rows)
             return (states, keys), states
 
-        return jax.lax.scan(one_step, (states, keys), None, length=steps)
+        carry, trace = jax.lax.scan(one_step, (states, keys), None, length=steps)
+        if chain_major:
+            trace = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), trace)
+        return carry, trace
 
     def run() -> tuple:
         return jax.block_until_ready(chains(chain_starts, w.keys, chain_rows))
@@ -363,12 +372,13 @@ def numpyro_side(w: Workload, problems: range) -> tuple:
 # -- Checks and timing -----------------------------------------------------------
 
 
-def assert_as_by_hand(ours: eb.Chains, hand: tuple) -> None:
+def assert_as_by_hand(ours: eb.Chains, hand: tuple, chain_major: bool = False) -> None:
     """The one call's chains are the loop by hand's, bit for bit."""
     (final, _), trace = hand
     assert_same("by hand: final", ours.final, final)
-    by_chain = {name: jnp.swapaxes(x, 0, 1) for name, x in trace.items()}
-    assert_same("by hand: trace", ours.trace, by_chain)
+    if not chain_major:
+        trace = {name: jnp.swapaxes(x, 0, 1) for name, x in trace.items()}
+    assert_same("by hand: trace", ours.trace, trace)
 
 
 def check_problems(
@@ -564,14 +574,29 @@ def hand_rows() -> None:
     for problems in HAND_PROBLEMS:
         w = workload(problems)
         ours, hand = one_call(w), by_hand(w)
+        turned = by_hand(w, chain_major=True)
         assert_as_by_hand(ours(), hand())
-        t = interleaved_medians({"one call": ours, "by hand": hand}, HAND_REPEAT)
+        assert_as_by_hand(ours(), turned(), chain_major=True)
+        t = interleaved_medians(
+            {"one call": ours, "by hand": hand, "turned": turned}, HAND_REPEAT
+        )
         what = (
             f"eight schools RWM, {problems} problems x {SUPERCHAINS} superchains x "
             f"{CHAINS_PER_SUPERCHAIN} chains"
         )
-        report_against_hand(
-            f"{what}, {STEPS} steps", t["one call"].seconds, t["by hand"].seconds
+        ours_s = t["one call"].seconds
+        report_against_hand(f"{what}, {STEPS} steps", ours_s, t["by hand"].seconds)
+        turned_s = t["turned"].seconds
+        report(
+            f"{what}, {STEPS} steps: one call / by hand with its trace turned "
+            "chain-major",
+            ours_s / turned_s,
+            "report",
+            True,
+            f"{ours_s * 1e3:.1f} vs {turned_s * 1e3:.1f} ms on "
+            f"{jax.default_backend()}: the same result as ours, `[chains, draws]`; "
+            f"the turn alone costs the loop by hand "
+            f"{turned_s / t['by hand'].seconds:.3f} of its time",
         )
         short = {
             "one call": one_call(w, SHORT_STEPS),

@@ -3,6 +3,7 @@ user's way, and check the integer arguments of the public functions."""
 
 import inspect
 import operator
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -153,6 +154,11 @@ def bullet_list(lines: Sequence[str], limit: int = 20) -> str:
     return "\n".join(shown)
 
 
+# What `call_mismatch` found of each callable, held weakly: reading a signature costs
+# tens of microseconds, and a run asks it of the same step on every call.
+_mismatches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def call_mismatch(step: Callable, num_args: int) -> str | None:
     """Why `step` cannot be called with `num_args` positional arguments, before it is
     traced: Python's reason. None if it can, or if it has no signature to read (some
@@ -161,6 +167,18 @@ def call_mismatch(step: Callable, num_args: int) -> str | None:
     Only the reason: a step that fits one of several calls is asked about each, on
     every run, and `shown_signature` describes it (arrays printed, for a `partial`)
     only for the message."""
+    try:
+        # Not for a step that cannot be hashed (a Module holding arrays) or weakly
+        # referred to, or that equals another only as arrays do (ambiguously).
+        known = _mismatches.setdefault(step, {})
+    except (TypeError, ValueError):
+        return _call_mismatch(step, num_args)
+    if num_args not in known:
+        known[num_args] = _call_mismatch(step, num_args)
+    return known[num_args]
+
+
+def _call_mismatch(step: Callable, num_args: int) -> str | None:
     try:
         signature = inspect.signature(step)
     except (TypeError, ValueError):

@@ -15,6 +15,7 @@ import pytest
 import eqx_batch as eb
 from eqx_batch._errors import (
     bullet_list,
+    call_mismatch,
     check_int,
     describe,
     leaf_name,
@@ -112,6 +113,34 @@ def test_check_int_range():
         check_int(6, "n", minimum=1, maximum=5)
     with pytest.raises(eb.BatchError, match="must be an int >= 1"):
         check_int(0, "n", minimum=1)
+
+
+class _ArraysStep(eqx.Module):
+    scale: jax.Array
+
+    def __call__(self, state, key):
+        return state * self.scale
+
+
+def test_call_mismatch_answers_each_step_for_itself():
+    # Remembered per step (weakly): asked again, or of another step, the answer is
+    # that step's own; a step that cannot be hashed is read every time.
+    def two(state, key):
+        return state
+
+    def three(state, key, data):
+        return state
+
+    for _ in range(2):
+        assert call_mismatch(two, 2) is None
+        assert "positional argument" in (call_mismatch(two, 3) or "")
+        assert call_mismatch(three, 3) is None
+        assert "missing" in (call_mismatch(three, 2) or "")
+    arrays = _ArraysStep(jnp.ones(3))
+    with pytest.raises(TypeError):
+        hash(arrays)
+    assert call_mismatch(arrays, 2) is None
+    assert "positional argument" in (call_mismatch(arrays, 3) or "")
 
 
 def test_bullet_list():

@@ -23,7 +23,6 @@ import math
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -103,15 +102,24 @@ class Packing(NamedTuple):
         return self.treedef.unflatten(leaves)
 
 
-class SharedStep(eqx.Module):
+# A frozen dataclass rather than an `eqx.Module`, as `ProblemStep` is: every call of
+# `run_chains` with `shared` makes a few and asks them several methods, and each
+# method asked of a Module makes a bound method, itself a Module.
+@ft.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["step", "mapping"],
+    meta_fields=["chains_each", "with_output", "packing"],
+)
+@dataclasses.dataclass(frozen=True, eq=False)
+class SharedStep:
     """`fn(states, keys, count, shared[, data])` as a run calls it (`RunStep`): on
     every chain of each problem at once, its shared state carried beside them."""
 
     step: Callable
     mapping: "_Unmapped | _OverProblems"  # how `fn` is called on the problems
-    chains_each: int = eqx.field(static=True)  # M, the chains of a problem
-    with_output: bool = eqx.field(static=True)
-    packing: Packing | None = eqx.field(static=True, default=None)
+    chains_each: int  # M, the chains of a problem
+    with_output: bool
+    packing: Packing | None = None
     sees_every_chain: ClassVar[bool] = True  # (`RunStep`)
 
     def __call__(self, states: WithShared, keys: Any, count: Any) -> Any:
