@@ -225,9 +225,9 @@ def test_a_leaf_of_data_that_is_not_an_array_is_given_as_it_is():
 @pytest.mark.parametrize("copied_below", [0, 1 << 30])
 @pytest.mark.parametrize("where", ["fresh", "host", "another device"])
 def test_init_and_data_are_placed_from_wherever_they_are(where, copied_below):
-    # The chains go to their devices by one program if they are small and committed
-    # nowhere, else by `device_put` (`_placement._put_on`); either way, from
-    # wherever they are, the run is the same.
+    # The chains go to their devices by one program if they are small for those
+    # devices and committed nowhere, else by `device_put` (`_placement._put_on`);
+    # either way, from wherever they are, the run is the same.
     def run(init: dict, data: dict) -> eb.Chains:
         return eb.run_chains(schools_step, init, jr.split(jr.key(5), 12), 20, data=data)
 
@@ -238,7 +238,8 @@ def test_init_and_data_are_placed_from_wherever_they_are(where, copied_below):
     elif where == "another device":
         init, data = jax.device_put((init, data), jax.devices()[-1])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_placement, "_COPIED_BELOW", copied_below)
+        platform = jax.devices()[0].platform
+        patch.setattr(_placement, "_COPIED_BELOW", {platform: copied_below})
         got = run(init, data)
     assert_trees_identical((got.final, got.trace), (expected.final, expected.trace))
 

@@ -226,10 +226,10 @@ def expand_superchains(init: Init, key: Any, superchains: Any) -> tuple[Init, An
             f"divide: pass {superchains} * M."
         )
     per_superchain = num_keys // superchains
-    ids = np.arange(num_keys) // per_superchain
+    ids = np.repeat(np.arange(superchains, dtype=np.int64), per_superchain)
     arrays = _repeated(init.arrays, per_superchain)
     expanded = Init(eqx.combine(arrays, init.static), arrays, init.static, num_keys)
-    return expanded, ids.astype(np.int64)
+    return expanded, ids
 
 
 # One program for every leaf, the starts repeated where they are: `eb.take` would

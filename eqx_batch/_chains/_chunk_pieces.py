@@ -7,6 +7,7 @@ over the chunk's chains and trace. `ChunkRun.advance` (`_chunk.py`) asks
 `running_rows` whether a segment runs in pieces, and if so hands it to `advance`.
 """
 
+import functools as ft
 from typing import Any, NamedTuple
 
 import jax
@@ -47,18 +48,20 @@ class ChunkPieces:
             self.problem_of_row = np.zeros(num_chains, np.intp)
         else:
             self.problem_of_row = np.asarray(problem)
-        # The chains that share a problem, in blocks of this many on a device.
-        self.block = placement.block_size(self.problem_of_row)
-        # A piece of the running chains holds whole blocks on every device. A step
-        # that sees every chain of a problem runs the whole chunk, its stopped
+        # A step that sees every chain of a problem runs the whole chunk, its stopped
         # problems frozen: its chunks sit on the devices that hold whole problems
         # (`RunPlan.placement`), which pieces, placed on every device, do not.
-        self._unit = self.block * placement.mesh.size
         self._in_pieces = not plan.step.sees_every_chain
         # Whether a step's time grows with the chains it runs (`piece_rows`).
         self._per_chain = all(d.platform == "cpu" for d in placement.mesh.devices.flat)
         # The last pieces placed on the devices, and what they run (`_pieces`).
         self._placed: tuple[Any, list[tuple[Any, Any]]] = (None, [])
+
+    @ft.cached_property
+    def block(self) -> int:
+        """The chains that share a problem, in blocks of this many on a device: asked
+        only of a run with `until`, or whose segments return their own draws."""
+        return self.placement.block_size(self.problem_of_row)
 
     def running_rows(self, running: np.ndarray | None) -> RunningRows | None:
         """The rows of the problems of `running` (`bool[problems]`, on the host;
@@ -67,7 +70,11 @@ class ChunkPieces:
         if running is not None and self._in_pieces:
             rows = np.flatnonzero(running[self.problem_of_row])
             size = piece_rows(
-                len(rows), self.placement.num_rows, self._unit, self._per_chain
+                len(rows),
+                self.placement.num_rows,
+                # A piece of the running chains holds whole blocks on every device.
+                self.block * self.placement.mesh.size,
+                self._per_chain,
             )
             if size is not None:
                 return RunningRows(rows, size)

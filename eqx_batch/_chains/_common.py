@@ -125,13 +125,22 @@ class ProblemLayout(NamedTuple):
         return chains[self.problem_of(chains) == problem] - problem * self.chains_each
 
     def ids(self) -> np.ndarray:
-        """Each chain's problem, `int32[chains]`."""
-        return self.problem_of(np.arange(self.num_chains)).astype(np.int32)
+        """Each chain's problem, `int32[chains]`, read-only: the same array for the
+        same layout, made once (at 65,536 chains, a tenth of a millisecond of the
+        host's work before the loop, on every call)."""
+        return _problem_ids(self.num_chains, self.num_problems)
 
     def blocks(self, x: Any) -> Any:
         """`x`, one row per chain, as one block per problem: `[problems, chains_each,
         ...]`."""
         return x.reshape(self.num_problems, self.chains_each, *x.shape[1:])
+
+
+@ft.lru_cache(maxsize=16)
+def _problem_ids(num_chains: int, num_problems: int) -> np.ndarray:
+    ids = np.repeat(np.arange(num_problems, dtype=np.int32), num_chains // num_problems)
+    ids.setflags(write=False)
+    return ids
 
 
 class CheckTexts(NamedTuple):
