@@ -242,6 +242,33 @@ def _repeated(arrays: Any, times: int) -> Any:
     return jtu.tree_map(lambda x: jnp.repeat(x, times, axis=0), arrays)
 
 
+class Starts(NamedTuple):
+    """Every chain's start and key, from `run_chains`' `init`, `key` and
+    `superchains`."""
+
+    init: Init  # one start per chain (superchains expanded)
+    keys: jax.Array  # one typed key per chain
+    legacy: bool  # whether `key` was given as legacy `uint32` data
+    superchains: int | None
+    superchain_ids: np.ndarray | None  # each chain's superchain (`int64[chains]`)
+
+
+def chain_starts(init: Any, key: Any, superchains: Any) -> Starts:
+    """`init` taken apart, with one start and one key per chain (`split_init`,
+    `expand_superchains`, `chain_keys`).
+
+    **Raises:**
+
+    `BatchError` as those do, naming the argument.
+    """
+    whole, ids = split_init(init), None
+    if superchains is not None:
+        whole, ids = expand_superchains(whole, key, superchains)
+        superchains = int(superchains)
+    keys, legacy = chain_keys(key, whole.num_chains)
+    return Starts(whole, keys, legacy, superchains, ids)
+
+
 def _key_count(key: Any) -> int | None:
     """How many keys `key` holds, if it is an array of keys (typed, or legacy
     `uint32[n, 2]` data); else None."""

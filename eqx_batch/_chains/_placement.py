@@ -78,11 +78,11 @@ class Placement:
     def _placed(self, tree: Any, replicated: Any) -> tuple[Any, Any]:
         # In one call, without `eb.shard`'s checks (which are for a user's tree), and
         # only the leaves not already placed so (`device_put` costs even then).
-        leaves, treedef = jtu.tree_flatten((tree, replicated))
-        num_split = len(jtu.tree_leaves(tree))
-        targets = [self.split] * num_split + [self.everywhere] * (
-            len(leaves) - num_split
-        )
+        split_leaves, split_def = jtu.tree_flatten(tree)
+        whole_leaves, whole_def = jtu.tree_flatten(replicated)
+        leaves = split_leaves + whole_leaves
+        num_split = len(split_leaves)
+        targets = [self.split] * num_split + [self.everywhere] * len(whole_leaves)
         picked = [
             i
             for i, (x, sharding) in enumerate(zip(leaves, targets, strict=True))
@@ -93,7 +93,10 @@ class Placement:
         placed = _put_on([leaves[i] for i in picked], [targets[i] for i in picked])
         for i, x in zip(picked, placed, strict=True):
             leaves[i] = x
-        return jtu.tree_unflatten(treedef, leaves)
+        return (
+            jtu.tree_unflatten(split_def, leaves[:num_split]),
+            jtu.tree_unflatten(whole_def, leaves[num_split:]),
+        )
 
     def _replicated_from_host(self, replicated: Any) -> Any:
         """`replicated`'s arrays whole on every device of the job, from the host, so

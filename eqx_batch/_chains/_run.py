@@ -14,17 +14,18 @@ from typing import Any, Literal
 from .._tree import owned
 from ._agreement import CallAgreement
 from ._arguments import (
-    chain_keys,
+    chain_starts,
     checked_counts,
     checked_flags,
     checked_trace,
-    expand_superchains,
-    split_init,
+    Counts,
+    Init,
+    Starts,
 )
 from ._assembly import result
-from ._checkpoints._run_checkpoint import run_checkpoint
+from ._checkpoints._run_checkpoint import run_checkpoint, RunCheckpoint
 from ._loop import run_chunks
-from ._plan import plan_run
+from ._plan import plan_run, RunPlan
 from ._results._result import Chains
 from ._shared import composed_step
 from ._start import chunk_jobs, run_context, start_state
@@ -160,34 +161,67 @@ def run_chains(
         # The loop runs on after the call returns (`Chains` waits on its fields),
         # so it reads copies of the caller's NumPy arrays, never the arrays.
         init, key, data, shared = owned(init), owned(key), owned(data), owned(shared)
-        whole, superchain_ids = split_init(init), None
-        if superchains is not None:
-            whole, superchain_ids = expand_superchains(whole, key, superchains)
-            superchains = int(superchains)
-        keys, legacy = chain_keys(key, whole.num_chains)
-        run_step, whole, problems = composed_step(
-            step, whole, shared, data, with_output=with_output, superchains=superchains
-        )
-        traced = checkpointing.traced(
-            lambda: trace_step(run_step, whole.whole, keys, legacy, with_output)
-        )
-        plan = plan_run(
-            run_step,
-            whole,
-            keys,
-            legacy,
+        starts = chain_starts(init, key, superchains)
+        plan, whole = _planned(
+            step,
+            starts,
             counts,
+            shared=shared,
+            data=data,
             with_output=with_output,
             trace=trace,
             diagnostics=diagnostics,
             until=until,
-            superchains=superchains,
-            problems=problems,
-            traced=traced,
+            checkpointing=checkpointing,
         )
-        start = start_state(plan, whole, keys)
+        start = start_state(plan, whole, starts.keys)
         agreement.on(plan, start, progress=progress, checkpoint=checkpointing)
     with contextlib.ExitStack() as stack:
         context = run_context(stack, plan, progress=progress, checkpoint=checkpointing)
         results, record = run_chunks(context, chunk_jobs(plan, start))
-    return result(plan, results, record, superchain_ids, context.checkpoint)
+    return result(plan, results, record, starts.superchain_ids, context.checkpoint)
+
+
+def _planned(
+    step: Callable,
+    starts: Starts,
+    counts: Counts,
+    *,
+    shared: Any,
+    data: Any,
+    with_output: bool,
+    trace: bool | Literal["disk"],
+    diagnostics: bool,
+    until: StoppingRule | None,
+    checkpointing: RunCheckpoint,
+) -> tuple[RunPlan, Init]:
+    """The run's plan, and `starts.init` as the composed step takes it (with
+    `shared`, its state beside each chain's)."""
+    run_step, whole, problems = composed_step(
+        step,
+        starts.init,
+        shared,
+        data,
+        with_output=with_output,
+        superchains=starts.superchains,
+    )
+    traced = checkpointing.traced(
+        lambda: trace_step(
+            run_step, whole.whole, starts.keys, starts.legacy, with_output
+        )
+    )
+    plan = plan_run(
+        run_step,
+        whole,
+        starts.keys,
+        starts.legacy,
+        counts,
+        with_output=with_output,
+        trace=trace,
+        diagnostics=diagnostics,
+        until=until,
+        superchains=starts.superchains,
+        problems=problems,
+        traced=traced,
+    )
+    return plan, whole
